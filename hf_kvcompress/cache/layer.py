@@ -1,0 +1,307 @@
+"""`CompressedLayer`: one model layer's cache as a list of sealed blocks plus a residual of recent tokens."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .storage import Block, Storage, tensor_nbytes
+
+
+class CompressedLayer(CacheLayerMixin):
+    """A cache layer whose old tokens are sealed into blocks held by a pluggable `Storage`.
+
+    New tokens land in a plain-tensor residual. Once the residual holds ``residual_tokens + block_tokens``
+    tokens, its oldest ``block_tokens`` are handed to the storage and kept only in the form it returns.
+    ``keys`` / ``values`` read (and write) the whole layer as plain tensors, as on `DynamicLayer`, so tools
+    that inspect or prune caches keep working.
+
+    With ``sliding_window`` set, blocks that no future query can attend to are dropped.
+    """
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        block_tokens: int,
+        residual_tokens: int,
+        sliding_window: int | None = None,
+        layer_idx: int | None = None,
+    ):
+        self.storage = storage
+        self.block_tokens = block_tokens
+        self.residual_tokens = residual_tokens
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.layer_idx = layer_idx
+        self.blocks: list[Block] = []
+        self.block_starts: list[int] = []
+        self.residual_keys: torch.Tensor | None = None
+        self.residual_values: torch.Tensor | None = None
+        self.seen_tokens = 0
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        super().__init__()
+
+    def __repr__(self) -> str:
+        return (
+            f"CompressedLayer(storage={self.storage.name}, blocks={len(self.blocks)}, "
+            f"residual={self.residual_length}, tokens={self.seen_tokens})"
+        )
+
+    # ------------------------------------------------------------------ transformers' layer interface
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        shape = (*key_states.shape[:2], 0, key_states.shape[-1])
+        self.residual_keys = key_states.new_empty(shape)
+        self.residual_values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new tokens; return every cached entry of this layer followed by the new ones."""
+        self._check_states(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        parts_k, parts_v = self._held_parts()
+        keys = torch.cat([*parts_k, key_states], dim=-2)
+        values = torch.cat([*parts_v, value_states], dim=-2)
+
+        self.residual_keys = torch.cat([self.residual_keys, key_states], dim=-2)
+        self.residual_values = torch.cat([self.residual_values, value_states], dim=-2)
+        self.seen_tokens += key_states.shape[-2]
+        self._seal_full_blocks()
+        self._drop_out_of_window()
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        held = self.entries
+        return held + query_length, self.seen_tokens - held
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        return all(block.exact for block in self.blocks)
+
+    def reset(self) -> None:
+        self.blocks, self.block_starts = [], []
+        self.residual_keys = self.residual_values = None
+        self.seen_tokens = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as for DynamicCache."
+            )
+        remove = -tokens_to_remove
+        if remove == 0 or not self.is_initialized:
+            return
+        if remove > self.seen_tokens:
+            raise ValueError(f"crop: cannot remove {remove} tokens from a layer holding {self.seen_tokens}")
+        while self.residual_length < remove and self.blocks:
+            block = self.blocks[-1]
+            if not block.exact:
+                raise ValueError(
+                    f"crop: removing {remove} tokens reaches into a lossy summary block of layer "
+                    f"{self.layer_idx}; only the {self.residual_length} most recent tokens can be removed."
+                )
+            k, v = block.read()
+            self.blocks.pop()
+            self.block_starts.pop()
+            self.residual_keys = torch.cat([k, self.residual_keys], dim=-2)
+            self.residual_values = torch.cat([v, self.residual_values], dim=-2)
+        keep = self.residual_length - remove
+        if keep < 0:
+            raise ValueError(f"crop: layer {self.layer_idx} no longer holds the tokens to remove")
+        self.residual_keys = self.residual_keys[..., :keep, :]
+        self.residual_values = self.residual_values[..., :keep, :]
+        self.seen_tokens -= remove
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = torch.as_tensor(indices)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        self._select_rows(index)
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._move("cpu")
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.residual_keys.device != self.device:
+            self._move(self.device)
+
+    # ------------------------------------------------------------------ DynamicLayer-style tensors
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        return torch.cat(self._held_parts()[0], dim=-2)
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._replace(tensor, which=0)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        return torch.cat(self._held_parts()[1], dim=-2)
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._replace(tensor, which=1)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def residual_length(self) -> int:
+        return 0 if self.residual_keys is None else self.residual_keys.shape[-2]
+
+    @property
+    def entries(self) -> int:
+        """K/V rows attention sees from this layer right now."""
+        return sum(block.entries for block in self.blocks) + self.residual_length
+
+    @property
+    def rows(self) -> int:
+        """Batch rows held (0 before the first update)."""
+        return 0 if self.residual_keys is None else self.residual_keys.shape[0]
+
+    def stats(self) -> dict[str, int]:
+        """Tokens, entries and bytes of this layer (see `CompressedCache.stats`)."""
+        if not self.is_initialized:
+            return {"tokens": 0, "entries": 0, "raw_bytes": 0, "stored_bytes": 0, "scalars": 0}
+        batch, heads, _, dim = self.residual_keys.shape
+        window_tokens = self.seen_tokens
+        if self.sliding_window is not None:
+            window_tokens = min(self.seen_tokens, self.sliding_window - 1)
+        scalars = 2 * batch * heads * dim * window_tokens
+        stored = sum(block.nbytes() for block in self.blocks)
+        stored += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
+        return {
+            "tokens": self.seen_tokens,
+            "entries": self.entries,
+            "raw_bytes": scalars * self.residual_keys.element_size(),
+            "stored_bytes": stored,
+            "scalars": scalars,
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _held_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keys, values = [], []
+        for block in self.blocks:
+            k, v = block.read()
+            keys.append(k)
+            values.append(v)
+        keys.append(self.residual_keys)
+        values.append(self.residual_values)
+        return keys, values
+
+    def _seal_full_blocks(self) -> None:
+        while self.residual_length >= self.residual_tokens + self.block_tokens:
+            n = self.block_tokens
+            start = self.seen_tokens - self.residual_length
+            block = self.storage.hold(self.residual_keys[..., :n, :], self.residual_values[..., :n, :], start=start)
+            self.blocks.append(block)
+            self.block_starts.append(start)
+            self.residual_keys = self.residual_keys[..., n:, :].contiguous()
+            self.residual_values = self.residual_values[..., n:, :].contiguous()
+
+    def _drop_out_of_window(self) -> None:
+        if self.sliding_window is None:
+            return
+        # the next query sits at position seen_tokens and attends to positions > seen_tokens - sliding_window
+        oldest_needed = self.seen_tokens - self.sliding_window + 1
+        while self.blocks and self.block_starts[0] + self.blocks[0].tokens <= oldest_needed:
+            self.blocks.pop(0)
+            self.block_starts.pop(0)
+
+    def _select_rows(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = indices.to(device=self.residual_keys.device, dtype=torch.long)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.rows):
+            raise IndexError(f"batch indices {index.tolist()} out of range for a batch of {self.rows}")
+        self.blocks = [block.select_rows(index) for block in self.blocks]
+        self.residual_keys = self.residual_keys.index_select(0, index)
+        self.residual_values = self.residual_values.index_select(0, index)
+
+    def _move(self, device: torch.device | str) -> None:
+        self.blocks = [block.to(device) for block in self.blocks]
+        self.residual_keys = self.residual_keys.to(device, non_blocking=True)
+        self.residual_values = self.residual_values.to(device, non_blocking=True)
+
+    def _replace(self, tensor: torch.Tensor | None, which: int) -> None:
+        """Overwrite keys (which=0) or values (which=1) with plain tensors, DynamicLayer style."""
+        if tensor is None:
+            if which == 0:
+                self.reset()
+            return
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim != 4:
+            raise ValueError("CompressedLayer.keys/values must be set to a 4-D [batch, heads, tokens, dim] tensor")
+        if not self.is_initialized:
+            self.lazy_initialization(tensor, tensor)
+        # everything becomes residual; the untouched side is materialised first so it stays consistent
+        other_k, other_v = self._held_parts()
+        self.blocks, self.block_starts = [], []
+        if which == 0:
+            self.residual_keys = tensor
+            self.residual_values = torch.cat(other_v, dim=-2)
+        else:
+            self.residual_keys = torch.cat(other_k, dim=-2)
+            self.residual_values = tensor
+        self.seen_tokens = self.residual_keys.shape[-2]
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        where = f"layer {self.layer_idx}" if self.layer_idx is not None else "layer"
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.ndim != 4:
+                raise ValueError(f"{where}: {name} must be 4-D [batch, kv_heads, tokens, head_dim], got {tuple(t.shape)}")
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(
+                f"{where}: key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
+                "disagree on batch, heads or tokens"
+            )
+        if key_states.dtype != value_states.dtype:
+            raise TypeError(f"{where}: key dtype {key_states.dtype} differs from value dtype {value_states.dtype}")
+        if self.is_initialized:
+            if key_states.dtype != self.dtype:
+                raise TypeError(f"{where}: got dtype {key_states.dtype}, but this layer holds {self.dtype}")
+            held_k, held_v = self.residual_keys, self.residual_values
+            if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
+                held_k.shape[0],
+                held_k.shape[1],
+                held_k.shape[3],
+            ) or value_states.shape[3] != held_v.shape[3] or value_states.shape[1] != held_v.shape[1]:
+                raise ValueError(
+                    f"{where}: new states {tuple(key_states.shape)} / {tuple(value_states.shape)} do not match the "
+                    f"cached [batch, heads, *, dim] = {tuple(held_k.shape)} / {tuple(held_v.shape)}"
+                )

@@ -1,0 +1,86 @@
+"""How a sealed block of tokens is held. A `Storage` turns K/V tensors into a `Block`; the layer only
+ever talks to these two interfaces, so lossless coding and lossy summaries plug in here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Block(ABC):
+    """A sealed, immutable run of cached entries for all batch rows of one layer.
+
+    ``tokens`` is how many text positions the block stands for; ``entries`` is how many K/V rows it gives
+    attention (equal for exact storage, smaller for summaries).
+    """
+
+    tokens: int
+    entries: int
+    #: True when `read` returns exactly what was sealed, so the block may be unsealed by `crop`.
+    exact: bool = True
+
+    @abstractmethod
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values, each ``[batch, kv_heads, entries, head_dim]`` on the layer's device."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this block really holds, headers and side data included."""
+
+    @abstractmethod
+    def select_rows(self, indices: torch.Tensor) -> Block:
+        """A block holding batch rows ``indices`` (reordered, repeated or subset) of this one."""
+
+    def to(self, device: torch.device | str) -> Block:
+        """This block with its tensors on ``device`` (blocks that hold bytes ignore it)."""
+        return self
+
+
+class Storage(ABC):
+    """Decides how sealed blocks are held. One instance per cache layer."""
+
+    name: str
+
+    @abstractmethod
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, *, start: int) -> Block:
+        """Seal ``keys``/``values`` (``[batch, kv_heads, tokens, head_dim]``) that begin at text position
+        ``start``."""
+
+
+class RawBlock(Block):
+    """Plain tensors: what `DynamicCache` holds."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, tokens: int | None = None):
+        self.keys = keys
+        self.values = values
+        self.entries = keys.shape[-2]
+        self.tokens = self.entries if tokens is None else tokens
+        self.exact = self.tokens == self.entries
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.keys) + tensor_nbytes(self.values)
+
+    def select_rows(self, indices: torch.Tensor) -> RawBlock:
+        index = indices.to(self.keys.device)
+        return RawBlock(self.keys.index_select(0, index), self.values.index_select(0, index), self.tokens)
+
+    def to(self, device: torch.device | str) -> RawBlock:
+        return RawBlock(self.keys.to(device, non_blocking=True), self.values.to(device, non_blocking=True), self.tokens)
+
+
+class RawStorage(Storage):
+    """Mode ``"none"``: blocks are sealed but held as plain tensors (the reference for every other mode)."""
+
+    name = "raw"
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, *, start: int) -> RawBlock:
+        # contiguous copies: a slice would keep the whole residual tensor it came from alive
+        return RawBlock(keys.contiguous().clone(), values.contiguous().clone())
+
+
+def tensor_nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

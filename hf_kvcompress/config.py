@@ -1,0 +1,178 @@
+"""`CompressionConfig`: one validated, JSON-serialisable dataclass that selects everything."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+MODES = ("none", "lossless", "lossy")
+
+
+def _fail(owner: str, name: str, problem: str) -> None:
+    raise ValueError(f"{owner}.{name} {problem}")
+
+
+def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(owner, name, f"must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        _fail(owner, name, f"must be >= {minimum}, got {value}")
+
+
+def _check_float(owner: str, name: str, value: Any, *, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(owner, name, f"must be a number, got {type(value).__name__} {value!r}")
+    bad_low = value <= low if low_open else value < low
+    if bad_low or value > high or value != value:
+        bracket = "(" if low_open else "["
+        _fail(owner, name, f"must lie in {bracket}{low}, {high}], got {value}")
+
+
+def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(owner, name, f"must be one of {list(choices)}, got {value!r}")
+
+
+class _JsonConfig:
+    """Shared dict/JSON round trip for the config dataclasses (unknown keys are an error, not ignored)."""
+
+    _nested: ClassVar[dict[str, type]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        kwargs = dict(data)
+        for name, sub in cls._nested.items():
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = sub.from_dict(kwargs[name])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class LosslessConfig(_JsonConfig):
+    """Lossless mode: sealed blocks are stored as entropy-coded streams that decode bit-exactly.
+
+    Attributes:
+        predictor: where each element's predicted mean comes from: ``"context"`` (no model needed),
+            ``"probe"`` (early exit through layers ``0..probe_layer-1`` plus linear heads), ``"twin"``
+            (an FP8-weight twin of the model), or ``"none"`` (per-channel statistics only).
+        probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
+        window: the codec's window scheduler: ``"predicted"``, ``"metadata"``, ``"causal"`` or ``"fixed"``.
+        fixed_window: window size in elements when ``window == "fixed"``.
+        workers: processes used to decode windows in parallel (1 = in this process).
+    """
+
+    predictor: str = "context"
+    probe_layer: int = 8
+    window: str = "predicted"
+    fixed_window: int = 1024
+    workers: int = 1
+
+    PREDICTORS: ClassVar[tuple[str, ...]] = ("none", "context", "probe", "twin")
+    WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
+
+    def __post_init__(self) -> None:
+        owner = "LosslessConfig"
+        _check_choice(owner, "predictor", self.predictor, self.PREDICTORS)
+        _check_int(owner, "probe_layer", self.probe_layer, minimum=1)
+        _check_choice(owner, "window", self.window, self.WINDOWS)
+        _check_int(owner, "fixed_window", self.fixed_window, minimum=64)
+        _check_int(owner, "workers", self.workers, minimum=1)
+
+
+@dataclass(frozen=True)
+class LossyConfig(_JsonConfig):
+    """Lossy mode: old tokens are periodically replaced by a smaller summary.
+
+    Attributes:
+        method: ``"summary"`` (entropy selection -> OLS -> SVD, seed 004) or a baseline at the same memory:
+            ``"topk"`` (accumulated attention, H2O/SnapKV style), ``"streaming"`` (sinks + recent window),
+            ``"svd"`` (plain per-head low rank of K and V).
+        budget: memory budget per layer. A float in (0, 1] is the fraction of the full cache's bytes that may be
+            held (side data included); an int is a count of token-equivalents per layer.
+        entropy_threshold: attention entropy (nats) above which a cached entry counts as compressible.
+        error_tolerance: relative attention-output error that picks the smallest sufficient SVD rank.
+        interval: new tokens between two summaries.
+        sinks: initial tokens that are always kept exact.
+        reference_queries: how many recent queries per layer are kept to score and fit summaries.
+    """
+
+    method: str = "summary"
+    budget: float | int = 0.3
+    entropy_threshold: float = 2.5
+    error_tolerance: float = 0.05
+    interval: int = 256
+    sinks: int = 4
+    reference_queries: int = 256
+
+    METHODS: ClassVar[tuple[str, ...]] = ("summary", "topk", "streaming", "svd")
+
+    def __post_init__(self) -> None:
+        owner = "LossyConfig"
+        _check_choice(owner, "method", self.method, self.METHODS)
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            _fail(owner, "budget", f"must be a float in (0, 1] or an int >= 1, got {self.budget!r}")
+        if isinstance(self.budget, int):
+            _check_int(owner, "budget", self.budget, minimum=1)
+        else:
+            _check_float(owner, "budget", self.budget, low=0.0, high=1.0, low_open=True)
+        _check_float(owner, "entropy_threshold", self.entropy_threshold, low=0.0, high=100.0)
+        _check_float(owner, "error_tolerance", self.error_tolerance, low=0.0, high=1.0, low_open=True)
+        _check_int(owner, "interval", self.interval, minimum=1)
+        _check_int(owner, "sinks", self.sinks, minimum=0)
+        _check_int(owner, "reference_queries", self.reference_queries, minimum=1)
+
+
+@dataclass(frozen=True)
+class CompressionConfig(_JsonConfig):
+    """Selects how a `CompressedCache` holds its tokens.
+
+    Attributes:
+        mode: ``"none"`` (plain tensors, the reference), ``"lossless"`` or ``"lossy"``.
+        block_tokens: tokens per sealed block; sealing happens once the residual holds
+            ``residual_tokens + block_tokens`` tokens.
+        residual_tokens: most recent tokens that always stay as plain tensors.
+        lossless: parameters of lossless mode.
+        lossy: parameters of lossy mode.
+    """
+
+    mode: str = "lossless"
+    block_tokens: int = 256
+    residual_tokens: int = 128
+    lossless: LosslessConfig = field(default_factory=LosslessConfig)
+    lossy: LossyConfig = field(default_factory=LossyConfig)
+
+    _nested: ClassVar[dict[str, type]] = {"lossless": LosslessConfig, "lossy": LossyConfig}
+
+    def __post_init__(self) -> None:
+        owner = "CompressionConfig"
+        _check_choice(owner, "mode", self.mode, MODES)
+        _check_int(owner, "block_tokens", self.block_tokens, minimum=1)
+        _check_int(owner, "residual_tokens", self.residual_tokens, minimum=0)
+        for name, sub in self._nested.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, sub.from_dict(value))
+            elif not isinstance(value, sub):
+                _fail(owner, name, f"must be a {sub.__name__} or a dict, got {type(value).__name__}")
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> CompressionConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"CompressionConfig.from_json: not valid JSON ({err})") from err
+        return cls.from_dict(data)
