@@ -1,0 +1,77 @@
+"""Bad input to the cache gets an exception whose message names the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+
+NONE = CompressionConfig(mode="none", block_tokens=4, residual_tokens=2)
+
+
+def kv(dtype=torch.float32, batch=1, heads=2, tokens=3, dim=8):
+    return torch.randn(batch, heads, tokens, dim).to(dtype), torch.randn(batch, heads, tokens, dim).to(dtype)
+
+
+def test_config_must_be_a_compression_config():
+    with pytest.raises(TypeError, match="CompressionConfig"):
+        CompressedCache({"mode": "none"})  # type: ignore[arg-type]
+
+
+def test_wrong_dtype_is_rejected():
+    cache = CompressedCache(NONE)
+    k, v = kv()
+    with pytest.raises(TypeError, match="floating-point"):
+        cache.update(k.to(torch.int32), v.to(torch.int32), 0)
+    cache.update(k, v, 0)
+    k16, v16 = kv(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"holds torch.float32"):
+        cache.update(k16, v16, 0)
+
+
+def test_wrong_shapes_are_rejected():
+    cache = CompressedCache(NONE)
+    k, v = kv()
+    with pytest.raises(ValueError, match="4-D"):
+        cache.update(k[0], v[0], 0)
+    with pytest.raises(ValueError, match="disagree"):
+        cache.update(k, v[:, :, :2], 0)
+    cache.update(k, v, 0)
+    k2, v2 = kv(heads=3)
+    with pytest.raises(ValueError, match="do not match the cached"):
+        cache.update(k2, v2, 0)
+
+
+def test_layer_index_out_of_range():
+    model = tiny_model("llama-gqa")
+    cache = CompressedCache(NONE, model=model)
+    k, v = kv(dtype=torch.float32, dim=16)
+    with pytest.raises(IndexError, match="out of range for a model with 2 layers"):
+        cache.update(k, v, 2)
+    with pytest.raises(IndexError, match=">= 0"):
+        cache.update(k, v, -1)
+    with pytest.raises(TypeError, match="layer_idx must be an int"):
+        cache.update(k, v, "0")  # type: ignore[arg-type]
+    with pytest.raises(IndexError, match="layer 1 has not been created|holds no KV"):
+        CompressedCache(NONE).layer(1)
+
+
+def test_bad_crop_and_batch_indices():
+    cache = CompressedCache(NONE)
+    k, v = kv(tokens=10)
+    cache.update(k, v, 0)
+    with pytest.raises(ValueError, match="negative number"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match="cannot remove 11 tokens"):
+        cache.crop(-11)
+    with pytest.raises(IndexError, match="out of range for a batch of 1"):
+        cache.batch_select_indices(torch.tensor([1]))
+
+
+def test_unsupported_layer_type_is_a_clear_error():
+    config = tiny_model("qwen3-sliding").config.__class__.from_dict(tiny_model("qwen3-sliding").config.to_dict())
+    config.layer_types = ["sliding_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="does not support layer type 'linear_attention'"):
+        CompressedCache(NONE, model_config=config)

@@ -1,0 +1,53 @@
+"""Test helpers: tiny random models (fast, deterministic) and random token ids."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+TINY = {
+    "llama-gqa": (LlamaConfig, LlamaForCausalLM, {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama-mqa": (LlamaConfig, LlamaForCausalLM, {"num_attention_heads": 4, "num_key_value_heads": 1}),
+    "qwen3-gqa": (Qwen3Config, Qwen3ForCausalLM, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}),
+    "qwen3-sliding": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "use_sliding_window": True,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+}
+
+
+@functools.cache
+def tiny_model(kind: str, dtype: torch.dtype = torch.float32):
+    """A randomly initialised 2-layer model of ``kind`` (see TINY), deterministic, eval mode."""
+    config_cls, model_cls, extra = TINY[kind]
+    config = config_cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = model_cls(config).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=generator)
