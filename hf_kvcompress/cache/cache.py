@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig
@@ -11,6 +13,10 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 from ..config import CompressionConfig
 from .layer import CompressedLayer
 from .storage import RawStorage, Storage
+
+if TYPE_CHECKING:
+    from ..calibration import Calibration
+    from .coded import LosslessContext
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -23,6 +29,8 @@ class CompressedCache(Cache):
         model: the model this cache serves. Needed by predictors that rerun (part of) the model and lets the
             cache build one layer per model layer, with sliding-window layers where the model has them.
         model_config: the model's config, when the model itself is not at hand (layer types only).
+        calibration: a `Calibration` (or the folder one was saved to) for lossless mode: fitted predictor
+            heads, sigma tables and marginals. Without one, lossless mode uses per-block channel statistics.
 
     Without ``model``/``model_config`` layers are created lazily as full-attention layers, like `DynamicCache`.
     """
@@ -33,6 +41,7 @@ class CompressedCache(Cache):
         *,
         model: torch.nn.Module | None = None,
         model_config: PretrainedConfig | None = None,
+        calibration: Calibration | str | Path | None = None,
     ):
         if config is None:
             config = CompressionConfig()
@@ -43,12 +52,26 @@ class CompressedCache(Cache):
         self.config = config
         self.model = model
         self.model_config = model_config
+        self.calibration = _load_calibration(calibration, model)
+        self.lossless: LosslessContext | None = None
+        if config.mode == "lossless":
+            from .lossless import lossless_context
+
+            self.lossless = lossless_context(self)
         self._layer_count: int | None = None
         layers: list[Any] = []
         if model_config is not None:
             layers = self._layers_for(model_config)
             self._layer_count = len(layers)
         super().__init__(layers=layers)
+        #: ``[batch, tokens]`` ids of every cached position, recorded when a model is attached (probe/twin
+        #: saves rerun the model on them); None when unknown.
+        self.token_ids: torch.Tensor | None = None
+        self.saw_padding = False
+        self._tokens_lost = False
+        self._hook = None
+        if model is not None:
+            self._hook = _TokenRecorder.attach(self, model)
 
     # ------------------------------------------------------------------ building layers
 
@@ -82,9 +105,11 @@ class CompressedCache(Cache):
         )
 
     def _storage_for(self, layer_idx: int) -> Storage:
-        if self.config.mode == "none":
-            return RawStorage()
-        raise ValueError(f"CompressedCache: mode '{self.config.mode}' is not available in this build")
+        if self.lossless is not None:
+            from .coded import CodedStorage
+
+            return CodedStorage(self.lossless, layer_idx)
+        return RawStorage()
 
     # ------------------------------------------------------------------ Cache interface
 
@@ -105,6 +130,66 @@ class CompressedCache(Cache):
             raise IndexError(
                 f"CompressedCache: layer_idx {layer_idx} out of range for a model with {self._layer_count} layers"
             )
+
+    def kv_layers(self) -> list[CompressedLayer]:
+        """The layers that hold K/V (skipping KV-sharing dummies)."""
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    # token ids follow every change of rows or length
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.token_ids is not None and tokens_to_remove < 0:
+            self.token_ids = self.token_ids[:, :tokens_to_remove]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_token_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_token_rows(indices)
+
+    def reset(self) -> None:
+        super().reset()
+        self.token_ids = None
+        self.saw_padding = False
+        self._tokens_lost = False
+        if self.lossless is not None:
+            self.lossless.forget()
+
+    def _select_token_rows(self, indices: torch.Tensor) -> None:
+        if self.token_ids is not None:
+            index = torch.as_tensor(indices).cpu()
+            if index.dtype == torch.bool:
+                index = index.nonzero().flatten()
+            self.token_ids = self.token_ids.index_select(0, index.long())
+
+    # ------------------------------------------------------------------ save / load
+
+    def save(self, path: str | Path, *, predictor: str | None = None, probe_layer: int | None = None,
+             progress: bool = False) -> Path:
+        """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
+        token coded with ``predictor`` (default: the config's; ``"probe"``/``"twin"`` rerun the model here
+        and at load)."""
+        from .persist import save_cache
+
+        return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
+
+    @classmethod
+    def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
+             calibration: Calibration | str | Path | None = None, config: CompressionConfig | None = None,
+             progress: bool = False) -> CompressedCache:
+        """Rebuild a cache saved with `save`: bit-identical K/V; generation continues as without the round
+        trip. Raises `CacheFileError` for files from another model, calibration or library version,
+        corrupt files, or a predictor that does not reproduce here."""
+        from .persist import load_cache
+
+        return load_cache(path, model=model, calibration=calibration, config=config, progress=progress)
 
     def layer(self, layer_idx: int) -> CompressedLayer:
         """The `CompressedLayer` at ``layer_idx`` (a clear error where there is none)."""
@@ -148,3 +233,54 @@ class CompressedCache(Cache):
 
     def __repr__(self) -> str:
         return f"CompressedCache(mode={self.config.mode!r}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
+
+
+def _load_calibration(calibration, model) -> Calibration | None:
+    if calibration is None:
+        return None
+    from ..calibration import Calibration
+
+    if isinstance(calibration, (str, Path)):
+        return Calibration.load(calibration, model)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"CompressedCache: calibration must be a Calibration or a folder, got {type(calibration).__name__}")
+    if model is not None:
+        calibration.check_model(model)
+    return calibration
+
+
+class _TokenRecorder:
+    """A forward pre-hook on the model that appends the input ids of every forward pass using this cache."""
+
+    def __init__(self, cache: CompressedCache):
+        self.cache_ref = weakref.ref(cache)
+        self.handle = None
+
+    @classmethod
+    def attach(cls, cache: CompressedCache, model: torch.nn.Module) -> _TokenRecorder:
+        recorder = cls(cache)
+        recorder.handle = model.register_forward_pre_hook(recorder, with_kwargs=True)
+        weakref.finalize(cache, recorder.handle.remove)
+        return recorder
+
+    def __call__(self, module, args, kwargs):
+        cache = self.cache_ref()
+        if cache is None:
+            return None
+        used = kwargs.get("cache", kwargs.get("past_key_values"))
+        if used is not cache:
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            cache.token_ids = None  # inputs_embeds: ids unknown from here on
+            cache._tokens_lost = True
+            return None
+        if getattr(cache, "_tokens_lost", False):
+            return None
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool((mask == 0).any()):
+            cache.saw_padding = True
+        ids = ids.detach().cpu()
+        cache.token_ids = ids if cache.token_ids is None else torch.cat([cache.token_ids, ids], dim=1)
+        return None
+

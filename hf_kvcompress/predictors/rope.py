@@ -1,0 +1,79 @@
+"""Rotary position frames: predictors work on keys in un-rotated ("pre-RoPE") space, where a linear map
+between layers does not depend on the position, and rotate the predicted mean back."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RopeFrame:
+    """Rotation by position for ``rotate_half`` RoPE (Llama, Qwen, Mistral...), computed in float32.
+
+    Encoder and decoder call the same code on the same positions, so the frame only has to be
+    deterministic, not identical to the model's own kernels. ``inv_freq=None`` is the identity frame
+    (models without RoPE).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor | None):
+        self.inv_freq = None if inv_freq is None else inv_freq.detach().to(torch.float32).cpu()
+
+    @classmethod
+    def from_model_config(cls, config) -> RopeFrame:
+        """The frame of a transformers config (identity if it has no rotary parameters)."""
+        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        params = getattr(config, "rope_parameters", None) or {}
+        if not params and getattr(config, "rope_theta", None) is None:
+            return cls(None)
+        rope_type = params.get("rope_type", "default")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial != 1.0 or inv_freq.numel() * 2 != head_dim:
+            return cls(None)  # partial rotary: leave keys in the cached frame rather than guess
+        return cls(inv_freq)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.inv_freq is None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([angles, angles], dim=-1)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[..., tokens, head_dim]`` cached keys -> float32 keys in the pre-RoPE frame."""
+        keys = keys.to(torch.float32)
+        if self.is_identity:
+            return keys
+        cos, sin = self._cos_sin(positions)
+        return keys * cos - self._rotate_half(keys) * sin
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """float32 pre-RoPE keys ``[..., tokens, head_dim]`` -> the cached frame."""
+        if self.is_identity:
+            return keys
+        cos, sin = self._cos_sin(positions)
+        return keys * cos + self._rotate_half(keys) * sin
+
+    def rotate_variance(self, variance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-element variance in the cached frame of independent pre-RoPE errors with ``variance``
+        (``[..., head_dim]`` or ``[..., tokens, head_dim]``): each rotated pair mixes its two channels."""
+        if self.is_identity:
+            return variance
+        cos, sin = self._cos_sin(positions)
+        half = variance.shape[-1] // 2
+        paired = torch.cat([variance[..., half:], variance[..., :half]], dim=-1)
+        return variance * cos * cos + paired * sin * sin
+
