@@ -24,12 +24,13 @@ class ProgressCriteria(StoppingCriteria):
 
 @dataclass
 class GenerationRun:
-    """Token ids of a greedy run, its wall time and the cache it left behind."""
+    """Token ids (and logits, when asked for) of a greedy run, its wall time and the cache it left behind."""
 
     sequences: torch.LongTensor
     seconds: float
     cache: Any
     new_tokens: int
+    logits: tuple[torch.Tensor, ...] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,4 +65,6 @@ def greedy_generate(
         start = time.perf_counter()
         out = model.generate(input_ids, **kwargs)
         seconds = time.perf_counter() - start
-    return GenerationRun(sequences=out, seconds=seconds, cache=cache, new_tokens=new_tokens)
+    if isinstance(out, torch.Tensor):
+        return GenerationRun(out, seconds, cache, new_tokens)
+    return GenerationRun(out.sequences, seconds, cache, new_tokens, getattr(out, "logits", None))

@@ -7,20 +7,46 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.generation import greedy_generate
 
 pytestmark = pytest.mark.real_model
 
 
-@pytest.mark.parametrize("mode", ["none"])
-def test_greedy_32_tokens_match_dynamic_cache(smollm2, shakespeare_prompt, mode):
+@pytest.fixture(scope="module")
+def small_calibration(smollm2):
+    """A quick context-only calibration (2 x 512 calibration-split tokens): enough to exercise the path."""
+    model, tokenizer = smollm2
+    return Calibration.fit(model, tokenizer, tokens=1024, chunk=512, predictors=("context",), progress=False)
+
+
+@pytest.mark.parametrize(("mode", "calibrated"), [("none", False), ("lossless", False), ("lossless", True)])
+def test_greedy_32_tokens_match_dynamic_cache(smollm2, shakespeare_prompt, small_calibration, mode, calibrated):
     model, _ = smollm2
-    config = CompressionConfig(mode=mode, block_tokens=64, residual_tokens=32)
-    expected = greedy_generate(model, shakespeare_prompt, DynamicCache(), 32)
-    cache = CompressedCache(config, model=model)
-    got = greedy_generate(model, shakespeare_prompt, cache, 32)
+    config = CompressionConfig(mode=mode, block_tokens=128, residual_tokens=32)
+    expected = greedy_generate(model, shakespeare_prompt, DynamicCache(), 32, output_logits=True,
+                               return_dict_in_generate=True)
+    cache = CompressedCache(config, model=model, calibration=small_calibration if calibrated else None)
+    got = greedy_generate(model, shakespeare_prompt, cache, 32, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(expected.logits, got.logits):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     stats = cache.stats()
     assert stats["tokens"] == 300 + 32 - 1
     assert len(cache.layers) == 30
-    assert len(cache.layers[0].blocks) == (stats["tokens"] - 32) // 64
+    assert len(cache.layers[0].blocks) == (stats["tokens"] - 32) // 128
+    if mode == "lossless":
+        assert stats["compression_ratio"] > 1.2
+
+
+def test_save_load_continue_on_smollm2(tmp_path, smollm2, shakespeare_prompt, small_calibration):
+    model, _ = smollm2
+    config = CompressionConfig(mode="lossless", block_tokens=128, residual_tokens=32)
+    expected = greedy_generate(model, shakespeare_prompt, DynamicCache(), 8)
+    cache = CompressedCache(config, model=model, calibration=small_calibration)
+    with torch.no_grad():
+        model(shakespeare_prompt[:, :-1], cache=cache)
+    path = cache.save(tmp_path / "prompt.kvc")
+    loaded = CompressedCache.load(path, model=model, calibration=small_calibration)
+    got = greedy_generate(model, shakespeare_prompt, loaded, 8)
+    assert torch.equal(got.sequences, expected.sequences)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 
-EXACT_MODES = ["none"]
+EXACT_MODES = ["none", "lossless"]
 
 
 def small_blocks(mode: str) -> CompressionConfig:

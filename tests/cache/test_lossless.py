@@ -1,0 +1,205 @@
+"""Lossless mode: generation identical to DynamicCache, save / load / continue, and every refusal."""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+
+import pytest
+import torch
+from helpers import random_ids, tiny_model
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.cache.persist import CacheFileError
+from hf_kvcompress.calibration import Calibration, CalibrationError
+
+MODEL = "llama-gqa"
+
+
+@functools.cache
+def calibration(kind: str = MODEL) -> Calibration:
+    model = tiny_model(kind, torch.bfloat16)
+    return Calibration.fit(model, None, ids=random_ids(1, 512, seed=9), tokens=512, chunk=128, probe_layers=(1,),
+                           progress=False)
+
+
+def lossless(predictor: str = "context", **kwargs) -> CompressionConfig:
+    return CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4, lossless={"predictor": predictor, **kwargs})
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def generate(model, ids, cache, **kwargs):
+    kwargs.setdefault("max_new_tokens", 12)
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mqa", "qwen3-gqa"])
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_generation_identical_to_dynamic_cache(kind, calibrated):
+    model = tiny_model(kind, torch.bfloat16)
+    ids = random_ids(1, 41)
+    kwargs = {"output_logits": True, "return_dict_in_generate": True}
+    expected = generate(model, ids, DynamicCache(), **kwargs)
+    cache = CompressedCache(lossless(), model=model, calibration=calibration(kind) if calibrated else None)
+    got = generate(model, ids, cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(expected.logits, got.logits):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert len(cache.layers[0].blocks) >= 2
+    assert cache.stats()["mode"] == "lossless"
+
+
+def test_beam_search_and_padded_batch_are_identical():
+    model = tiny_model(MODEL, torch.bfloat16)
+    ids = random_ids(2, 30, seed=4)
+    mask = torch.ones_like(ids)
+    ids[0, :7] = 0
+    mask[0, :7] = 0
+    expected = generate(model, ids, DynamicCache(), attention_mask=mask, num_beams=3)
+    got = generate(model, ids, CompressedCache(lossless(), model=model, calibration=calibration()), attention_mask=mask,
+                   num_beams=3)
+    assert torch.equal(got, expected)
+
+
+def test_sealed_blocks_hold_bytes_not_tensors():
+    model = tiny_model(MODEL, torch.bfloat16)
+    cache = CompressedCache(lossless(), model=model, calibration=calibration())
+    with torch.no_grad():
+        model(random_ids(1, 100), cache=cache)
+    layer = cache.layers[1]
+    assert all(not hasattr(block, "keys") for block in layer.blocks)
+    stats = cache.stats()
+    assert stats["stored_bytes"] == sum(s["stored_bytes"] for s in stats["per_layer"])
+    assert stats["raw_bytes"] == 2 * 2 * 2 * 100 * 16 * 2  # layers * kv * heads * tokens * dim * bf16
+
+
+@pytest.mark.parametrize(("predictor", "saved_with"), [("context", None), ("context", "probe"), ("context", "twin"),
+                                                        ("none", None)])
+def test_save_load_continue_equals_uninterrupted(tmp_path, predictor, saved_with):
+    model = tiny_model(MODEL, torch.bfloat16)
+    ids = random_ids(1, 50, seed=2)
+    expected = generate(model, ids, DynamicCache(), max_new_tokens=15)
+    cache = CompressedCache(lossless(predictor), model=model, calibration=calibration())
+    # half the prompt as a prefill, the rest token by token: the file must not care how it was produced
+    with torch.no_grad():
+        model(ids[:, :30], cache=cache)
+        for t in range(30, 49):
+            model(ids[:, t : t + 1], cache=cache)
+    path = cache.save(tmp_path / "prefix.kvc", predictor=saved_with, probe_layer=1)
+    loaded = CompressedCache.load(path, model=model, calibration=calibration())
+    for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
+        assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+    assert torch.equal(loaded.token_ids, ids[:, :49])
+    assert torch.equal(generate(model, ids, loaded, max_new_tokens=15), expected)
+
+
+def test_uncalibrated_cache_saves_without_a_model(tmp_path):
+    cache = CompressedCache(lossless())
+    k, v = torch.randn(1, 2, 40, 8).bfloat16(), torch.randn(1, 2, 40, 8).bfloat16()
+    cache.update(k, v, 0)
+    loaded = CompressedCache.load(cache.save(tmp_path / "x.kvc"))
+    assert same_bits(loaded.layers[0].keys, k) and same_bits(loaded.layers[0].values, v)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model(MODEL, torch.bfloat16)
+    cache = CompressedCache(lossless(), model=model, calibration=calibration())
+    with torch.no_grad():
+        model(random_ids(1, 40), cache=cache)
+    return cache.save(tmp_path / "saved.kvc", predictor="probe", probe_layer=1), model
+
+
+def test_refuses_another_model(saved):
+    path, _ = saved
+    other = tiny_model("llama-mqa", torch.bfloat16)
+    with pytest.raises(CacheFileError, match="saved from model"):
+        CompressedCache.load(path, model=other)
+
+
+def test_refuses_another_or_missing_calibration(saved, tmp_path):
+    path, model = saved
+    with pytest.raises(CacheFileError, match="calibration"):
+        CompressedCache.load(path, model=model)
+    other = Calibration.fit(model, None, ids=random_ids(1, 256, seed=1), tokens=256, chunk=128, probe_layers=(1,),
+                            progress=False)
+    with pytest.raises(CacheFileError, match="calibration"):
+        CompressedCache.load(path, model=model, calibration=other)
+
+
+def test_refuses_another_library_version(saved, tmp_path):
+    path, model = saved
+    data = path.read_bytes()
+    (size,) = struct.unpack_from("<I", data, 8)
+    header = json.loads(data[12 : 12 + size])
+    header["library_version"] = "0.0.1"
+    blob = json.dumps(header).encode()
+    bad = tmp_path / "old.kvc"
+    bad.write_bytes(data[:8] + struct.pack("<I", len(blob)) + blob + data[12 + size :])
+    with pytest.raises(CacheFileError, match="saved by hf_kvcompress 0.0.1"):
+        CompressedCache.load(bad, model=model, calibration=calibration())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "empty"])
+def test_refuses_corrupt_files(saved, tmp_path, damage):
+    path, model = saved
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "flip":
+        data[-50] ^= 0x10
+    elif damage == "magic":
+        data[:8] = b"NOTACACH"
+    else:
+        data = bytearray()
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError):
+        CompressedCache.load(bad, model=model, calibration=calibration())
+
+
+def test_refuses_a_predictor_that_does_not_reproduce(saved, monkeypatch):
+    path, model = saved
+    from hf_kvcompress.predictors import probe
+
+    original = probe.run_decoder
+
+    def drifting(*args, **kwargs):  # stands in for another thread count / CPU: last-bit differences
+        cache, hidden = original(*args, **kwargs)
+        return cache, {k: h * (1 + 2**-20) for k, h in hidden.items()}
+
+    monkeypatch.setattr(probe, "run_decoder", drifting)
+    with pytest.raises(CacheFileError, match="does not reproduce here"):
+        CompressedCache.load(path, model=model, calibration=calibration())
+
+
+def test_calibration_round_trip_and_refusals(tmp_path):
+    model = tiny_model(MODEL, torch.bfloat16)
+    cal = calibration()
+    cal.save(tmp_path / "cal")
+    again = Calibration.load(tmp_path / "cal", model)
+    assert again.predictors == cal.predictors
+    assert set(again.meta["versions"]) >= {"torch", "transformers"}
+    with pytest.raises(CalibrationError, match="fingerprint"):
+        Calibration.load(tmp_path / "cal", tiny_model("llama-mqa", torch.bfloat16))
+    with pytest.raises(CalibrationError, match="no calibration"):
+        Calibration.load(tmp_path / "missing")
+    raw = (tmp_path / "cal" / "calibration.safetensors").read_bytes()
+    (tmp_path / "cal" / "calibration.safetensors").write_bytes(raw[:-8] + bytes(b ^ 0xFF for b in raw[-8:]))
+    with pytest.raises(CalibrationError, match="corrupt|cannot read"):
+        Calibration.load(tmp_path / "cal")
+    del model
+
+
+def test_model_running_predictors_are_refused_inside_generation():
+    model = tiny_model(MODEL, torch.bfloat16)
+    with pytest.raises(ValueError, match="impractical for every step"):
+        CompressedCache(lossless("probe", probe_layer=1), model=model, calibration=calibration())
+    with pytest.raises(ValueError, match="needs a calibration"):
+        CompressedCache(lossless("twin"), model=model)

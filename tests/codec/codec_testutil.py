@@ -1,0 +1,76 @@
+"""Helpers shared by the codec tests: bit-level comparison, special values, small realistic tensors."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import torch
+
+from hf_kvcompress.codec.stream import _BODY, _PREFIX
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def assert_bit_exact(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert tuple(a.shape) == tuple(b.shape), (a.shape, b.shape)
+    assert torch.equal(bits(a.contiguous()), bits(b.contiguous())), "decoded bits differ"
+
+
+def from_patterns(patterns: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return torch.from_numpy(patterns.astype(np.uint32).view(np.int32).copy()).view(torch.float32)
+    return torch.from_numpy(patterns.astype(np.uint16).view(np.int16).copy()).view(dtype)
+
+
+def special_patterns(dtype: torch.dtype) -> np.ndarray:
+    """NaNs of both signs with several payloads, +-inf, +-0, subnormals, max / min finite."""
+    if dtype == torch.float32:
+        e, m, s = 0x7F800000, 0x007FFFFF, 0x80000000
+    elif dtype == torch.bfloat16:
+        e, m, s = 0x7F80, 0x007F, 0x8000
+    else:
+        e, m, s = 0x7C00, 0x03FF, 0x8000
+    vals = [0, s, e, e | s, e | 1, e | m, e | (m >> 1) + 1, s | e | 1, s | e | m, 1, m, s | 1, s | m,
+            e - 1, s | (e - 1), (e >> 1) & e]
+    return np.array(vals, dtype=np.int64)
+
+
+def realistic(shape=(1, 3, 96, 64), seed: int = 0, dtype=torch.bfloat16):
+    """KV-like data: per-channel offsets and scales, a few outlier channels, plus per-channel stats."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, t, d = shape
+    scale = torch.rand(1, h, 1, d, generator=g) * 2 + 0.05
+    scale[..., :3] *= 20
+    offset = torch.randn(1, h, 1, d, generator=g) * 2
+    x = (torch.randn(shape, generator=g) * scale + offset).to(dtype)
+    return x, offset, scale
+
+
+def reseal(blob: bytes) -> bytes:
+    """Recompute every CRC of a (possibly mutated) stream so that the decoder's deeper checks are exercised.
+    Returns the blob unchanged when its layout cannot be followed."""
+    try:
+        b = bytearray(blob)
+        _magic, _v, _r, body_len = _PREFIX.unpack_from(b, 0)
+        head_end = _PREFIX.size + body_len
+        fields = _BODY.unpack_from(b, _PREFIX.size)
+        entry_size, n_windows = fields[5], fields[8]
+        struct.pack_into("<I", b, head_end, zlib.crc32(b[:head_end]))
+        t0 = head_end + 4
+        t1 = t0 + entry_size * n_windows
+        pos = t1 + 4
+        for w in range(n_windows):
+            size = struct.unpack_from("<I", b, t0 + w * entry_size)[0]
+            struct.pack_into("<I", b, t0 + w * entry_size + 4, zlib.crc32(b[pos : pos + size]))
+            pos += size
+        struct.pack_into("<I", b, t1, zlib.crc32(b[t0:t1]))
+        return bytes(b)
+    except (struct.error, IndexError, ValueError, OverflowError):
+        return blob
