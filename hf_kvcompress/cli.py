@@ -8,6 +8,7 @@ import logging
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,44 @@ def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str =
         raise CliError(str(err)) from err
 
 
+def default_calibration_dir(model) -> Path:
+    """Where `calibrate` puts a model's calibration unless told otherwise (keyed by model fingerprint)."""
+    from .downloads import cache_dir
+    from .models import model_fingerprint
+
+    return cache_dir() / "calibrations" / model_fingerprint(model)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit sigma tables, predictor heads and marginals on calibration text; save them."""
+    from .calibration import Calibration
+
+    predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
+    probe_layers = [int(k) for k in args.probe_layers.split(",") if k.strip()]
+    model, tokenizer = _load(args)
+    out = Path(args.out) if args.out else default_calibration_dir(model)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CliError(f"cannot write to {out}: {err}") from err
+    try:
+        calibration = Calibration.fit(
+            model, tokenizer, source=args.dataset, split=args.split, tokens=args.tokens, chunk=args.chunk,
+            predictors=predictors, probe_layers=probe_layers,
+        )
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    calibration.save(out)
+    print(f"calibration of {calibration.meta['model']['name']} ({calibration.meta['text']['tokens']} tokens, "
+          f"{calibration.meta['seconds']} s) saved to {out}")
+    for name, info in calibration.meta["predictors"].items():
+        print(f"  {name:>8}: in-sample Gaussian estimate {info['in_sample_gaussian_bits_estimate']} bits/scalar")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Generate with a CompressedCache on the default model and text; print the text and the cache stats."""
     from transformers import DynamicCache
@@ -55,10 +94,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from err
     model, tokenizer = _load(args)
     ids = _prompt_ids(tokenizer, args, args.prompt_tokens)
-    cache = CompressedCache(config, model=model)
+    calibration = None
+    if args.mode == "lossless":
+        folder = Path(args.calibration) if args.calibration else default_calibration_dir(model)
+        if args.calibration or (folder / "calibration.json").is_file():
+            from .calibration import Calibration, CalibrationError
+
+            try:
+                calibration = Calibration.load(folder, model)
+            except CalibrationError as err:
+                raise CliError(str(err)) from err
+    cache = CompressedCache(config, model=model, calibration=calibration)
     run = greedy_generate(model, ids, cache, args.new_tokens, progress=f"generating ({args.mode})")
     new_text = tokenizer.decode(run.sequences[0, ids.shape[1] :], skip_special_tokens=True)
     print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}  dtype: {args.dtype}  mode: {args.mode}")
+    if args.mode == "lossless":
+        print("calibration: " + (str(calibration.meta["text"]["source"]) if calibration else
+                                 "none (per-block channel statistics; run `hf-kvcompress calibrate` for better ratios)"))
     print(f"prompt ({ids.shape[1]} tokens), last lines:")
     print(textwrap.indent(tokenizer.decode(ids[0, -60:]).strip(), "  | "))
     print(f"generated ({args.new_tokens} tokens, {run.tokens_per_second:.1f} tok/s):")
@@ -93,7 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--residual-tokens", type=int, default=32)
     demo.add_argument("--no-check", dest="check", action="store_false", help="skip the DynamicCache comparison")
     demo.add_argument("--json", action="store_true", help="also print the stats as one JSON line")
+    demo.add_argument("--calibration", default=None, help="calibration folder (default: the model's, if fitted)")
     demo.set_defaults(func=cmd_demo)
+
+    cal = sub.add_parser("calibrate", help="fit sigma tables, predictor heads and marginals on calibration text")
+    _add_model_args(cal)
+    cal.add_argument("--split", default="calibration", help="text split (default: calibration)")
+    cal.add_argument("--tokens", type=int, default=16384, help="calibration tokens")
+    cal.add_argument("--chunk", type=int, default=1024, help="tokens per independent forward pass")
+    cal.add_argument("--predictors", default="none,context,probe,twin")
+    cal.add_argument("--probe-layers", default="8,15,22", help="k values of the probe predictor")
+    cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
+    cal.set_defaults(func=cmd_calibrate)
     return parser
 
 

@@ -188,6 +188,27 @@ def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibr
     return target
 
 
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The checked JSON header of a saved cache (stream offsets and sizes, predictor, fingerprints)."""
+    return _read(Path(path))[0]
+
+
+def stream_bytes(header: dict[str, Any]) -> list[dict[str, int]]:
+    """Bytes per layer of key streams, value streams and side data (scales, side tensors) in a header."""
+    heads = header["kv_heads"]
+    per_layer = []
+    for entry in header["layers"]:
+        k = v = side = 0
+        for block in entry["blocks"]:
+            for row in block["rows"]:
+                lengths = [length for _, length in row["streams"]]
+                k += sum(lengths[:heads])
+                v += sum(lengths[heads:])
+                side += len(row["scales"]) + sum(info["bytes"] for info in row["side"].values())
+        per_layer.append({"layer": entry["layer"], "k": k, "v": v, "side": side})
+    return per_layer
+
+
 # ---------------------------------------------------------------------- helpers
 
 

@@ -44,7 +44,7 @@ class StreamHead:
 
 
 class FeatureBuilder:
-    """Assembles the feature matrix of each stream of one block (shared by calibration and coding)."""
+    """Assembles the features of each stream of one block (shared by calibration and coding)."""
 
     def __init__(self, recipe: FeatureRecipe, frame: RopeFrame, inputs: BlockInputs, extras: list[torch.Tensor]):
         self.recipe = recipe
@@ -55,6 +55,8 @@ class FeatureBuilder:
             parts.append(_flat_heads(frame.unrotate(inputs.below.keys, self.positions)))
             parts.append(_flat_heads(inputs.below.values.to(torch.float32)))
         self.base = parts
+        # one tensor for the shared part: each stream multiplies it once, without re-concatenating
+        self.base_matrix = torch.cat(parts, dim=-1) if parts else None
         self.own_keys: list[torch.Tensor] = []  # pre-RoPE, [batch, tokens, head_dim] each
         self.own_values: list[torch.Tensor] = []
 
@@ -64,14 +66,29 @@ class FeatureBuilder:
         (self.own_keys if kind == "k" else self.own_values).append(framed)
         return framed
 
+    def own(self, kind: str, head: int) -> list[torch.Tensor]:
+        """The stream's own-layer features, in order (empty without inter-head prediction)."""
+        if not self.recipe.inter_head:
+            return []
+        return self.own_keys[:head] if kind == "k" else self.own_keys + self.own_values[:head]
+
     def features(self, kind: str, head: int, batch: int, tokens: int) -> torch.Tensor:
-        parts = [torch.ones(batch, tokens, 1), *self.base]
-        if self.recipe.inter_head:
-            if kind == "k":
-                parts += self.own_keys[:head]
-            else:
-                parts += self.own_keys + self.own_values[:head]
-        return torch.cat(parts, dim=-1)
+        """``[batch, tokens, n]``: the constant 1, the shared features, the own-layer features."""
+        return torch.cat([torch.ones(batch, tokens, 1), *self.base, *self.own(kind, head)], dim=-1)
+
+    def apply(self, kind: str, head: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
+        """``features(kind, head) @ weight`` (``[batch, tokens, dim]``), computed piecewise: the same sum
+        without concatenating the features."""
+        out = weight[0].expand(batch, self.positions.shape[0], -1)
+        row = 1
+        if self.base_matrix is not None:
+            width = self.base_matrix.shape[-1]
+            out = out + self.base_matrix @ weight[row : row + width]
+            row += width
+        for part in self.own(kind, head):
+            out = out + part @ weight[row : row + part.shape[-1]]
+            row += part.shape[-1]
+        return out
 
 
 class LinearSession(PredictorSession):
@@ -106,8 +123,7 @@ class LinearSession(PredictorSession):
     def framed_prediction(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean in the prediction frame (pre-RoPE for keys) and the token surprise before this stream."""
         batch, tokens = self.inputs.batch, self.inputs.positions.shape[0]
-        feats = self.builder.features(kind, head, batch, tokens)
-        mean = feats @ self.heads[(kind, head)].weight
+        mean = self.builder.apply(kind, head, self.heads[(kind, head)].weight, batch)
         self.pending = (kind, head, mean)
         return mean, self.surprise(batch, tokens)
 

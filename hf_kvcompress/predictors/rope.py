@@ -16,6 +16,7 @@ class RopeFrame:
 
     def __init__(self, inv_freq: torch.Tensor | None):
         self.inv_freq = None if inv_freq is None else inv_freq.detach().to(torch.float32).cpu()
+        self._memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_model_config(cls, config) -> RopeFrame:
@@ -43,9 +44,19 @@ class RopeFrame:
         return self.inv_freq is None
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # blocks are contiguous position ranges, asked for once per stream: remember the last few
+        key = (int(positions[0]), int(positions.shape[0])) if positions.numel() else (0, 0)
+        contiguous = positions.numel() < 2 or bool((positions[1:] - positions[:-1] == 1).all())
+        if contiguous and key in self._memo:
+            return self._memo[key]
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([angles, angles], dim=-1)
-        return emb.cos(), emb.sin()
+        result = (emb.cos(), emb.sin())
+        if contiguous:
+            if len(self._memo) >= 64:
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[key] = result
+        return result
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
