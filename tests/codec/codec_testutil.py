@@ -45,7 +45,7 @@ def special_patterns(dtype: torch.dtype) -> np.ndarray:
 def realistic(shape=(1, 3, 96, 64), seed: int = 0, dtype=torch.bfloat16):
     """KV-like data: per-channel offsets and scales, a few outlier channels, plus per-channel stats."""
     g = torch.Generator().manual_seed(seed)
-    b, h, t, d = shape
+    _b, h, _t, d = shape
     scale = torch.rand(1, h, 1, d, generator=g) * 2 + 0.05
     scale[..., :3] *= 20
     offset = torch.randn(1, h, 1, d, generator=g) * 2

@@ -28,7 +28,7 @@ def test_corrupt_stream_error_is_value_error():
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], np.zeros(3, dtype=np.float32), "x", None])
 def test_x_must_be_tensor(bad):
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         codec.encode(bad)
 
 
@@ -36,6 +36,11 @@ def test_x_must_be_tensor(bad):
 def test_unsupported_dtype_named(dtype):
     with pytest.raises(TypeError, match=str(dtype)):
         codec.encode(torch.zeros(4, dtype=dtype))
+
+
+def test_too_many_dims():
+    with pytest.raises(ValueError, match="dims"):
+        codec.encode(torch.zeros((1,) * 33, dtype=torch.bfloat16))
 
 
 def test_bad_mean_std_shapes():
@@ -133,7 +138,7 @@ def test_bad_magic_message(stream):
 
 
 def test_future_version(stream):
-    x, offset, scale, blob = stream
+    _x, offset, scale, blob = stream
     b = bytearray(blob)
     struct.pack_into("<H", b, len(MAGIC), VERSION + 1)
     with pytest.raises(CorruptStreamError, match="newer"):
@@ -141,7 +146,7 @@ def test_future_version(stream):
 
 
 def test_truncated(stream):
-    x, offset, scale, blob = stream
+    _x, offset, scale, blob = stream
     for cut in (len(blob) - 1, len(blob) // 2, _PREFIX.size + 3, 10):
         with pytest.raises(CorruptStreamError):
             codec.decode(blob[:cut], offset, scale)
@@ -185,10 +190,10 @@ def test_marginal_mismatch():
 
 
 def test_table_hash_mismatch(stream, monkeypatch):
-    x, offset, scale, blob = stream
+    _x, offset, scale, blob = stream
     real = codec_model.get_tables()
     fake = codec_model.Tables(**{**real.__dict__, "sha256": "00" * 32})
-    monkeypatch.setattr("hf_kvcompress.codec.api.get_tables", lambda: fake)
+    monkeypatch.setattr("hf_kvcompress.codec.decoder.get_tables", lambda: fake)
     with pytest.raises(CorruptStreamError, match="tables"):
         codec.decode(blob, offset, scale)
 
@@ -221,7 +226,7 @@ def test_decode_argument_checks(stream):
 
 def test_resealed_garbage_is_rejected(stream):
     """Payload garbage with valid CRCs must still be caught (ANS leftovers, value range, data checksum)."""
-    x, offset, scale, blob = stream
+    _x, offset, scale, blob = stream
     rng = np.random.default_rng(0)
     b = bytearray(blob)
     tail = len(b) - 64

@@ -19,7 +19,7 @@ TIME_BOUND_S = 2.0  # per case; a clean decode of these streams takes a few mill
 def _streams():
     x, offset, scale = realistic((1, 2, 48, 64), seed=3)
     x32, o32, s32 = realistic((1, 1, 40, 64), seed=4, dtype=torch.float32)
-    x16, o16, s16 = realistic((1, 1, 40, 64), seed=5, dtype=torch.float16)
+    x16, o16, _s16 = realistic((1, 1, 40, 64), seed=5, dtype=torch.float16)
     small = dict(short_tokens=0, tier_windows=(64, 256, 1024), probe=64)
     return [
         ("bf16-fixed-stats", x, offset, scale, CodecConfig(fixed_window=512)),

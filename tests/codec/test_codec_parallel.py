@@ -27,7 +27,7 @@ def test_parallel_decode_is_identical(big, kw):
 def test_worker_errors_propagate(big):
     if not fork_available():
         pytest.skip("no fork on this platform")
-    x, offset, scale, blob = big
+    _x, offset, scale, blob = big
     b = bytearray(blob)
     b[-10] ^= 0x40  # the last window belongs to the last worker
     with pytest.raises(CorruptStreamError):

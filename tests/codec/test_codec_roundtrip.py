@@ -15,7 +15,7 @@ from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
 
 MODES = ("fixed", "metadata", "predicted", "causal")
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

