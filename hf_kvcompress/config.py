@@ -67,15 +67,16 @@ class LosslessConfig(_JsonConfig):
             ``"probe"`` (early exit through layers ``0..probe_layer-1`` plus linear heads), ``"twin"``
             (an FP8-weight twin of the model), or ``"none"`` (per-channel statistics only).
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
-        window: the codec's window scheduler: ``"predicted"``, ``"metadata"``, ``"causal"`` or ``"fixed"``.
+        window: the codec's window scheduler: ``"fixed"`` (measured best on SmolLM2: see docs/codec.md),
+            ``"predicted"``, ``"metadata"`` or ``"causal"`` (seed 000's adaptive windows).
         fixed_window: window size in elements when ``window == "fixed"``.
         workers: processes used to decode windows in parallel (1 = in this process).
     """
 
     predictor: str = "context"
     probe_layer: int = 8
-    window: str = "predicted"
-    fixed_window: int = 1024
+    window: str = "fixed"
+    fixed_window: int = 4096
     workers: int = 1
 
     PREDICTORS: ClassVar[tuple[str, ...]] = ("none", "context", "probe", "twin")
@@ -104,7 +105,14 @@ class LossyConfig(_JsonConfig):
         error_tolerance: relative attention-output error that picks the smallest sufficient SVD rank.
         interval: new tokens between two summaries.
         sinks: initial tokens that are always kept exact.
-        reference_queries: how many recent queries per layer are kept to score and fit summaries.
+        reference_queries: how many recent queries per layer (per query head) are kept to score and fit summaries.
+        selection: the summary's stage 1: ``"mass"`` (keep the most attended entries) or ``"entropy"`` (the seed's
+            criterion: entries above ``entropy_threshold`` are compressible, the lowest-entropy ones are kept).
+        fit_bias: fit a per-entry logit bias (Attention Matching) for summary entries; needs a model attached.
+        ridge: ridge strength of the value refit, relative to the mean diagonal of its normal matrix (0 = plain
+            least squares, solved with ``gelsd``).
+        query_horizon: reference queries are moved (RoPE-rotated) to positions spread over this many tokens after
+            the summary, where the queries that will read it sit; 0 keeps their own positions.
     """
 
     method: str = "summary"
@@ -113,9 +121,14 @@ class LossyConfig(_JsonConfig):
     error_tolerance: float = 0.05
     interval: int = 256
     sinks: int = 4
-    reference_queries: int = 256
+    reference_queries: int = 1024
+    selection: str = "mass"
+    fit_bias: bool = True
+    ridge: float = 1e-3
+    query_horizon: int = 512
 
     METHODS: ClassVar[tuple[str, ...]] = ("summary", "topk", "streaming", "svd")
+    SELECTIONS: ClassVar[tuple[str, ...]] = ("mass", "entropy")
 
     def __post_init__(self) -> None:
         owner = "LossyConfig"
@@ -131,6 +144,11 @@ class LossyConfig(_JsonConfig):
         _check_int(owner, "interval", self.interval, minimum=1)
         _check_int(owner, "sinks", self.sinks, minimum=0)
         _check_int(owner, "reference_queries", self.reference_queries, minimum=1)
+        _check_choice(owner, "selection", self.selection, self.SELECTIONS)
+        if not isinstance(self.fit_bias, bool):
+            _fail(owner, "fit_bias", f"must be a bool, got {type(self.fit_bias).__name__} {self.fit_bias!r}")
+        _check_float(owner, "ridge", self.ridge, low=0.0, high=1e6)
+        _check_int(owner, "query_horizon", self.query_horizon, minimum=0)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def test_bad_sources_and_splits_are_named(tmp_path):
     with pytest.raises(ValueError, match="split must be one of"):
         data.load_text_dataset(None, split="train")
     (tmp_path / "x.bin").write_bytes(b"\0")
-    with pytest.raises(ValueError, match="no .txt"):
+    with pytest.raises(ValueError, match=r"no \.txt"):
         data.load_text_dataset(tmp_path)
 
 

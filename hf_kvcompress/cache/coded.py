@@ -9,6 +9,7 @@ predictor reads the layer below, so `LosslessContext` keeps the last two layers'
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,19 @@ from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor,
 from .storage import Block, Storage
 
 SCALE_MIN, SCALE_MAX = -32, 63  # std scale exponents (quarter octaves) one byte can hold
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Predictor maths on one thread: its matrices are small (intra-op threads only add synchronisation,
+    badly so on a busy machine: 30x measured here), and the means then do not depend on the caller's thread
+    setting, so encoder and decoder agree whatever ``torch.set_num_threads`` says."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class PredictorMismatchError(ValueError):
@@ -105,6 +119,10 @@ class LosslessContext:
         return _with_marginal(self.codec_config, marginal)
 
     def encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
+        with one_thread():
+            return self._encode_block(layer, keys, values, start)
+
+    def _encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         batch, heads, tokens, dim = keys.shape
         side = self.predictor.side_data(layer, keys, values)
         inputs = self._inputs(layer, start, tokens, batch, side)
@@ -117,7 +135,8 @@ class LosslessContext:
             for b, row in enumerate(rows):
                 code = choose_scale(x[b], mean[b], std[b])
                 row.scales.append(code)
-                row.blobs.append(encode(x[b], mean[b], std[b] * scale_factor(code), config))
+                # channel-major: a channel's elements share its sigma, so the coder switches tables less often
+                row.blobs.append(encode(x[b].T, mean[b].T, (std[b] * scale_factor(code)).T, config))
             session.observe(kind, head, x)
         keys_cpu, values_cpu = keys.cpu(), values.cpu()
         block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, keys.device)
@@ -129,6 +148,10 @@ class LosslessContext:
         hit = self._memo.get((block.layer, block.start))
         if hit is not None and hit[0] is block:
             return hit[1]
+        with one_thread():
+            return self._decode_block(block)
+
+    def _decode_block(self, block: CodedBlock) -> LayerValues:
         side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
         inputs = self._inputs(block.layer, block.start, block.tokens, len(block.rows), side)
         session = self.predictor.session(inputs)
@@ -141,8 +164,8 @@ class LosslessContext:
             target = keys if kind == "k" else values
             for b, row in enumerate(block.rows):
                 try:
-                    target[b, head] = decode(row.blobs[index], mean[b], std[b] * scale_factor(row.scales[index]),
-                                             marginal=config.marginal, workers=self.workers)
+                    target[b, head] = decode(row.blobs[index], mean[b].T, (std[b] * scale_factor(row.scales[index])).T,
+                                             marginal=config.marginal, workers=self.workers).T
                 except CorruptStreamError as err:
                     if "mean" in str(err) or "std" in str(err):
                         raise PredictorMismatchError(

@@ -54,7 +54,7 @@ def test_layer_index_out_of_range():
         cache.update(k, v, -1)
     with pytest.raises(TypeError, match="layer_idx must be an int"):
         cache.update(k, v, "0")  # type: ignore[arg-type]
-    with pytest.raises(IndexError, match="layer 1 has not been created|holds no KV"):
+    with pytest.raises(IndexError, match=r"layer 1 has not been created|holds no KV"):
         CompressedCache(NONE).layer(1)
 
 

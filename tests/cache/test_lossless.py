@@ -142,7 +142,7 @@ def test_refuses_another_library_version(saved, tmp_path):
     blob = json.dumps(header).encode()
     bad = tmp_path / "old.kvc"
     bad.write_bytes(data[:8] + struct.pack("<I", len(blob)) + blob + data[12 + size :])
-    with pytest.raises(CacheFileError, match="saved by hf_kvcompress 0.0.1"):
+    with pytest.raises(CacheFileError, match=r"saved by hf_kvcompress 0\.0\.1"):
         CompressedCache.load(bad, model=model, calibration=calibration())
 
 
@@ -192,7 +192,7 @@ def test_calibration_round_trip_and_refusals(tmp_path):
         Calibration.load(tmp_path / "missing")
     raw = (tmp_path / "cal" / "calibration.safetensors").read_bytes()
     (tmp_path / "cal" / "calibration.safetensors").write_bytes(raw[:-8] + bytes(b ^ 0xFF for b in raw[-8:]))
-    with pytest.raises(CalibrationError, match="corrupt|cannot read"):
+    with pytest.raises(CalibrationError, match=r"corrupt|cannot read"):
         Calibration.load(tmp_path / "cal")
     del model
 

@@ -1,0 +1,117 @@
+"""Blocks a lossy layer holds: kept/synthetic entries with optional per-entry biases, and low-rank factors."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.storage import Block, tensor_nbytes
+
+Values = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class LossyBlock(Block):
+    """Entries attention sees as they are, plus an optional additive logit bias per entry.
+
+    ``values`` is a tensor, or low-rank factors ``(U, W)`` with ``V = U @ W`` (``[b, h, n, r]``, ``[b, h, r, d]``).
+    ``bias`` (``[batch, kv_heads, entries]``, cache dtype) is added to the attention logits of its entries: a
+    fitted log-weight for summary entries, ``-inf`` for entries that must be ignored (padding of a shorter row).
+    ``None`` means all zeros and costs nothing.
+    """
+
+    exact = False
+
+    def __init__(self, keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int):
+        self.keys = keys
+        self.values = values
+        self.bias = bias
+        self.entries = keys.shape[-2]
+        self.tokens = tokens
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.values, tuple):
+            return self.keys, self.values[0] @ self.values[1]
+        return self.keys, self.values
+
+    def read_bias(self) -> torch.Tensor | None:
+        """Per-entry logit bias ``[batch, kv_heads, entries]`` or None (all zeros)."""
+        return self.bias
+
+    def nbytes(self) -> int:
+        values = self.values if isinstance(self.values, tuple) else (self.values,)
+        return tensor_nbytes(self.keys) + sum(tensor_nbytes(v) for v in values) + tensor_nbytes(self.bias)
+
+    def _map(self, fn) -> LossyBlock:
+        values = tuple(fn(v) for v in self.values) if isinstance(self.values, tuple) else fn(self.values)
+        bias = None if self.bias is None else fn(self.bias)
+        return LossyBlock(fn(self.keys), values, bias, tokens=self.tokens)
+
+    def select_rows(self, indices: torch.Tensor) -> LossyBlock:
+        index = indices.to(self.keys.device)
+        return self._map(lambda t: t.index_select(0, index))
+
+    def to(self, device: torch.device | str) -> LossyBlock:
+        return self._map(lambda t: t.to(device))
+
+
+class LowRankBlock(Block):
+    """Per-head truncated SVD of K and V: ``K ~ Uk @ Wk`` with ``Uk`` = ``[b, h, n, r]`` (singular values folded
+    in) and ``Wk`` = ``[b, h, r, d]``; the same for V. Attention sees all ``n`` reconstructed entries."""
+
+    exact = False
+
+    def __init__(
+        self,
+        key_factors: tuple[torch.Tensor, torch.Tensor],
+        value_factors: tuple[torch.Tensor, torch.Tensor],
+        bias: torch.Tensor | None,
+        *,
+        tokens: int,
+    ):
+        self.key_factors = key_factors
+        self.value_factors = value_factors
+        self.bias = bias
+        self.entries = key_factors[0].shape[-2]
+        self.tokens = tokens
+
+    @property
+    def rank(self) -> int:
+        return self.key_factors[0].shape[-1]
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_factors[0] @ self.key_factors[1], self.value_factors[0] @ self.value_factors[1]
+
+    def read_bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def nbytes(self) -> int:
+        return sum(tensor_nbytes(t) for t in (*self.key_factors, *self.value_factors, self.bias))
+
+    def select_rows(self, indices: torch.Tensor) -> LowRankBlock:
+        index = indices.to(self.key_factors[0].device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return LowRankBlock(
+            (pick(self.key_factors[0]), pick(self.key_factors[1])),
+            (pick(self.value_factors[0]), pick(self.value_factors[1])),
+            pick(self.bias),
+            tokens=self.tokens,
+        )
+
+    def to(self, device: torch.device | str) -> LowRankBlock:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return LowRankBlock(
+            (move(self.key_factors[0]), move(self.key_factors[1])),
+            (move(self.value_factors[0]), move(self.value_factors[1])),
+            move(self.bias),
+            tokens=self.tokens,
+        )
+
+
+def block_bias(block: Block) -> torch.Tensor | None:
+    """The per-entry logit bias of any block (None for blocks without one)."""
+    reader = getattr(block, "read_bias", None)
+    return None if reader is None else reader()

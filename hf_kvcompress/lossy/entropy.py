@@ -1,0 +1,37 @@
+"""Per-entry scores from reference queries: attention mass (Top-K, summary selection) and attention entropy
+(the seed's stage 1).
+
+Both normalise each query's attention over everything the layer holds (sinks, region, recent window), so an entry's
+score is the share of real attention it gets, not its share within the region. Dead entries (padding) score
+``-inf`` (mass) / ``+inf`` (entropy) so they are never kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .matching import Kernel, row, row_context
+from .region import FitContext, Region
+
+
+def attention_mass(region: Region, ctx: FitContext) -> torch.Tensor:
+    """``[b, h, n]``: mean attention weight each entry receives over the valid reference queries."""
+    rows = [Kernel.build(row(region, r), row_context(ctx, r)).mass() for r in range(region.keys.shape[0])]
+    return torch.cat(rows).masked_fill(~region.live, float("-inf"))
+
+
+def entry_entropy(region: Region, ctx: FitContext) -> torch.Tensor:
+    """``[b, h, n]``: entropy (nats) of each entry's attention over the reference queries, i.e. of the column
+    ``a[:, j] / sum_q a[q, j]``. High = attended diffusely by many queries (the seed's "low information").
+
+    Measured on SmolLM2 this is a poor importance signal: the attention sinks and the most attended entries have
+    some of the *highest* column entropies (every query attends to them a little), see docs/lossy.md.
+    """
+    rows = [Kernel.build(row(region, r), row_context(ctx, r)).entropy() for r in range(region.keys.shape[0])]
+    return torch.cat(rows).masked_fill(~region.live, float("inf"))
+
+
+def top_entries(score: torch.Tensor, count: int) -> torch.Tensor:
+    """``[b, h, count]`` indices of the highest scores per row and head, in ascending position order."""
+    count = min(count, score.shape[-1])
+    return score.topk(count, dim=-1).indices.sort(dim=-1).values

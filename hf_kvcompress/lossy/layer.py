@@ -1,0 +1,390 @@
+"""`LossyLayer`: a cache layer that keeps sinks and a recent window exact and periodically summarises the rest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..cache.layer import CompressedLayer
+from ..cache.storage import Block, RawStorage, tensor_nbytes
+from .attention import attach, set_active, take_active
+from .blocks import LossyBlock, block_bias
+from .budget import budget_bytes, token_bytes
+from .methods import METHODS
+from .queries import QueryBuffer, group_by_kv_head, proxy_queries, reposition
+from .region import FitContext, Region
+
+NEG_INF = float("-inf")
+
+
+class LossyLayer(CompressedLayer):
+    """One layer in lossy mode.
+
+    Held entries, in order: a sink block (the first ``sinks`` real tokens of each row, exact, made at the first
+    summary), the blocks the method made of everything older than the recent window, and the residual (recent
+    tokens, exact). A summary runs when the layer holds more than its budget and either a multi-token forward
+    (a prefill) just arrived or ``interval`` tokens came in since the last one. With a model attached it runs
+    right after that forward's attention, on its queries; otherwise at the end of ``update`` on key proxies.
+
+    Between summaries the layer may exceed its budget by the tokens that arrived since the last one (at most
+    ``interval - 1`` decode steps); right after every summary it holds at most its budget.
+    """
+
+    def __init__(self, cache: Any, *, layer_idx: int, sliding_window: int | None = None):
+        if sliding_window is not None:
+            raise ValueError(
+                f"lossy mode does not support sliding-window layers (layer {layer_idx} has a window of "
+                f"{sliding_window}); use mode='none' or 'lossless' for this model"
+            )
+        config = cache.config
+        self.lossy = config.lossy
+        # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer
+        self.query_buffer = QueryBuffer(self.lossy.reference_queries)
+        self.residual_valid: torch.Tensor | None = None
+        self.sink_block: LossyBlock | None = None
+        super().__init__(
+            RawStorage(),
+            block_tokens=config.block_tokens,
+            residual_tokens=config.residual_tokens,
+            layer_idx=layer_idx,
+        )
+        self.method = METHODS[self.lossy.method]
+        self.model = getattr(cache, "model", None)
+        self.attached = self.model is not None
+        if self.attached:
+            attach(self.model)
+        self.inv_freq = _rope_inv_freq(self.model)
+        self.pending = False
+        self.since_summary = 0
+        self.summary_seconds: list[float] = []
+        self.scaling: float | None = None
+        self._new_valid: torch.Tensor | None = None
+        self._expected_kv = -1
+
+    def __repr__(self) -> str:
+        return (
+            f"LossyLayer(method={self.lossy.method}, entries={self.entries if self.is_initialized else 0}, "
+            f"tokens={self.seen_tokens}, summaries={len(self.summary_seconds)})"
+        )
+
+    # ------------------------------------------------------------------ transformers' layer interface
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new tokens; return every held entry followed by the new ones (the summary, when due, changes only
+        what later forwards see)."""
+        self._check_states(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        parts_k, parts_v = self._held_parts()
+        keys = torch.cat([*parts_k, key_states], dim=-2)
+        values = torch.cat([*parts_v, value_states], dim=-2)
+        count = key_states.shape[-2]
+        self.residual_keys = torch.cat([self.residual_keys, key_states], dim=-2)
+        self.residual_values = torch.cat([self.residual_values, value_states], dim=-2)
+        if self.residual_valid is not None:
+            ones = torch.ones(self.rows, count, dtype=torch.bool, device=self.residual_valid.device)
+            self.residual_valid = torch.cat([self.residual_valid, ones], dim=-1)
+        self.seen_tokens += count
+        self.since_summary += count
+        self._new_valid = None
+        self._expected_kv = keys.shape[-2]
+        if self.held_bytes() > self.budget_bytes() and (count > 1 or self.since_summary >= self.lossy.interval):
+            self.pending = True
+        if self.attached:
+            set_active(self.layer_idx, self)
+        elif self.pending:
+            self.summarize()
+        return keys, values
+
+    def replay(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, query_states: torch.Tensor, scaling: float | None
+    ) -> None:
+        """What one unpadded forward does to this layer (``update``, then the attention function's ``observe``),
+        from captured post-RoPE states: lets experiments share one full prefill across many lossy caches."""
+        self.update(key_states, value_states)
+        take_active(self.layer_idx)
+        self.observe(query_states, scaling)
+
+    # ------------------------------------------------------------------ called by the lossy attention function
+
+    def expects(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether an attention call with these shapes is the one this layer's last ``update`` prepared (guards
+        against a stale registration, e.g. an ``update`` whose attention never ran)."""
+        return key.shape[-2] == self._expected_kv and query.shape[0] == self.rows
+
+    def attention_mask(
+        self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The mask for this layer's attention: biases (fitted weights, ``-inf`` for padding) on the held entries,
+        the model's causal/padding mask on the new ones. ``mask`` is transformers' mask for the *first* layer; only
+        its last ``q`` columns (the new tokens, whose positions do not depend on what a layer holds) are used."""
+        b, heads, q, _ = query.shape
+        held = kv_length - q
+        if mask is not None:
+            new = mask[..., -q:]
+            new = new if new.dtype == torch.bool else new > torch.finfo(new.dtype).min / 2
+            valid = new.any(dim=-2)[:, 0, :]  # a token is real if any query of its row may attend to it
+            self._new_valid = None if bool(valid.all()) else valid
+        else:
+            new = None
+        held_bias = self._held_bias(held)
+        if held_bias is None and (mask is None or mask.shape[-1] == kv_length):
+            return mask  # nothing to add: the model's own mask is right
+        if new is None:
+            new = torch.ones(q, q, dtype=torch.bool, device=query.device).tril(diagonal=0)[None, None]
+        low = torch.finfo(query.dtype).min
+        new_part = torch.where(new, 0.0, low).to(query.dtype).expand(b, heads, q, q)
+        if held_bias is None:
+            held_part = torch.zeros(b, heads, q, held, dtype=query.dtype, device=query.device)
+        else:
+            groups = heads // held_bias.shape[1]
+            bias = torch.where(torch.isfinite(held_bias), held_bias, low).clamp_min(low)
+            bias = bias.repeat_interleave(groups, dim=1).to(query.dtype)
+            held_part = bias[:, :, None, :].expand(b, heads, q, held)
+        return torch.cat([held_part, new_part], dim=-1)
+
+    def observe(self, query: torch.Tensor, scaling: float | None) -> None:
+        """Record this forward's queries (and which new tokens are padding); run a summary that is due."""
+        if scaling is not None:
+            self.scaling = float(scaling)
+        count = query.shape[-2]
+        if self._new_valid is not None:
+            if self.residual_valid is None:
+                self.residual_valid = torch.ones(
+                    self.rows, self.residual_length, dtype=torch.bool, device=self.residual_keys.device
+                )
+            self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
+        self.query_buffer.add(query, self.seen_tokens - count, self._new_valid)
+        self._new_valid = None
+        if self.pending:
+            self.summarize()
+
+    # ------------------------------------------------------------------ budget
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one text position costs per batch row in a full cache."""
+        return token_bytes(self.residual_keys.shape[1], self.residual_keys.shape[-1], self.residual_keys.element_size())
+
+    def budget_bytes(self) -> int:
+        """Bytes per batch row this layer may hold after a summary."""
+        return budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
+
+    def held_bytes(self) -> int:
+        """Bytes per batch row held now: blocks with their side data, residual and its padding mask."""
+        total = sum(block.nbytes() for block in self.blocks)
+        total += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
+        total += tensor_nbytes(self.residual_valid)
+        return total // max(self.rows, 1)
+
+    # ------------------------------------------------------------------ the summary
+
+    @torch.no_grad()
+    def summarize(self) -> None:
+        """Shrink this layer to its budget now: sinks and the recent window stay exact, the method replaces the
+        rest. Records the wall time in ``summary_seconds``."""
+        start = time.perf_counter()
+        self.pending = False
+        self.since_summary = 0
+        budget = self.budget_bytes()
+        per_token = self.token_bytes
+        if self.sink_block is None:
+            self._make_sink_block(budget // per_token)
+        sink_bytes = 0 if self.sink_block is None else self.sink_block.nbytes() // max(self.rows, 1)
+        window = min(self.residual_tokens, self.residual_length)
+        # the padding mask is kept (and paid for, one byte per token) only while the window still holds padding
+        held_pad = self.residual_valid is not None and window > 0 and not bool(self.residual_valid[:, -window:].all())
+        valid_bytes = int(held_pad)
+        window = max(0, min(window, (budget - sink_bytes) // (per_token + valid_bytes)))
+        region = self._region(window)
+        context_keys, context_values, context_bias = self._context(window)
+        ctx = FitContext(
+            *self._reference_queries(),
+            context_keys,
+            context_values,
+            context_bias,
+            self.scaling or self.residual_keys.shape[-1] ** -0.5,
+            self.attached,
+            self.lossy,
+        )
+        middle = max(0, budget - sink_bytes - window * (per_token + valid_bytes))
+        made = self.method(region, middle, ctx)
+        self.blocks = ([self.sink_block] if self.sink_block is not None else []) + made
+        self.block_starts = [0] * len(self.blocks)
+        keep = self.residual_length - window
+        self.residual_keys = self.residual_keys[..., keep:, :].contiguous()
+        self.residual_values = self.residual_values[..., keep:, :].contiguous()
+        if self.residual_valid is not None:
+            self.residual_valid = self.residual_valid[:, keep:].contiguous()
+            if bool(self.residual_valid.all()):
+                self.residual_valid = None
+        self.summary_seconds.append(time.perf_counter() - start)
+
+    def _make_sink_block(self, max_tokens: int) -> None:
+        """The first ``sinks`` real (non-padding) tokens of each row, taken out of the residual for good."""
+        length = self.residual_length
+        old = length - min(self.residual_tokens, length)
+        count = min(self.lossy.sinks, old, max(0, max_tokens))
+        if count <= 0:
+            return
+        live = self._residual_live()
+        order = torch.arange(length, device=live.device).expand(live.shape[0], -1)
+        # real tokens of the old part first, in order: the first `count` are each row's sinks
+        late = (~live) | (order >= old)
+        index = (order + late.long() * length).argsort(dim=-1)[:, :count].sort(dim=-1).values
+        taken = torch.zeros_like(live).scatter(1, index, True)
+        rest = (order + taken.long() * length).argsort(dim=-1)[:, : length - count].sort(dim=-1).values
+        sink_live = torch.gather(live, 1, index)
+        heads = self.residual_keys.shape[1]
+        bias = torch.where(sink_live, 0.0, NEG_INF)[:, None, :].expand(-1, heads, -1)
+        self.sink_block = LossyBlock(
+            _gather_rows(self.residual_keys, index),
+            _gather_rows(self.residual_values, index),
+            None if bool(sink_live.all()) else bias.to(self.dtype).contiguous(),
+            tokens=count,
+        )
+        self.residual_keys = _gather_rows(self.residual_keys, rest)
+        self.residual_values = _gather_rows(self.residual_values, rest)
+        if self.residual_valid is not None:
+            self.residual_valid = torch.gather(self.residual_valid, 1, rest)
+
+    def _region(self, window: int) -> Region:
+        """Everything between the sinks and the last ``window`` residual tokens."""
+        blocks = [block for block in self.blocks if block is not self.sink_block]
+        old = self.residual_length - window
+        keys = [block.read()[0] for block in blocks] + [self.residual_keys[..., :old, :]]
+        values = [block.read()[1] for block in blocks] + [self.residual_values[..., :old, :]]
+        bias = [self._bias_of(block) for block in blocks] + [self._residual_bias()[..., :old]]
+        sink_tokens = 0 if self.sink_block is None else self.sink_block.tokens
+        return Region(
+            torch.cat(keys, dim=-2), torch.cat(values, dim=-2), torch.cat(bias, dim=-1),
+            tokens=self.seen_tokens - window - sink_tokens,
+        )
+
+    def _context(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The exact entries a summary keeps around the region: sinks and the recent window."""
+        old = self.residual_length - window
+        keys = [self.residual_keys[..., old:, :]]
+        values = [self.residual_values[..., old:, :]]
+        bias = [self._residual_bias()[..., old:]]
+        if self.sink_block is not None:
+            keys.insert(0, self.sink_block.keys)
+            values.insert(0, self.sink_block.values)
+            bias.insert(0, self._bias_of(self.sink_block))
+        return torch.cat(keys, dim=-2), torch.cat(values, dim=-2), torch.cat(bias, dim=-1)
+
+    def _reference_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([b, h, m, d] float32, [b, h, m])``: queries (moved to future positions) and their weights."""
+        heads = self.residual_keys.shape[1]
+        buffer = self.query_buffer
+        if self.attached and len(buffer):
+            queries, positions, valid = buffer.queries.float(), buffer.positions, buffer.valid
+        else:
+            # no model: the most recent keys stand in for queries
+            queries = proxy_queries(self.residual_keys, self.lossy.reference_queries).float()
+            count = queries.shape[-2]
+            positions = torch.arange(self.seen_tokens - count, self.seen_tokens, device=queries.device)
+            valid = self._residual_live()[:, -count:]
+        queries = reposition(
+            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon, inv_freq=self.inv_freq
+        )
+        grouped = group_by_kv_head(queries, heads)
+        groups = grouped.shape[-2] // valid.shape[-1]
+        weight = valid.float().repeat(1, groups)[:, None, :].expand(-1, heads, -1)
+        return grouped, weight
+
+    # ------------------------------------------------------------------ biases
+
+    def _residual_live(self) -> torch.Tensor:
+        if self.residual_valid is None:
+            return torch.ones(self.rows, self.residual_length, dtype=torch.bool, device=self.residual_keys.device)
+        return self.residual_valid
+
+    def _residual_bias(self) -> torch.Tensor:
+        live = self._residual_live()
+        heads = self.residual_keys.shape[1]
+        return torch.where(live, 0.0, NEG_INF)[:, None, :].expand(-1, heads, -1).float()
+
+    def _bias_of(self, block: Block) -> torch.Tensor:
+        bias = block_bias(block)
+        if bias is None:
+            return torch.zeros(self.rows, self.residual_keys.shape[1], block.entries, device=self.residual_keys.device)
+        return bias.float()
+
+    def _held_bias(self, held: int) -> torch.Tensor | None:
+        """``[b, h, held]`` float32 biases of the entries held before this forward's tokens, or None if all zero."""
+        if all(block_bias(block) is None for block in self.blocks) and self.residual_valid is None:
+            return None
+        bias = torch.cat([self._bias_of(block) for block in self.blocks] + [self._residual_bias()], dim=-1)
+        return bias[..., :held]
+
+    # ------------------------------------------------------------------ bookkeeping overrides
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(super().stats())
+        if self.is_initialized:
+            out["stored_bytes"] += tensor_nbytes(self.residual_valid)
+        out["summaries"] = len(self.summary_seconds)
+        out["summary_seconds"] = float(sum(self.summary_seconds))
+        out["last_summary_seconds"] = self.summary_seconds[-1] if self.summary_seconds else 0.0
+        # the reference-query buffer is the compressor's workspace (fixed size, independent of context length)
+        out["query_bytes"] = self.query_buffer.nbytes()
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self.residual_valid = None
+        self.sink_block = None
+        self.pending = False
+        self.since_summary = 0
+        self.query_buffer.clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.residual_valid is not None:
+            self.residual_valid = self.residual_valid[:, : self.residual_length]
+        self.query_buffer.drop_after(self.seen_tokens)
+
+    def _select_rows(self, indices: torch.Tensor) -> None:
+        super()._select_rows(indices)
+        if not self.is_initialized:
+            return
+        index = indices.to(device=self.residual_keys.device, dtype=torch.long)
+        if self.residual_valid is not None:
+            self.residual_valid = self.residual_valid.index_select(0, index)
+        if self.sink_block is not None:
+            self.sink_block = self.blocks[0]  # re-selected by the base class
+        self.query_buffer.select_rows(index)
+
+    def _move(self, device: torch.device | str) -> None:
+        super()._move(device)
+        if self.residual_valid is not None:
+            self.residual_valid = self.residual_valid.to(device)
+        if self.sink_block is not None:
+            self.sink_block = self.blocks[0]
+        self.query_buffer.to(device)
+
+    def _replace(self, tensor: torch.Tensor | None, which: int) -> None:
+        # writing plain keys/values makes everything exact residual again (earlier summary biases are lost)
+        super()._replace(tensor, which)
+        self.residual_valid = None
+        self.sink_block = None
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Entries ``index`` (``[b, t]``, per batch row, shared by all heads) of ``x`` (``[b, h, n, d]``)."""
+    return torch.gather(x, 2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1])).contiguous()
+
+
+def _rope_inv_freq(model: torch.nn.Module | None) -> torch.Tensor | None:
+    """The RoPE frequencies of an attached model (None without a model or rotary embedding)."""
+    if model is None:
+        return None
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+            return module.inv_freq.detach().float().cpu()
+    return None

@@ -1,0 +1,121 @@
+"""Stage 2 of a summary: refit what is kept so the reference queries see the same attention output.
+
+For each reference query q the full layer gives ``o(q) = (N_ctx + N_reg) / (Z_ctx + Z_reg)`` where ``Z`` sums
+``exp(logit)`` and ``N`` sums ``exp(logit) v`` over the exact context (sinks, recent window) and over the region.
+The summary keeps entries ``j`` with key ``k_j``, weight ``w_j = exp(bias_j)`` and a new value ``c_j``:
+
+1. weights (Attention Matching, Zweiger et al. 2026): non-negative least squares so the kept entries carry the
+   region's attention mass, ``sum_j w_j e_qj ~ Z_reg(q)``, each query's residual scaled by ``1 / Z_tot(q)`` (what
+   matters is the region's share of the query's attention). Only when the attention path applies biases.
+2. values (the seed's OLS "compensation"): with ``Z^(q) = Z_ctx + sum_j w_j e_qj``, solve
+   ``sum_j (w_j e_qj / Z^) c_j ~ o(q) - N_ctx / Z^`` by ridge least squares, shrinking ``c`` towards the kept
+   entries' own values. This matches the total output, so it also works without biases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .region import FitContext, Region
+from .solvers import nnls, ridge_lstsq
+
+
+@dataclass
+class Kernel:
+    """Everything a summary needs about one batch row's reference queries against its region and context,
+    computed once: ``region_exp`` ``[1, h, m, n]`` (``exp(logit + bias - top)``, 0 for dead entries),
+    ``context_exp`` likewise for the exact context, per-query totals and the full output ``[1, h, m, d]``."""
+
+    region_exp: torch.Tensor
+    context_exp: torch.Tensor
+    region_z: torch.Tensor
+    context_z: torch.Tensor
+    context_n: torch.Tensor
+    output: torch.Tensor
+    query_weight: torch.Tensor
+
+    @classmethod
+    def build(cls, region: Region, ctx: FitContext) -> Kernel:
+        region_logits = ctx.logits(region.keys, region.bias)
+        context_logits = ctx.logits(ctx.context_keys, ctx.context_bias)
+        top = torch.maximum(region_logits.amax(-1, keepdim=True), context_logits.amax(-1, keepdim=True))
+        top = torch.nan_to_num(top, neginf=0.0)  # a query with nothing live: anything finite will do
+        region_exp = (region_logits - top).exp_()
+        context_exp = (context_logits - top).exp_()
+        region_z, context_z = region_exp.sum(-1), context_exp.sum(-1)
+        context_n = context_exp @ ctx.context_values.float()
+        output = (region_exp @ region.values.float() + context_n) / (region_z + context_z)[..., None]
+        return cls(region_exp, context_exp, region_z, context_z, context_n, output, ctx.query_weight)
+
+    @property
+    def full_z(self) -> torch.Tensor:
+        return self.region_z + self.context_z
+
+    def mass(self) -> torch.Tensor:
+        """``[1, h, n]`` mean attention weight per region entry over the valid queries."""
+        qw = self.query_weight[..., None]
+        share = self.region_exp / self.full_z[..., None]
+        return (share * qw).sum(-2) / qw.sum(-2).clamp_min(1e-12)
+
+    def entropy(self) -> torch.Tensor:
+        """``[1, h, n]`` entropy (nats) of each entry's attention over the queries (column-normalised)."""
+        weights = self.region_exp / self.full_z[..., None] * self.query_weight[..., None]
+        column = weights / weights.sum(-2, keepdim=True).clamp_min(1e-30)
+        return -(column * column.clamp_min(1e-30).log()).sum(-2)
+
+
+@dataclass
+class Fit:
+    """A fitted summary of one row: float32 ``values`` ``[1, h, t, d]``, ``bias`` ``[1, h, t]`` and the normalised
+    attention ``weights`` ``[1, h, m, t]`` the reference queries give the kept entries."""
+
+    values: torch.Tensor
+    bias: torch.Tensor
+    weights: torch.Tensor
+
+
+def fit_row(
+    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = 200
+) -> Fit:
+    """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``."""
+    kept = region.gather(index)
+    live = kept.live
+    # the kept entries' kernel columns without their old bias (plain exp(logit - top)); 0 where dead
+    base = torch.gather(kernel.region_exp, -1, index[..., None, :].expand(*kernel.region_exp.shape[:-1], -1))
+    base = base * torch.where(live, (-kept.bias).exp(), torch.zeros_like(kept.bias))[..., None, :]
+    root_w = kernel.query_weight.sqrt()
+    weight = torch.where(live, kept.bias.exp(), torch.zeros_like(kept.bias))
+    if use_bias and bool((kernel.query_weight > 0).any()):
+        scale = (root_w / kernel.full_z)[..., None]
+        target = (kernel.region_z * root_w / kernel.full_z)[0]
+        weight = nnls((base * scale)[0], target, init=weight[0], iters=iters)[None].float() * live
+    bias = torch.where(weight > 0, weight.clamp_min(1e-30).log(), torch.full_like(weight, float("-inf")))
+    design = base * weight[..., None, :]
+    summary_z = kernel.context_z + design.sum(-1)
+    row_scale = (root_w / summary_z)[..., None]
+    target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
+    values = ridge_lstsq((design * row_scale)[0], target[0], ridge=ridge, prior=kept.values.float()[0])
+    return Fit(values[None].float(), bias, design / summary_z[..., None])
+
+
+def row(region: Region, index: int) -> Region:
+    """Batch row ``index`` of ``region`` (kept 4-D)."""
+    sl = slice(index, index + 1)
+    return Region(region.keys[sl], region.values[sl], region.bias[sl], region.tokens)
+
+
+def row_context(ctx: FitContext, index: int) -> FitContext:
+    """Batch row ``index`` of ``ctx``."""
+    sl = slice(index, index + 1)
+    return FitContext(
+        ctx.queries[sl],
+        ctx.query_weight[sl],
+        ctx.context_keys[sl],
+        ctx.context_values[sl],
+        ctx.context_bias[sl],
+        ctx.scaling,
+        ctx.use_bias,
+        ctx.config,
+    )

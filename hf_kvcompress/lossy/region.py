@@ -1,0 +1,102 @@
+"""The data a compression method works on: the compressible region of one layer and the fit context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import LossyConfig
+
+
+@dataclass
+class Region:
+    """Entries of one layer that a summary may replace (everything older than the recent window, sinks excluded).
+
+    ``keys``/``values``: ``[batch, kv_heads, n, head_dim]`` in the cache dtype; ``bias``: ``[batch, kv_heads, n]``
+    float32 logit biases (0 for plain tokens, fitted log-weights for earlier summary entries, ``-inf`` for dead
+    entries such as padding); ``tokens``: text positions the region stands for.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    tokens: int
+
+    @property
+    def entries(self) -> int:
+        return self.keys.shape[-2]
+
+    @property
+    def live(self) -> torch.Tensor:
+        """``[b, h, n]`` bool: entries attention can actually see."""
+        return torch.isfinite(self.bias)
+
+    def gather(self, index: torch.Tensor) -> Region:
+        """The entries ``index`` (``[b, h, t]``) of every row and head, in that order."""
+        dim = self.keys.shape[-1]
+        expanded = index[..., None].expand(*index.shape, dim)
+        return Region(
+            torch.gather(self.keys, 2, expanded),
+            torch.gather(self.values, 2, expanded),
+            torch.gather(self.bias, 2, index),
+            self.tokens,
+        )
+
+
+@dataclass
+class FitContext:
+    """What a method may use besides the region itself.
+
+    ``queries``: ``[batch, kv_heads, m, head_dim]`` float32 reference queries per KV head (already moved to future
+    positions), ``query_weight``: ``[batch, kv_heads, m]`` (0 for padding queries); ``context_*``: the entries that
+    stay exact (sinks and recent window) in the same layout as a `Region`, so fits can weight each query by how much
+    of its attention the region really gets; ``scaling``: the attention scale; ``use_bias``: whether the attention
+    path applies per-entry biases (a model is attached); ``config``: the lossy parameters.
+    """
+
+    queries: torch.Tensor
+    query_weight: torch.Tensor
+    context_keys: torch.Tensor
+    context_values: torch.Tensor
+    context_bias: torch.Tensor
+    scaling: float
+    use_bias: bool
+    config: LossyConfig
+
+    def logits(self, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``[b, h, m, n]`` float32 attention logits of the reference queries against ``keys``."""
+        out = self.queries @ keys.float().transpose(-1, -2) * self.scaling
+        return out if bias is None else out + bias[..., None, :]
+
+
+def dead_bias_or_none(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A stored bias in the cache dtype, or None where every entry has bias 0 (nothing to store)."""
+    if bool((bias == 0).all()):
+        return None
+    return bias.to(dtype)
+
+
+def keep_within(region: Region, budget: int, order: torch.Tensor | None) -> Region | None:
+    """The best entries of ``region`` that fit in ``budget`` bytes per row, or None if none does.
+
+    ``order``: ``[b, h, n]`` score, higher = keep first (None: the newest entries). A bias per entry is stored
+    only if a kept entry needs one (a dead or earlier-fitted entry), so the count is settled in two steps.
+    """
+    from .budget import entry_bytes
+    from .entropy import top_entries
+
+    b, h, n, d = region.keys.shape
+    elem = region.keys.element_size()
+    for with_bias in (False, True):
+        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias))
+        if count <= 0:
+            return None
+        if order is None:
+            index = torch.arange(n - count, n, device=region.keys.device).expand(b, h, count)
+        else:
+            index = top_entries(order, count)
+        kept = region.gather(index)
+        if with_bias or bool((kept.bias == 0).all()):
+            return kept
+    return kept

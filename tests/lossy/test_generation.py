@@ -1,0 +1,122 @@
+"""Generation in lossy mode on tiny random Llama / Qwen3 models: batch 1 and 2 (left padded), every method,
+with and without an attached model; the budget holds right after every summary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
+from hf_kvcompress.lossy.layer import LossyLayer
+
+METHODS = ["summary", "topk", "streaming", "svd"]
+
+
+def lossy_cache(model, method, budget=0.4, **kwargs):
+    lossy = LossyConfig(method=method, budget=budget, interval=8, sinks=2, reference_queries=64, **kwargs)
+    return CompressedCache(CompressionConfig(mode="lossy", residual_tokens=8, lossy=lossy), model=model)
+
+
+def check_budget(cache, interval=8):
+    for layer in cache.layers:
+        assert isinstance(layer, LossyLayer)
+        # right after a summary the layer holds at most its budget; since then at most `interval` new tokens
+        slack = layer.since_summary * layer.token_bytes + layer.rows * layer.since_summary
+        assert layer.held_bytes() <= layer.budget_bytes() + slack
+        assert layer.since_summary < interval or not layer.summary_seconds
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_generate_batch_one(tiny_model, method):
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    cache = lossy_cache(tiny_model, method)
+    out = tiny_model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, cache=cache, pad_token_id=0)
+    assert out.shape == (1, 72)
+    stats = cache.stats()
+    assert stats["tokens"] == 71  # the last generated token is never fed back
+    assert stats["stored_bytes"] < 0.6 * stats["raw_bytes"]
+    assert all(s["summaries"] >= 2 for s in stats["per_layer"])
+    check_budget(cache)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_generate_batch_two_left_padded(tiny_model, method):
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :7] = 0
+    mask[1, :7] = 0
+    cache = lossy_cache(tiny_model, method)
+    out = tiny_model.generate(
+        ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, cache=cache, pad_token_id=0
+    )
+    assert out.shape == (2, 60)
+    check_budget(cache)
+    for layer in cache.layers:
+        # the padded row's sinks are its first real tokens, not padding
+        keys = layer.sink_block.keys
+        assert torch.equal(keys[1], _prefill_keys(tiny_model, ids[1:, 7:], layer.layer_idx)[0, :, :2])
+
+
+def test_padded_row_matches_unpadded_run(llama):
+    """Streaming with a token budget keeps the same tokens for a left-padded row as for the row alone."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, 36), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :5] = 0
+    mask[1, :5] = 0
+    both = llama.generate(
+        ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
+        cache=lossy_cache(llama, "streaming", budget=20),
+    )
+    alone = llama.generate(
+        ids[1:, 5:], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, cache=lossy_cache(llama, "streaming", budget=20)
+    )
+    assert torch.equal(both[1, 5:], alone[0])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_generate_without_model_uses_key_proxies(llama, method):
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    lossy = LossyConfig(method=method, budget=0.4, interval=8, sinks=2, reference_queries=32)
+    cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=8, lossy=lossy))
+    out = llama.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, past_key_values=cache, pad_token_id=0)
+    assert out.shape == (1, 52)
+    check_budget(cache)
+
+
+def test_budget_holds_right_after_prefill(llama):
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(5))
+    for method in METHODS:
+        cache = lossy_cache(llama, method, budget=0.3)
+        with torch.no_grad():
+            llama(ids, cache=cache)
+        stats = cache.stats()
+        assert stats["stored_bytes"] <= 0.3 * stats["raw_bytes"], method
+        assert all(s["summaries"] == 1 for s in stats["per_layer"])
+
+
+def test_int_budget_is_token_equivalents(llama):
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(6))
+    cache = lossy_cache(llama, "topk", budget=30)
+    with torch.no_grad():
+        llama(ids, cache=cache)
+    for layer in cache.layers:
+        assert layer.held_bytes() <= 30 * layer.token_bytes
+        assert layer.entries == 30  # no biases for Top-K: every byte is a whole token
+        assert layer.get_seq_length() == 100
+
+
+def test_attached_model_keeps_working_with_other_caches(llama):
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(7))
+    before = llama.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    lossy_cache(llama, "summary")
+    after = llama.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(before, after)
+
+
+def _prefill_keys(model, ids, layer_idx):
+    cache = CompressedCache(CompressionConfig(mode="none"), model=model)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    return cache.layer(layer_idx).keys
