@@ -34,7 +34,7 @@ FORMAT = "hf_kvcompress.calibration"
 VERSION = 1
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
-RIDGE = 1e-3  # relative to the mean feature energy: keeps near-collinear features (e.g. rotated pairs) solvable
+RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
 SIGMA_FLOOR = 1e-6
 
 
@@ -284,7 +284,8 @@ def _fit_predictor(
         keys0, _ = chunks[0].kv[layer]
         heads, dim = keys0.shape[1], keys0.shape[3]
         if layer < first:  # recomputed exactly by the decoder: nothing to fit
-            below = [LayerValues(c.kv[layer][0], c.kv[layer][1], torch.ones(1, tokens)) for c in chunks]
+            below = [LayerValues.on_top_of(c.kv[layer][0], c.kv[layer][1], torch.ones(1, tokens), below[i])
+                     for i, c in enumerate(chunks)]
             continue
         recipe = predictor.layer_recipe(layer)
         # Z = [1, base features, own keys (pre-RoPE), own values]: every stream's features are a prefix
@@ -328,7 +329,8 @@ def _fit_predictor(
                     z2_sum[c] = z2_sum[c] + (r.float() / sigma).square().mean(dim=-1)
                 z2_count += 1
         below = [
-            LayerValues(c.kv[layer][0], c.kv[layer][1], (z2_sum[i] / z2_count).sqrt().clamp(*SURPRISE_RANGE)[None])
+            LayerValues.on_top_of(c.kv[layer][0], c.kv[layer][1],
+                                  (z2_sum[i] / z2_count).sqrt().clamp(*SURPRISE_RANGE)[None], below[i])
             for i, c in enumerate(chunks)
         ]
     mean_bits = sum(gaussian_bits) / len(gaussian_bits) if gaussian_bits else 0.0
@@ -341,8 +343,10 @@ def _ridge(gram: torch.Tensor, n_feat: int, target: int, dim: int) -> torch.Tens
     a = gram[:n_feat, :n_feat].clone()
     b = gram[:n_feat, target : target + dim]
     if n_feat > 1:
-        energy = a.diagonal()[1:].mean().clamp_min(1e-12)
-        a[1:, 1:] += RIDGE * energy * torch.eye(n_feat - 1, dtype=a.dtype)
+        # per-feature penalty: features differ in scale by orders of magnitude (keys vs values, layer to layer),
+        # and one global penalty would flatten the small ones
+        energy = a.diagonal()[1:].clamp_min(1e-12)
+        a[1:, 1:] += torch.diag(RIDGE * energy)
     return torch.linalg.solve(a, b)
 
 

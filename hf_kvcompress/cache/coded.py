@@ -197,7 +197,8 @@ class LosslessContext:
             return self.decoded(current)
         if current is not None:  # a raw block below (mode mix): its values are exact
             k, v = current.read()
-            return LayerValues(k.cpu(), v.cpu(), torch.ones(k.shape[0], k.shape[2]))
+            return LayerValues(k.cpu(), v.cpu(), torch.ones(k.shape[0], k.shape[2]),
+                               self._below(layer - 1, start) if layer > 1 else None)
         raise RuntimeError(f"lossless: layer {layer} needs layer {layer - 1}'s block at {start}, which is gone")
 
     def _remember(self, block: Block, values: LayerValues) -> None:

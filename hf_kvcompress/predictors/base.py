@@ -17,14 +17,40 @@ import torch
 KINDS = ("k", "v")
 
 
+#: how many layers below a block the values stay reachable (``LayerValues.below`` chains)
+MAX_BELOW = 2
+
+
 @dataclass
 class LayerValues:
-    """A block's true keys and values at one layer (``[batch, kv_heads, tokens, head_dim]``, cached dtype)
-    and the per-token surprise its predictor saw (``[batch, tokens]``, float32, 1 = as expected)."""
+    """A block's true keys and values at one layer (``[batch, kv_heads, tokens, head_dim]``, cached dtype),
+    the per-token surprise its predictor saw (``[batch, tokens]``, float32, 1 = as expected) and the same
+    block one layer further down (``MAX_BELOW - 1`` levels are kept)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     surprise: torch.Tensor
+    below: LayerValues | None = None
+
+    @classmethod
+    def on_top_of(cls, keys: torch.Tensor, values: torch.Tensor, surprise: torch.Tensor,
+                  below: LayerValues | None) -> LayerValues:
+        """Values of a layer whose own ``below`` input was ``below`` (the chain is cut at `MAX_BELOW`)."""
+        return cls(keys, values, surprise, _trim(below, MAX_BELOW - 1))
+
+    def chain(self, depth: int) -> list[LayerValues]:
+        """This layer and up to ``depth - 1`` layers further down, nearest first."""
+        out, node = [], self
+        while node is not None and len(out) < depth:
+            out.append(node)
+            node = node.below
+        return out
+
+
+def _trim(values: LayerValues | None, depth: int) -> LayerValues | None:
+    if values is None or depth <= 0:
+        return None
+    return LayerValues(values.keys, values.values, values.surprise, _trim(values.below, depth - 1))
 
 
 @dataclass

@@ -22,6 +22,7 @@ class BlockStatsSession(PredictorSession):
     """Mean and std per (row, head, channel) of the block itself, sent as bf16 side data."""
 
     def __init__(self, inputs: BlockInputs):
+        self.inputs = inputs
         self.mean = inputs.extras[BLOCK_MEAN].to(torch.float32)  # [batch, 2, heads, dim]
         self.std = inputs.extras[BLOCK_STD].to(torch.float32)
         self.tokens = inputs.positions.shape[0]
@@ -36,7 +37,7 @@ class BlockStatsSession(PredictorSession):
         pass
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
-        return LayerValues(keys, values, torch.ones(keys.shape[0], keys.shape[2]))
+        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
 def block_stats(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -89,11 +90,11 @@ class NoPredictor(CalibratedLinearPredictor):
     """Per-channel mean and spread: what a predictor has to beat."""
 
     name = "none"
-    recipe = FeatureRecipe(below=False, inter_head=False)
+    recipe = FeatureRecipe(below=0, inter_head=False)
 
 
 class ContextPredictor(CalibratedLinearPredictor):
     """The layer below, earlier heads and the keys, through calibrated linear maps."""
 
     name = "context"
-    recipe = FeatureRecipe(below=True, inter_head=True)
+    recipe = FeatureRecipe(below=2, inter_head=True)

@@ -4,7 +4,8 @@ spread a calibrated per-channel sigma scaled by how surprising the token has bee
 For stream (layer l, kind, head h) the features are, in this order (so that every stream's features are
 a prefix of the next one's and one Gram matrix per layer fits them all):
 
-    [1, extras..., K_{l-1} (pre-RoPE, all heads), V_{l-1} (all heads), K_l heads (pre-RoPE), V_l heads]
+    [1, extras..., K_{l-1} (pre-RoPE, all heads), V_{l-1} (all heads), [K_{l-2}, V_{l-2}], K_l heads
+     (pre-RoPE), V_l heads]
 
 keys use the key heads before h; values use all key heads and the value heads before h. Keys are
 predicted in the pre-RoPE frame and rotated back. The std of an element is
@@ -28,7 +29,7 @@ SURPRISE_RANGE = (0.25, 8.0)
 class FeatureRecipe:
     """Which known quantities a linear predictor reads."""
 
-    below: bool = True
+    below: int = 1  # layers below whose K (pre-RoPE) and V are features
     inter_head: bool = True
     extras: tuple[str, ...] = ()
 
@@ -51,9 +52,10 @@ class FeatureBuilder:
         self.frame = frame
         self.positions = inputs.positions
         parts = list(extras)
-        if recipe.below and inputs.below is not None:
-            parts.append(_flat_heads(frame.unrotate(inputs.below.keys, self.positions)))
-            parts.append(_flat_heads(inputs.below.values.to(torch.float32)))
+        if inputs.below is not None:
+            for layer in inputs.below.chain(recipe.below):
+                parts.append(_flat_heads(frame.unrotate(layer.keys, self.positions)))
+                parts.append(_flat_heads(layer.values.to(torch.float32)))
         self.base = parts
         # one tensor for the shared part: each stream multiplies it once, without re-concatenating
         self.base_matrix = torch.cat(parts, dim=-1) if parts else None
@@ -148,7 +150,7 @@ class LinearSession(PredictorSession):
         self.pending = None
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
-        return LayerValues(keys, values, self.surprise(keys.shape[0], keys.shape[2]))
+        return LayerValues.on_top_of(keys, values, self.surprise(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
 def _flat_heads(x: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ class ExactSession(PredictorSession):
     generated one at a time and are now recomputed in one batch)."""
 
     def __init__(self, inputs: BlockInputs):
+        self.inputs = inputs
         self.keys = inputs.extras[EXACT_K].to(torch.float32)
         self.values = inputs.extras[EXACT_V].to(torch.float32)
 
@@ -55,7 +56,7 @@ class ExactSession(PredictorSession):
         pass
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
-        return LayerValues(keys, values, torch.ones(keys.shape[0], keys.shape[2]))
+        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
 class ProbePredictor(CalibratedLinearPredictor):
@@ -74,7 +75,7 @@ class ProbePredictor(CalibratedLinearPredictor):
         return f"probe{self.k}"
 
     def layer_recipe(self, layer: int) -> FeatureRecipe:
-        return FeatureRecipe(below=True, inter_head=True, extras=(HIDDEN,))
+        return FeatureRecipe(below=2, inter_head=True, extras=(HIDDEN,))
 
     def features(self, inputs: BlockInputs) -> list[torch.Tensor]:
         return [inputs.extras[HIDDEN]]
@@ -96,7 +97,7 @@ class TwinPredictor(CalibratedLinearPredictor):
 
     name = "twin"
     practical_in_generation = False
-    recipe = FeatureRecipe(below=True, inter_head=True, extras=(TWIN_K, TWIN_V))
+    recipe = FeatureRecipe(below=1, inter_head=True, extras=(TWIN_K, TWIN_V))
 
     def __init__(self, calibration, model: torch.nn.Module | None, twin: torch.nn.Module | None = None, frame=None):
         super().__init__(calibration, frame)
