@@ -301,7 +301,8 @@ def _fit_predictor(
             base = builder.features("k", 0, 1, tokens)  # [1, base features]: no own heads for head 0
             zs.append(torch.cat([base, *builder.own_keys, *builder.own_values], dim=-1)[0])
         n_base = zs[0].shape[1] - 2 * heads * dim
-        gram = sum(z.double().T @ z.double() for z in zs)
+        # float32 products per chunk (fast), summed in float64; the per-feature ridge absorbs the rounding
+        gram = sum((z.T @ z).double() for z in zs)
         n = len(zs) * tokens
         z2_sum = [torch.zeros(tokens) for _ in chunks]
         z2_count = 0
@@ -312,7 +313,8 @@ def _fit_predictor(
                 if recipe.inter_head:
                     n_feat += h * dim if kind == "k" else (heads + h) * dim
                 weight = _ridge(gram, n_feat, target, dim)
-                residuals = [z[:, target : target + dim].double() - z[:, :n_feat].double() @ weight for z in zs]
+                weight32 = weight.to(torch.float32)
+                residuals = [(z[:, target : target + dim] - z[:, :n_feat] @ weight32).double() for z in zs]
                 if z2_count:
                     surprise = [(s / z2_count).sqrt().clamp(*SURPRISE_RANGE) for s in z2_sum]
                 elif below[0] is not None:
