@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec import CodecConfig, CorruptStreamError, Marginal, decode, encode
+from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, encode
 from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor, stream_order
 from .storage import Block, Storage
 
@@ -165,15 +165,13 @@ class LosslessContext:
             for b, row in enumerate(block.rows):
                 try:
                     target[b, head] = decode(row.blobs[index], mean[b].T, (std[b] * scale_factor(row.scales[index])).T,
-                                             marginal=config.marginal, workers=self.workers).T
-                except CorruptStreamError as err:
-                    if "mean" in str(err) or "std" in str(err):
-                        raise PredictorMismatchError(
-                            f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
-                            f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
-                            f"(different thread count, CPU, library version or calibration?): {err}"
-                        ) from err
-                    raise
+                                             config=config, workers=self.workers).T
+                except ParameterMismatchError as err:
+                    raise PredictorMismatchError(
+                        f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
+                        f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
+                        f"(different thread count, CPU, library version or calibration?): {err}"
+                    ) from err
             session.observe(kind, head, target[:, head])
         values_out = session.finish(keys, values)
         self._remember(block, values_out)

@@ -22,11 +22,17 @@ def lossless_context(cache) -> LosslessContext:
             f"with cache.save(path, predictor='{settings.predictor}')"
         )
     _check_layer_chain(cache, predictor)
-    codec = CodecConfig(window=settings.window, fixed_window=settings.fixed_window)
+    codec = codec_config(settings)
     marginals = None
     if cache.calibration is not None:
         marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
     return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers)
+
+
+def codec_config(settings) -> CodecConfig:
+    """The codec settings a `LosslessConfig` asks for (files record the LosslessConfig, so they decode)."""
+    return CodecConfig(window=settings.window, fixed_window=settings.fixed_window, header=settings.header,
+                       mean_steps=settings.mean_steps)
 
 
 def find_block(cache, layer: int, start: int):

@@ -72,7 +72,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
 
     kv = [(layer.keys, layer.values) for layer in layers]
     block_tokens = cache.config.block_tokens
-    context, blocks = _coding_context(cache, chosen)
+    context, blocks = _coding_context(cache, settings, chosen)
     if needs_tokens:
         context.extras_source = chosen.model_extras(token_ids)
     payload = bytearray()
@@ -152,7 +152,7 @@ def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibr
     dtype = DTYPES.get(header["dtype"])
     if dtype is None:
         raise CacheFileError(f"{path}: unknown dtype {header['dtype']!r}")
-    context, blocks = _coding_context(target, predictor)
+    context, blocks = _coding_context(target, saved_config.lossless, predictor)
     token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
     if not predictor.practical_in_generation:
         if token_ids is None:
@@ -212,12 +212,11 @@ def stream_bytes(header: dict[str, Any]) -> list[dict[str, int]]:
 # ---------------------------------------------------------------------- helpers
 
 
-def _coding_context(cache: CompressedCache, predictor: Predictor) -> tuple[LosslessContext, dict]:
-    from ..codec import CodecConfig
+def _coding_context(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessContext, dict]:
+    from .lossless import codec_config
 
     blocks: dict[tuple[int, int], Block] = {}
-    settings = cache.config.lossless
-    codec = CodecConfig(window=settings.window, fixed_window=settings.fixed_window)
+    codec = codec_config(settings)
     marginals = cache.calibration.marginal if cache.calibration is not None else None
     context = LosslessContext(predictor, codec, lambda layer, start: blocks.get((layer, start)), marginals, settings.workers)
     return context, blocks

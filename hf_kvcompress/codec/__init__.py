@@ -12,7 +12,7 @@ import torch
 from .config import CodecConfig
 from .decoder import decode_impl, decode_range_impl
 from .encoder import encode_impl
-from .errors import CorruptStreamError
+from .errors import CorruptStreamError, ParameterMismatchError
 from .marginal import Marginal
 from .stats import CodecStats, encode_with_stats
 
@@ -21,6 +21,7 @@ __all__ = [
     "CodecStats",
     "CorruptStreamError",
     "Marginal",
+    "ParameterMismatchError",
     "decode",
     "decode_range",
     "encode",
@@ -44,17 +45,20 @@ def decode(
     mean: torch.Tensor | float | None = None,
     std: torch.Tensor | float | None = None,
     *,
+    config: CodecConfig | None = None,
     marginal: Marginal | None = None,
     threads: int = 1,
     workers: int = 1,
 ) -> torch.Tensor:
     """Inverse of `encode`: the same mean/std (checked by fingerprint) give back ``x`` bit for bit.
 
-    ``workers > 1`` decodes windows in forked processes (scales: constriction holds the GIL), ``threads >
-    1`` on threads (overlaps only numpy work). ``marginal``: the p_hat the stream was encoded with, if not
-    the default. Raises `CorruptStreamError` for anything that cannot decode exactly.
+    ``config``: the encoder's `CodecConfig`; required for ``header="compact"`` streams (checked by digest);
+    full streams carry their own and only take the marginal from it. ``marginal``: the p_hat the
+    stream was encoded with, if not the default (or pass it inside ``config``). ``workers > 1`` decodes
+    windows in forked processes (scales: constriction holds the GIL), ``threads > 1`` on threads (overlaps
+    only numpy work). Raises `CorruptStreamError` for anything that cannot decode exactly.
     """
-    return decode_impl(blob, mean, std, marginal, threads, workers)
+    return decode_impl(blob, mean, std, marginal, threads, workers, config=config)
 
 
 def decode_range(
@@ -64,8 +68,10 @@ def decode_range(
     mean: torch.Tensor | float | None = None,
     std: torch.Tensor | float | None = None,
     *,
+    config: CodecConfig | None = None,
     marginal: Marginal | None = None,
 ) -> torch.Tensor:
     """Elements ``start:stop`` of the flattened tensor (1-D), decoding only the windows they lie in
-    (causal mode: all windows up to ``stop``, since boundaries are found serially)."""
-    return decode_range_impl(blob, start, stop, mean, std, marginal)
+    (causal mode: all windows up to ``stop``, since boundaries are found serially). ``config`` and
+    ``marginal`` as for `decode`."""
+    return decode_range_impl(blob, start, stop, mean, std, marginal, config)

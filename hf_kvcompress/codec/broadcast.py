@@ -24,18 +24,19 @@ def sigma_bits_of_code(codes: np.ndarray) -> np.ndarray:
 class ParamSource:
     """Maps flat element ranges of a tensor of ``shape`` to the compact mean/std arrays."""
 
-    def __init__(self, shape: tuple[int, ...], mean: np.ndarray | None, std: np.ndarray | None, fmt: Format):
+    def __init__(self, shape: tuple[int, ...], mean: np.ndarray | None, std: np.ndarray | None, fmt: Format,
+                 mean_steps: int = 8):
         self.fmt = fmt
+        self.mean_steps = mean_steps
         nd = len(shape)
         mean_c = np.zeros((1,) * nd, dtype=np.float32) if mean is None else mean
         std_c = None if std is None else std
         cshape = np.broadcast_shapes(mean_c.shape, std_c.shape) if std_c is not None else mean_c.shape
         self.mean_bits = np.ascontiguousarray(np.broadcast_to(mean_c, cshape)).view(np.uint32).reshape(-1)
         self.std_bits = None
-        self.compact: Params | None = None
+        self._compact: Params | None = None
         if std_c is not None:
             self.std_bits = np.ascontiguousarray(np.broadcast_to(std_c, cshape)).view(np.uint32).reshape(-1)
-            self.compact = element_params(self.mean_bits, self.std_bits, fmt)
         # collapse dims into groups of [extent, x stride, compact stride (0: broadcast)], innermost first;
         # neighbouring dims that are both kept or both broadcast merge into one group
         groups: list[list[int]] = []
@@ -52,6 +53,14 @@ class ParamSource:
         self._groups = [(g[0], g[1], g[2]) for g in groups if g[2] != 0]
         self._identity = cshape == tuple(shape)
         self._scalar = not self._groups
+
+    @property
+    def compact(self) -> Params:
+        """Params of the compact mean / std, computed on first use (a device path may never need them)."""
+        if self._compact is None:
+            assert self.std_bits is not None
+            self._compact = element_params(self.mean_bits, self.std_bits, self.fmt, self.mean_steps)
+        return self._compact
 
     def index(self, a: int, b: int) -> np.ndarray | slice | None:
         """Compact flat indices of elements a..b-1 (a slice when contiguous, None when scalar)."""
@@ -75,11 +84,11 @@ class ParamSource:
         """Params of elements a..b-1; ``sigma_bits`` (per element) when std is None."""
         idx = self.index(a, b)
         n = b - a
-        if self.compact is not None:
+        if self.std_bits is not None:
             c = self.compact
             return Params(*(self._take(arr, idx, n) for arr in c))
         assert sigma_bits is not None
-        return element_params(self._take(self.mean_bits, idx, n), sigma_bits, self.fmt)
+        return element_params(self._take(self.mean_bits, idx, n), sigma_bits, self.fmt, self.mean_steps)
 
     def mean_f32(self, a: int, b: int) -> np.ndarray:
         return self._take(self.mean_bits, self.index(a, b), b - a).view(np.float32)

@@ -49,8 +49,18 @@ def symbols(keys: np.ndarray, p: Params, tables: Tables, fmt: Format) -> tuple[n
     half = tables.half[p.tid]
     s0 = keys - np.where(keys >= fmt.zero_key, p.cp, p.cn)
     valid = (s0 >= 0) & (s0 < size) & ((keys < p.cn + half) | (keys >= p.cp + half))
-    sym = np.where(p.s > 0, s0, size - 1 - s0)
-    return valid, np.where(valid, sym, key_to_pattern(keys, fmt)).astype(np.int32)
+    sym = np.where(p.s > 0, s0, size - 1 - s0).astype(np.int32, copy=False)
+    esc = np.flatnonzero(~valid)
+    if esc.size:  # escaped elements are coded as their bit pattern under p_hat
+        sym[esc] = key_to_pattern(keys[esc], fmt)
+    return valid, sym
+
+
+def _group_ids(valid: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """Coding group per element: its table id, or ESCAPE_GROUP (p_hat) when escaped (rare: skip the pass)."""
+    if valid.all():
+        return np.asarray(tid, dtype=np.uint16)
+    return np.where(valid, tid, ESCAPE_GROUP).astype(np.uint16)
 
 
 def _segments(gid: np.ndarray, lengths: np.ndarray):
@@ -59,7 +69,13 @@ def _segments(gid: np.ndarray, lengths: np.ndarray):
     ascending group order, which is its coding order; walking all windows group by group keeps one table
     hot in cache while it serves every window of the chunk."""
     n = gid.size
-    order = np.argsort(gid, kind="stable")
+    order = np.argsort(gid, kind="stable")  # radix sort (uint16)
+    if lengths.size == 1:  # one window (the common case for cache streams): counts give the slices
+        counts = np.bincount(gid, minlength=ESCAPE_GROUP + 1)
+        groups = np.flatnonzero(counts)
+        ends = np.cumsum(counts[groups])
+        starts = ends - counts[groups]
+        return order, starts.tolist(), ends.tolist(), groups.tolist(), [0] * groups.size
     win = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
     gs = gid[order]
     ws = win[order]
@@ -70,11 +86,12 @@ def _segments(gid: np.ndarray, lengths: np.ndarray):
 
 
 def encode_chunk(keys, raw, p: Params, lengths: np.ndarray, models: Models, cfg_tiers: list[int],
-                 want_costs: bool = False):
-    """Code consecutive windows. Returns (payloads, per-window ideal model bits or None)."""
+                 want_costs: bool = False, pre: tuple[np.ndarray, np.ndarray] | None = None):
+    """Code consecutive windows. Returns (payloads, per-window ideal model bits or None). ``pre``: (valid,
+    symbol) per element when a device kernel computed them (else from ``keys`` and ``p`` here)."""
     t = models.tables
-    valid, sym = symbols(keys, p, t, models.fmt)
-    gid = np.where(valid, p.tid, ESCAPE_GROUP).astype(np.uint16)
+    valid, sym = symbols(keys, p, t, models.fmt) if pre is None else pre
+    gid = _group_ids(valid, p.tid)
     flags = (~valid).astype(np.int32)
     order, sa, sb, sg, sw = _segments(gid, lengths)
     ssym = sym[order]
@@ -140,19 +157,18 @@ def decode_chunk(buf, offsets: np.ndarray, p: Params, lengths: np.ndarray, model
         coders.append(dec)
         times[w] = clock() - t0
     valid = flags == 0
-    gid = np.where(valid, p.tid, ESCAPE_GROUP).astype(np.uint16)
+    gid = _group_ids(valid, p.tid)
     order, sa, sb, sg, sw = _segments(gid, lengths)
-    ssym = np.empty(n, dtype=np.int32)
     groups = models.groups
     try:
         if timings is None:
-            for k in range(len(sa)):
-                ssym[sa[k] : sb[k]] = coders[sw[k]].decode(groups[sg[k]], sb[k] - sa[k])
+            pieces = [coders[w].decode(groups[g], b - a) for a, b, g, w in zip(sa, sb, sg, sw)]
         else:  # monitoring: charge every call to its window
-            for k in range(len(sa)):
+            pieces = []
+            for a, b, g, w in zip(sa, sb, sg, sw):
                 t0 = clock()
-                ssym[sa[k] : sb[k]] = coders[sw[k]].decode(groups[sg[k]], sb[k] - sa[k])
-                times[sw[k]] += clock() - t0
+                pieces.append(coders[w].decode(groups[g], b - a))
+                times[w] += clock() - t0
     except (ValueError, RuntimeError) as err:
         raise CorruptStreamError(f"corrupt codec stream: {err}") from None
     if not all(dec.is_empty() for dec in coders):
@@ -160,11 +176,14 @@ def decode_chunk(buf, offsets: np.ndarray, p: Params, lengths: np.ndarray, model
     if timings is not None:
         timings.extend(zip(lengths.tolist(), times))
     sym = np.empty(n, dtype=np.int32)
-    sym[order] = ssym
+    if pieces:
+        sym[order] = np.concatenate(pieces)
     size = t.size[p.tid]
     s0 = np.where(p.s > 0, sym, size - 1 - sym)
     keys = s0 + np.where(s0 >= t.half[p.tid], p.cp, p.cn)
-    keys = np.where(valid, keys, pattern_to_key(sym, fmt))
+    esc = np.flatnonzero(~valid)
+    if esc.size:  # escaped elements decoded their pattern under p_hat
+        keys[esc] = pattern_to_key(sym[esc], fmt)
     if n and (keys.min() < 0 or keys.max() >= fmt.n_patterns):
         raise CorruptStreamError("corrupt codec stream: decoded value outside the dtype")
     return keys, raw

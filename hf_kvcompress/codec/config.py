@@ -14,6 +14,8 @@ from .marginal import Marginal
 
 MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
 WINDOW_MODES = ("fixed", "metadata", "predicted", "causal")
+MEAN_STEPS = (8, 4, 2)
+HEADERS = ("full", "compact")
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -65,6 +67,12 @@ class CodecConfig:
         escape: escape probability per window tier (windows <= tier_windows[0], <= tier_windows[1],
             larger) in units of 2^-16: small windows give the marginal p_hat more weight.
         marginal: p_hat for escaped values (None: the built-in default). Streams record its hash.
+        mean_steps: resolution of ``|mean| / std`` in the wide (W) tables: steps of ``1 / mean_steps`` std
+            (8, 4 or 2; the tables exist on the 1/8 grid). Coarser steps use fewer distinct tables per window
+            (fewer, larger coder calls: faster with per-element means) for a small rate cost (docs/codec.md).
+        header: stream header layout: ``"full"`` (self-describing: config JSON, hashes; decodes without
+            the config) or ``"compact"`` (a short digest of tables, marginal and config; ``decode`` then
+            needs ``config=`` and checks the digest).
     """
 
     window: str = "fixed"
@@ -81,6 +89,8 @@ class CodecConfig:
     sigma_global: float | None = None
     escape: tuple[int, int, int] = (256, 128, 64)
     marginal: Marginal | None = None
+    mean_steps: int = 8
+    header: str = "full"
 
     _NOT_IN_DICT: ClassVar[tuple[str, ...]] = ("marginal",)
 
@@ -121,6 +131,10 @@ class CodecConfig:
         for i, e in enumerate(esc):
             _int(f"escape[{i}]", e, 1, 32768)
         object.__setattr__(self, "escape", esc)
+        if isinstance(self.mean_steps, bool) or self.mean_steps not in MEAN_STEPS:
+            raise ValueError(f"CodecConfig.mean_steps must be one of {list(MEAN_STEPS)}, got {self.mean_steps!r}")
+        if self.header not in HEADERS:
+            raise ValueError(f"CodecConfig.header must be one of {list(HEADERS)}, got {self.header!r}")
         if self.marginal is not None and not isinstance(self.marginal, Marginal):
             raise TypeError(f"CodecConfig.marginal must be a Marginal or None, got {type(self.marginal).__name__}")
 
@@ -137,7 +151,8 @@ class CodecConfig:
         return 0 if length <= self.tier_windows[0] else 1 if length <= self.tier_windows[1] else 2
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; the marginal is represented by its hash (pass it to `from_dict`)."""
+        """JSON-ready dict of everything that shapes the bits; the marginal is represented by its hash (pass
+        it to `from_dict`)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             if f.name in self._NOT_IN_DICT:
@@ -145,6 +160,11 @@ class CodecConfig:
             v = getattr(self, f.name)
             out[f.name] = list(v) if isinstance(v, tuple) else v
         out["marginal_sha256"] = None if self.marginal is None else self.marginal.sha256
+        # the layout is not a coding choice, and the default mean_steps is left out, so that streams of the
+        # default config keep the exact bytes of earlier versions
+        del out["header"]
+        if self.mean_steps == 8:
+            del out["mean_steps"]
         return out
 
     @classmethod

@@ -7,8 +7,10 @@ import torch
 
 from .broadcast import ParamSource
 from .coder import decode_chunk
-from .errors import CorruptStreamError
-from .inputs import check_stat, fingerprint
+from .compact import is_compact, read_compact
+from .config import CodecConfig
+from .errors import CorruptStreamError, ParameterMismatchError
+from .inputs import check_stat, fingerprint, fingerprint8
 from .marginal import Marginal
 from .model import get_tables
 from .parallel import fork_available, run_jobs, run_jobs_forked
@@ -30,12 +32,16 @@ from .windows import CausalScheduler
 class Decoder:
     """A parsed, verified stream plus the inputs needed to decode any of its windows."""
 
-    def __init__(self, blob, mean, std, marginal: Marginal | None) -> None:
+    def __init__(self, blob, mean, std, marginal: Marginal | None, config: CodecConfig | None = None) -> None:
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
-        if marginal is not None and not isinstance(marginal, Marginal):
-            raise TypeError(f"codec: marginal must be a Marginal or None, got {type(marginal).__name__}")
-        h, entries, offsets, buf = read_stream(blob, marginal)
+        marginal = _check_marginal_config(marginal, config)
+        if is_compact(blob):
+            h, entries, offsets, buf = read_compact(blob, config)
+        else:
+            # self-describing: its own config governs; a given config only supplies the marginal, so full
+            # streams written before a caller switched settings still decode
+            h, entries, offsets, buf = read_stream(blob, marginal)
         self.h, self.entries, self.offsets, self.buf = h, entries, offsets, buf
         self.fmt = h.fmt
         mean32 = self._stat(mean, "mean", h.has_mean, h.mean_fp)
@@ -48,7 +54,8 @@ class Decoder:
             )
         if h.marginal_sha256 != bytes.fromhex(h.config.marginal_or_default.sha256):
             raise CorruptStreamError("stream was written with a different default marginal p_hat")
-        self.src = ParamSource(h.shape, mean32, std32, h.fmt)
+        self.src = ParamSource(h.shape, mean32, std32, h.fmt, h.config.mean_steps)
+        self.src_mean32, self.src_std32 = mean32, std32  # validated float32 copies (the device path's inputs)
         self.models = models_for(h.fmt, h.config)
         self.cfg = h.config
         self.lengths: np.ndarray | None = None if self.cfg.window == "causal" else self._lengths()
@@ -69,8 +76,9 @@ class Decoder:
             arr = check_stat(value, name, self.h.shape, name == "std")
         except ValueError:
             arr = None
-        if arr is None or fingerprint(arr, name.encode()) != fp:
-            raise CorruptStreamError(
+        fingerprint_of = fingerprint8 if self.h.compact else fingerprint
+        if arr is None or fingerprint_of(arr, name.encode()) != fp:
+            raise ParameterMismatchError(
                 f"the {name} passed to decode differs from the one used to encode (fingerprint mismatch); "
                 f"decoding would produce garbage"
             )
@@ -177,24 +185,73 @@ class Decoder:
         return bits_to_tensor(bits, self.fmt, shape)
 
 
+def _check_marginal_config(marginal, config) -> Marginal | None:
+    """The marginal to parse a full stream with: ``marginal=`` or the one in ``config=`` (not two)."""
+    if marginal is not None and not isinstance(marginal, Marginal):
+        raise TypeError(f"codec: marginal must be a Marginal or None, got {type(marginal).__name__}")
+    if config is None:
+        return marginal
+    if not isinstance(config, CodecConfig):
+        raise TypeError(f"codec: config must be a CodecConfig or None, got {type(config).__name__}")
+    if marginal is not None and marginal != config.marginal:
+        raise ValueError("codec: marginal= differs from config.marginal; pass the marginal in one place")
+    return config.marginal
+
+
 def _check_parallel(threads: int, workers: int) -> None:
     for name, v in (("threads", threads), ("workers", workers)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"codec: {name} must be an int >= 1, got {v!r}")
 
 
-def decode_impl(blob, mean, std, marginal, threads: int, workers: int, timings: list | None = None):
+def decode_impl(blob, mean, std, marginal, threads: int, workers: int, timings: list | None = None,
+                config: CodecConfig | None = None):
     _check_parallel(threads, workers)
-    d = Decoder(blob, mean, std, marginal)
+    d = Decoder(blob, mean, std, marginal, config)
     d.timings = timings
+    device = _device_for(d, mean, std)
+    if device is not None:
+        return _decode_on_device(d, mean, std, device)
     bits = d.decode_all(threads, workers)
     if data_crc(bits, d.fmt) != d.h.data_crc:
         raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
-    return d.tensor(bits, d.h.shape)
+    out = d.tensor(bits, d.h.shape)
+    cuda = [t for t in (mean, std) if isinstance(t, torch.Tensor) and t.is_cuda]
+    return out.to(cuda[0].device) if cuda else out
 
 
-def decode_range_impl(blob, start: int, stop: int, mean, std, marginal) -> torch.Tensor:
-    d = Decoder(blob, mean, std, marginal)
+def _device_for(d: Decoder, mean, std):
+    """The device to decode on (CUDA inputs with Triton, or forced kernels), else None: the host path."""
+    if d.lengths is None or d.timings is not None:  # causal boundaries are serial; monitoring times the CPU
+        return None
+    from ..kernels.dispatch import device_path, use_triton
+
+    tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+    if not device_path(*tensors) or not use_triton(*tensors):
+        return None  # without Triton the device's torch reference would step symbols from Python: use the CPU
+    from .device import device_of
+
+    return device_of(*tensors)
+
+
+def _decode_on_device(d: Decoder, mean, std, device) -> torch.Tensor:
+    from .device import decode_on_device
+
+    bits_t = decode_on_device(d, mean, std, device)
+    mask = 0xFFFFFFFF if d.fmt.dtype == torch.float32 else 0xFFFF
+    bits = bits_t.cpu().numpy().astype(np.int64) & mask  # checksums on the host (see device.py)
+    crcs = window_crcs_of(d.buf, d.offsets, bits, d.lengths, d.fmt)
+    bad = np.flatnonzero(crcs != d.entries["crc"])
+    if bad.size:
+        raise CorruptStreamError(f"corrupt codec stream: checksum mismatch in window {int(bad[0])}")
+    if data_crc(bits, d.fmt) != d.h.data_crc:
+        raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
+    return bits_t.view(d.fmt.dtype).reshape(d.h.shape)
+
+
+def decode_range_impl(blob, start: int, stop: int, mean, std, marginal,
+                      config: CodecConfig | None = None) -> torch.Tensor:
+    d = Decoder(blob, mean, std, marginal, config)
     n = d.h.numel
     for name, v in (("start", start), ("stop", stop)):
         if isinstance(v, bool) or not isinstance(v, int):

@@ -6,10 +6,12 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .broadcast import ParamSource
 from .coder import encode_chunk
-from .inputs import check_config, check_stat, check_x, fingerprint
+from .compact import write_compact
+from .inputs import check_config, check_stat, check_x, fingerprint, fingerprint8
 from .model import get_tables
 from .plan import (
     chunks_of,
@@ -40,6 +42,12 @@ class EncodeTrace:
     payload_sizes: np.ndarray
 
 
+def _wants_device(*tensors) -> bool:
+    from ..kernels.dispatch import device_path
+
+    return device_path(*(t for t in tensors if isinstance(t, torch.Tensor)))
+
+
 def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, EncodeTrace]:
     """Check the arguments, plan windows, code chunk by chunk, assemble the stream."""
     cfg = check_config(config)
@@ -52,7 +60,12 @@ def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, 
     bits = tensor_bits(x)
     n = bits.size
     keys, raw = split_bits(bits, fmt)
-    src = ParamSource(shape, mean32, std32, fmt)
+    src = ParamSource(shape, mean32, std32, fmt, cfg.mean_steps)
+    on_device = _wants_device(x, mean, std)
+    if on_device:  # the per-element model through the kernels, on the inputs' device (same bytes)
+        from .device import DeviceSource, device_of
+
+        src = DeviceSource(src, shape, x, mean, std, mean32, std32, cfg, device_of(x, mean, std))
     models = models_for(fmt, cfg)
     need_res = cfg.window in ("metadata", "causal") or std32 is None or want_costs
     res = None
@@ -69,9 +82,14 @@ def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, 
     costs = []
     for w0, w1, a, b in chunks_of(lengths):
         sig = None if sigma is None else window_sigma_bits(sigma[w0:w1], lengths[w0:w1])
-        p = src.params(a, b, sig)
+        pre = None
+        if on_device:
+            p, valid, sym = src.symbols(a, b, sig)
+            pre = (valid, sym)
+        else:
+            p = src.params(a, b, sig)
         pl, c = encode_chunk(keys[a:b], None if raw is None else raw[a:b], p, lengths[w0:w1], models,
-                             tiers[w0:w1], want_costs)
+                             tiers[w0:w1], want_costs, pre)
         payloads.extend(pl)
         if c is not None:
             costs.append(c)
@@ -84,12 +102,14 @@ def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, 
         entries["len1"] = lengths - 1
     if sigma is not None:
         entries["sigma"] = sigma
+    compact = cfg.header == "compact"
+    fp = fingerprint8 if compact else fingerprint
     header = Header(
         fmt, shape, n, mean32 is not None, std32 is not None, cfg, int(lengths.size), g, data_crc(bits, fmt),
         bytes.fromhex(get_tables().sha256), bytes.fromhex(cfg.marginal_or_default.sha256),
-        fingerprint(mean32, b"mean"), fingerprint(std32, b"std"),
+        fp(mean32, b"mean"), fp(std32, b"std"), compact,
     )
-    blob = write_stream(header, entries, payloads)
+    blob = (write_compact if compact else write_stream)(header, entries, payloads)
     payload_sizes = entries["nbytes"].astype(np.int64)
     table_bytes = entries.nbytes + 4
     trace = EncodeTrace(lengths, np.concatenate(costs) if costs else None, sigma, res, g,

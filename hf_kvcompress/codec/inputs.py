@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import numpy as np
 import torch
@@ -57,6 +58,19 @@ def fingerprint(arr: np.ndarray | None, tag: bytes) -> bytes:
     h.update(np.asarray(arr.shape, dtype="<u8").tobytes())
     h.update(arr.astype("<f4").tobytes())
     return h.digest()
+
+
+def fingerprint8(arr: np.ndarray | None, tag: bytes) -> bytes:
+    """8-byte fingerprint for the compact layout: CRC-32 and Adler-32 of the same bytes `fingerprint`
+    hashes (4x cheaper than BLAKE2b; it guards against a predictor that did not reproduce, not an
+    adversary). Zeros for None."""
+    if arr is None:
+        return bytes(8)
+    head = tag + np.asarray(arr.shape, dtype="<u8").tobytes()
+    data = np.ascontiguousarray(arr, dtype="<f4").view(np.uint8).reshape(-1)
+    crc = zlib.crc32(data, zlib.crc32(head))
+    adler = zlib.adler32(data, zlib.adler32(head))
+    return crc.to_bytes(4, "little") + adler.to_bytes(4, "little")
 
 
 def check_config(config: object) -> CodecConfig:

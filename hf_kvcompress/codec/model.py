@@ -214,10 +214,18 @@ def tables_digest(weights: list[np.ndarray], extra: bytes = b"") -> str:
 @functools.lru_cache(maxsize=1)
 def get_tables() -> Tables:
     """Build (once per process) and verify the tables."""
+    from . import table_cache
     from .marginal import default_marginal_weights  # the default p_hat is part of the same contract
 
-    weights = build_weights()
-    digest = tables_digest(weights, default_marginal_weights().astype("<i4").tobytes())
+    marginal_bytes = default_marginal_weights().astype("<i4").tobytes()
+    weights = table_cache.load(TABLES_SHA256)
+    if weights is None or tables_digest(weights, marginal_bytes) != TABLES_SHA256:
+        weights = build_weights()  # no (valid) cached copy: build, verify below, cache
+        digest = tables_digest(weights, marginal_bytes)
+        if digest == TABLES_SHA256:
+            table_cache.save(digest, weights)
+    else:
+        digest = TABLES_SHA256
     if digest != TABLES_SHA256:
         raise RuntimeError(
             "hf_kvcompress.codec: this platform builds different coding tables than the reference "

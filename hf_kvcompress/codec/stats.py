@@ -115,7 +115,7 @@ def encode_with_stats(
     if decode:
         timings: list = []
         t0 = time.perf_counter()
-        y = decode_impl(blob, mean, std, cfg.marginal, 1, 1, timings)
+        y = decode_impl(blob, mean, std, None, 1, 1, timings, config=cfg)
         st.decode_seconds = time.perf_counter() - t0
         if not torch.equal(_bits_view(y), _bits_view(x.reshape(y.shape))):
             raise AssertionError("codec round trip failed")  # decode verifies checksums; belt and braces
@@ -123,7 +123,7 @@ def encode_with_stats(
         for length, sec in timings:
             by[length] = by.get(length, 0.0) + sec
         st.decode_seconds_by_window = dict(sorted(by.items()))
-    src, fmt, bits = _source(x, mean, std)
+    src, fmt, bits = _source(x, mean, std, cfg.mean_steps)
     if tr.res_codes is not None and n:
         st.locality = locality(tr.res_codes, src, cfg, tr.g)
     if exact and n:
@@ -136,10 +136,11 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
-def _source(x, mean, std) -> tuple[ParamSource, Format, np.ndarray]:
+def _source(x, mean, std, mean_steps: int = 8) -> tuple[ParamSource, Format, np.ndarray]:
     x, fmt = check_x(x)
     shape = tuple(x.shape)
-    src = ParamSource(shape, check_stat(mean, "mean", shape, False), check_stat(std, "std", shape, True), fmt)
+    src = ParamSource(shape, check_stat(mean, "mean", shape, False), check_stat(std, "std", shape, True), fmt,
+                      mean_steps)
     return src, fmt, tensor_bits(x)
 
 
@@ -147,7 +148,7 @@ def _escapes(x, mean, std, cfg: CodecConfig, tr: EncodeTrace) -> int:
     from .coder import symbols
     from .symbols import split_bits
 
-    src, fmt, bits = _source(x, mean, std)
+    src, fmt, bits = _source(x, mean, std, cfg.mean_steps)
     keys, _ = split_bits(bits, fmt)
     tables = models_for(fmt, cfg).tables
     count = 0

@@ -51,6 +51,7 @@ class Header:
     marginal_sha256: bytes
     mean_fp: bytes
     std_fp: bytes
+    compact: bool = False  # which layout carried it (decides the fingerprint function)
 
 
 def entry_dtype(mode: str, has_std: bool) -> np.dtype:
@@ -80,6 +81,31 @@ def write_stream(h: Header, entries: np.ndarray, payloads: list[bytes]) -> bytes
 
 def _corrupt(msg: str) -> CorruptStreamError:
     return CorruptStreamError(f"corrupt codec stream: {msg}")
+
+
+def check_window_count(numel: int, n_windows: int, room: int, entry_size: int) -> None:
+    """A stream claims at most MAX_WINDOW elements per window and as many windows as its bytes can list."""
+    if (numel == 0) != (n_windows == 0) or n_windows > room // entry_size:
+        raise _corrupt(f"{n_windows} windows cannot fit in the stream (truncated?)")
+    if numel > n_windows * MAX_WINDOW:
+        raise _corrupt(f"{numel} elements cannot fit in {n_windows} windows")
+
+
+def parse_window_table(buf, table_start: int, n_windows: int, dt: np.dtype, data_start: int, numel: int,
+                       config: CodecConfig, has_std: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The (checksum-verified) window table -> entries and payload offsets, every field bounds-checked:
+    payload sizes are multiples of 4 that fill the rest of the stream exactly."""
+    entries = np.frombuffer(buf, dtype=dt, count=n_windows, offset=table_start)
+    sizes = entries["nbytes"].astype(np.int64)
+    if data_start + int(sizes.sum()) != len(buf):
+        raise _corrupt(f"payload sizes do not match the {len(buf) - data_start} bytes present")
+    if (sizes % 4).any():
+        raise _corrupt("payload sizes must be multiples of 4")
+    if config.window == "metadata" and int(entries["len1"].astype(np.int64).sum()) + n_windows != numel:
+        raise _corrupt("window lengths do not add up to the element count")
+    if not has_std and n_windows and ((entries["sigma"] < 8) | (entries["sigma"] > 2039)).any():
+        raise _corrupt("bad window sigma code")
+    return entries, data_start + np.concatenate([[0], np.cumsum(sizes)])
 
 
 def read_stream(blob: bytes | bytearray | memoryview, marginal: Marginal | None):
@@ -143,26 +169,15 @@ def read_stream(blob: bytes | bytearray | memoryview, marginal: Marginal | None)
     if entry_size != dt.itemsize:
         raise _corrupt(f"window entry size {entry_size}, expected {dt.itemsize}")
     table_start = head_end + 4
-    if (numel == 0) != (n_windows == 0) or n_windows > (n - table_start - 4) // entry_size:
-        raise _corrupt(f"{n_windows} windows cannot fit in {n} bytes (truncated?)")
-    if numel > n_windows * MAX_WINDOW:
-        raise _corrupt(f"{numel} elements cannot fit in {n_windows} windows")
+    check_window_count(numel, n_windows, n - table_start - 4, entry_size)
     table_end = table_start + n_windows * entry_size
     (tcrc,) = struct.unpack_from("<I", buf, table_end)
     if zlib.crc32(buf[table_start:table_end]) != tcrc:
         raise _corrupt("window table checksum mismatch")
-    entries = np.frombuffer(buf, dtype=dt, count=n_windows, offset=table_start)
-    data_start = table_end + 4
-    sizes = entries["nbytes"].astype(np.int64)
-    if int(sizes.sum()) != payload_len or data_start + payload_len != n:
-        raise _corrupt(f"payload length {payload_len} does not match the {n - data_start} bytes present")
-    if (sizes % 4).any():
-        raise _corrupt("payload sizes must be multiples of 4")
-    if config.window == "metadata" and int(entries["len1"].astype(np.int64).sum()) + n_windows != numel:
-        raise _corrupt("window lengths do not add up to the element count")
-    if not has_std and n_windows and ((entries["sigma"] < 8) | (entries["sigma"] > 2039)).any():
-        raise _corrupt("bad window sigma code")
-    offsets = data_start + np.concatenate([[0], np.cumsum(sizes)])
+    entries, offsets = parse_window_table(buf, table_start, n_windows, dt, table_end + 4, numel, config,
+                                          bool(has_std))
+    if int(offsets[-1] - offsets[0]) != payload_len:
+        raise _corrupt(f"payload length {payload_len} does not match the window table")
     header = Header(
         FORMATS_BY_CODE[dtype_code], tuple(int(d) for d in shape), numel, bool(has_mean), bool(has_std), config,
         n_windows, g_spread, data_crc, tables_sha, marg_sha, mean_fp, std_fp,

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import torch
 
+from hf_kvcompress.codec.compact import MAGIC as COMPACT_MAGIC
 from hf_kvcompress.codec.stream import _BODY, _PREFIX
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,6 +57,8 @@ def realistic(shape=(1, 3, 96, 64), seed: int = 0, dtype=torch.bfloat16):
 def reseal(blob: bytes) -> bytes:
     """Recompute every CRC of a (possibly mutated) stream so that the decoder's deeper checks are exercised.
     Returns the blob unchanged when its layout cannot be followed."""
+    if blob[:3] == COMPACT_MAGIC:
+        return _reseal_compact(blob)
     try:
         b = bytearray(blob)
         _magic, _v, _r, body_len = _PREFIX.unpack_from(b, 0)
@@ -71,6 +74,43 @@ def reseal(blob: bytes) -> bytes:
             struct.pack_into("<I", b, t0 + w * entry_size + 4, zlib.crc32(b[pos : pos + size]))
             pos += size
         struct.pack_into("<I", b, t1, zlib.crc32(b[t0:t1]))
+        return bytes(b)
+    except (struct.error, IndexError, ValueError, OverflowError):
+        return blob
+
+
+def _reseal_compact(blob: bytes) -> bytes:
+    """`reseal` for the compact layout: walk its varints, then fix the window CRCs and the header CRC."""
+    try:
+        b = bytearray(blob)
+        flags, ndim = b[4], b[5]
+        pos = 6
+
+        def varint() -> int:
+            nonlocal pos
+            v, shift = 0, 0
+            while True:
+                byte = b[pos]
+                pos += 1
+                v |= (byte & 0x7F) << shift
+                shift += 7
+                if byte < 0x80 or shift > 63:
+                    return v
+
+        for _ in range(ndim):
+            varint()
+        n_windows = varint()
+        varint()
+        pos += 4 + 8 + 8 * ((flags >> 2) & 1) + 8 * ((flags >> 3) & 1)
+        mode = (flags >> 4) & 3
+        entry = 8 + (2 if mode == 1 else 0) + (0 if (flags >> 3) & 1 else 2)
+        table_end = pos + entry * n_windows
+        data = table_end + 4
+        for w in range(n_windows):
+            size = struct.unpack_from("<I", b, pos + w * entry)[0]
+            struct.pack_into("<I", b, pos + w * entry + 4, zlib.crc32(b[data : data + size]))
+            data += size
+        struct.pack_into("<I", b, table_end, zlib.crc32(b[:table_end]))
         return bytes(b)
     except (struct.error, IndexError, ValueError, OverflowError):
         return blob

@@ -29,22 +29,27 @@ def _streams():
         ("bf16-causal-none", x, None, None, CodecConfig(window="causal", **small)),
         ("f32-fixed", x32, o32, s32, CodecConfig(fixed_window=256)),
         ("f16-metadata-meanonly", x16, o16, None, CodecConfig(window="metadata", **small)),
+        ("bf16-compact-stats", x, offset, scale, CodecConfig(header="compact", fixed_window=65536, mean_steps=4)),
+        ("bf16-compact-none-2win", x, None, None, CodecConfig(header="compact", fixed_window=3072)),
+        ("f32-compact-metadata", x32, o32, s32, CodecConfig(header="compact", window="metadata", **small)),
+        ("f16-compact-causal", x16, o16, None, CodecConfig(header="compact", window="causal", **small)),
     ]
 
 
 STREAMS = _streams()
 
 
-def _check(blob, x, mean, std, rng):
+def _check(blob, x, mean, std, cfg, rng):
     t0 = time.perf_counter()
+    config = cfg if cfg.header == "compact" or rng.random() < 0.5 else None  # full streams: with and without
     try:
         if rng.random() < 0.25:
             n = x.numel()
             a = int(rng.integers(0, n))
-            out = codec.decode_range(blob, a, n, mean, std)
+            out = codec.decode_range(blob, a, n, mean, std, config=config)
             assert_bit_exact(out, x.reshape(-1)[a:])
         else:
-            assert_bit_exact(codec.decode(blob, mean, std), x)
+            assert_bit_exact(codec.decode(blob, mean, std, config=config), x)
         outcome = "exact"
     except CorruptStreamError:
         outcome = "error"
@@ -56,7 +61,7 @@ def _check(blob, x, mean, std, rng):
 @pytest.mark.parametrize(("name", "x", "mean", "std", "cfg"), STREAMS, ids=[s[0] for s in STREAMS])
 def test_fuzz_bit_flips_and_truncations(name, x, mean, std, cfg):
     blob = codec.encode(x, mean, std, cfg)
-    assert_bit_exact(codec.decode(blob, mean, std), x)
+    assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     outcomes = {"exact": 0, "error": 0}
     n = len(blob)
@@ -73,7 +78,8 @@ def test_fuzz_bit_flips_and_truncations(name, x, mean, std, cfg):
                 b[pos // 8] ^= 1 << (pos % 8)
             b = bytearray(reseal(bytes(b)))
         elif kind == 3:  # flips in header / window table, CRCs recomputed: exercises the parser
-            for pos in rng.integers(0, min(n, 400) * 8, rng.integers(1, 3)):
+            head = 64 if cfg.header == "compact" else 400
+            for pos in rng.integers(0, min(n, head) * 8, rng.integers(1, 3)):
                 b[pos // 8] ^= 1 << (pos % 8)
             b = bytearray(reseal(bytes(b)))
         elif kind == 4:  # random bytes appended or inserted
@@ -83,7 +89,7 @@ def test_fuzz_bit_flips_and_truncations(name, x, mean, std, cfg):
             at = int(rng.integers(0, n))
             k = int(rng.integers(1, 16))
             b[at : at + k] = rng.integers(0, 256, len(b[at : at + k]), dtype=np.uint8).tobytes()
-        outcomes[_check(bytes(b), x, mean, std, rng)] += 1
+        outcomes[_check(bytes(b), x, mean, std, cfg, rng)] += 1
     assert outcomes["error"] > 0
 
 
@@ -91,7 +97,10 @@ def test_fuzz_random_inputs_never_crash():
     rng = np.random.default_rng(7)
     for _ in range(300):
         blob = rng.integers(0, 256, rng.integers(0, 400), dtype=np.uint8).tobytes()
-        if rng.random() < 0.5:
+        prefix = rng.integers(0, 3)
+        if prefix == 1:
             blob = b"\x89KVCdc\r\n" + blob
+        elif prefix == 2:  # compact magic and version, then garbage
+            blob = b"\x89Kc\x01" + blob
         with pytest.raises(CorruptStreamError):
-            codec.decode(blob)
+            codec.decode(blob, config=CodecConfig(header="compact") if rng.random() < 0.8 else None)

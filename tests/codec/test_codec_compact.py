@@ -1,0 +1,181 @@
+"""Compact stream headers, the mean_steps table grid, and the fast element_params against its reference."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from codec_testutil import DTYPES, assert_bit_exact, realistic
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_kvcompress import codec
+from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal
+from hf_kvcompress.codec.params import element_params, element_params_reference
+from hf_kvcompress.codec.symbols import BF16, FP16, FP32
+
+COMPACT = CodecConfig(header="compact", fixed_window=65536)
+
+
+def _per_element(shape=(64, 256), seed=0, dtype=torch.bfloat16):
+    """A cache-like stream: per-element mean and std (a predictor's), x = mean + std * noise."""
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(shape, generator=g) * 0.8
+    std = torch.rand(shape, generator=g) * 0.6 + 0.2
+    x = (mean + std * torch.randn(shape, generator=g)).to(dtype)
+    return x, mean, std
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", ["fixed", "metadata", "predicted", "causal"])
+def test_compact_round_trip(dtype, window):
+    x, mean, std = realistic((1, 2, 40, 64), seed=1, dtype=dtype)
+    cfg = CodecConfig(header="compact", window=window, short_tokens=0, tier_windows=(64, 256, 1024), probe=64)
+    for m, s in ((mean, std), (None, None), (mean, None)):
+        blob = codec.encode(x, m, s, cfg)
+        assert_bit_exact(codec.decode(blob, m, s, config=cfg), x)
+        n = x.numel()
+        assert_bit_exact(codec.decode_range(blob, 100, n - 7, m, s, config=cfg), x.reshape(-1)[100 : n - 7])
+
+
+@pytest.mark.parametrize("windows", [1, 2, 4])
+def test_compact_header_is_small(windows):
+    x, mean, std = _per_element()
+    cfg = CodecConfig(header="compact", fixed_window=-(-x.numel() // windows))
+    _, st_compact = codec.encode_with_stats(x, mean, std, cfg)
+    _, st_full = codec.encode_with_stats(x, mean, std, CodecConfig(fixed_window=cfg.fixed_window))
+    assert st_compact.n_windows == windows
+    assert st_compact.header_bytes <= 48  # + 8 bytes per window + 4 CRC bytes
+    assert st_compact.header_bytes + st_compact.table_bytes <= 64 + 8 * windows
+    assert st_full.header_bytes > 400
+    assert st_compact.payload_bytes == st_full.payload_bytes  # same coded bits, other framing
+
+
+def test_compact_needs_the_config():
+    x, mean, std = _per_element((16, 64))
+    blob = codec.encode(x, mean, std, COMPACT)
+    with pytest.raises(CorruptStreamError, match="config"):
+        codec.decode(blob, mean, std)
+    others = [CodecConfig(header="compact", fixed_window=4096), CodecConfig(header="compact", mean_steps=4,
+                                                                           fixed_window=65536),
+              CodecConfig(header="compact", fixed_window=65536, escape=(256, 128, 32)),
+              CodecConfig(header="compact", fixed_window=65536, marginal=Marginal.from_samples(x))]
+    for other in others:
+        with pytest.raises(CorruptStreamError, match="digest mismatch"):
+            codec.decode(blob, mean, std, config=other)
+    with pytest.raises(CorruptStreamError, match="fingerprint"):
+        codec.decode(blob, mean + 1e-3, std, config=COMPACT)
+    with pytest.raises(CorruptStreamError, match="fingerprint"):
+        codec.decode(blob, mean, std * 2, config=COMPACT)
+
+
+def test_full_stream_governs_its_own_config():
+    """Full streams are self-describing: a config passed to decode only supplies the marginal, so a caller
+    that switched settings (e.g. to compact) still reads what it stored before."""
+    x, mean, std = _per_element((16, 64))
+    cfg = CodecConfig(mean_steps=4)
+    blob = codec.encode(x, mean, std, cfg)
+    assert_bit_exact(codec.decode(blob, mean, std), x)
+    assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
+    assert_bit_exact(codec.decode(blob, mean, std, config=CodecConfig(header="compact", fixed_window=65536)), x)
+    with_marginal = CodecConfig(marginal=Marginal.from_samples(x))
+    blob = codec.encode(x, mean, std, with_marginal)
+    assert_bit_exact(codec.decode(blob, mean, std, config=with_marginal), x)
+    with pytest.raises(CorruptStreamError, match="marginal"):
+        codec.decode(blob, mean, std, config=cfg)
+    with pytest.raises(ValueError, match="marginal"):
+        codec.decode(blob, mean, std, config=cfg, marginal=with_marginal.marginal)
+
+
+def test_compact_with_marginal_in_config():
+    x, mean, std = _per_element((16, 64))
+    cfg = CodecConfig(header="compact", marginal=Marginal.from_samples(x))
+    blob = codec.encode(x, mean, std, cfg)
+    assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
+
+
+def test_default_stream_bytes_are_stable():
+    """The full layout of the default config is unchanged by the compact / mean_steps additions: this
+    digest is of a stream written before them."""
+    x, mean, std = realistic((1, 2, 64, 64), seed=11)
+    assert hashlib.sha256(codec.encode(x, mean, std)).hexdigest() == STABLE_SHA256
+
+
+STABLE_SHA256 = "c3189767e84fa44561e312b5ffeffad9fc1774a175c8210164c376bd68a25a45"
+
+
+@pytest.mark.parametrize("steps", [8, 4, 2])
+def test_mean_steps_round_trip_and_cost(steps):
+    x, mean, std = _per_element(seed=2)
+    cfg = CodecConfig(header="compact", fixed_window=65536, mean_steps=steps)
+    blob, st = codec.encode_with_stats(x, mean, std, cfg)
+    assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
+    base = codec.encode_with_stats(x, mean, std, CodecConfig(header="compact", fixed_window=65536))[1]
+    extra = (st.model_bits - base.model_bits) / x.numel()
+    assert 0 <= extra < {8: 1e-9, 4: 0.006, 2: 0.02}[steps]
+
+
+def test_mean_steps_validated():
+    for bad in (3, 16, 0, True, "4"):
+        with pytest.raises(ValueError, match="mean_steps"):
+            CodecConfig(mean_steps=bad)
+    with pytest.raises(ValueError, match="header"):
+        CodecConfig(header="tiny")
+
+
+# ------------------------------------------------------------------ fast element_params == reference
+
+def _edge_bits() -> np.ndarray:
+    vals = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, 1.1754944e-38, 1.0, -1.0, 1.5, 3.0e38, -3.3e38, 3.4028235e38,
+                     65504.0, 65520.0, 6.1e-5, 5.96e-8, 2.0**-24, 0.999, 1.0039062, 1.0078125], dtype=np.float32)
+    return vals.view(np.uint32)
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16, FP32], ids=lambda f: f.name)
+@pytest.mark.parametrize("steps", [8, 4, 2])
+def test_fast_params_equal_reference_on_edges(fmt, steps):
+    e = _edge_bits()
+    mean, std = np.meshgrid(e, np.concatenate([e[:2], np.abs(e.view(np.float32)).astype(np.float32).view(np.uint32)]))
+    mean, std = mean.reshape(-1), std.reshape(-1)
+    a, b = element_params(mean, std, fmt, steps), element_params_reference(mean, std, fmt, steps)
+    for u, v in zip(a, b):
+        assert np.array_equal(np.asarray(u, np.int64), np.asarray(v, np.int64))
+
+
+_finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_finite32, _finite32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64),
+       st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
+def test_fast_params_equal_reference(triples, fmt, steps):
+    mean = np.array([t[0] for t in triples], dtype=np.float32)
+    free = np.abs(np.array([t[1] for t in triples], dtype=np.float32))
+    ratio = np.array([t[2] for t in triples], dtype=np.float32)
+    with np.errstate(all="ignore"):  # half the stds near |mean| / ratio: the W / N boundary
+        tied = np.where(ratio > 0, np.abs(mean) / ratio, free).astype(np.float32)
+    std = np.where(np.arange(mean.size) % 2 == 0, free, tied)
+    std = np.where(np.isfinite(std), std, 1.0).astype(np.float32)
+    a = element_params(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
+    b = element_params_reference(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
+    for u, v in zip(a, b):
+        assert np.array_equal(np.asarray(u, np.int64), np.asarray(v, np.int64))
+
+
+def test_fast_params_equal_reference_bulk():
+    rng = np.random.default_rng(5)
+    n = 200_000
+    with np.errstate(all="ignore"):  # overflows become inf, replaced below
+        mean = (rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
+        std = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
+        tied = (np.abs(mean) / rng.uniform(0.01, 20, n)).astype(np.float32)
+    std = np.where(rng.random(n) < 0.5, std, tied)
+    mean, std = np.where(np.isfinite(mean), mean, 0).astype(np.float32), np.where(np.isfinite(std), std, 1).astype(np.float32)
+    for fmt in (BF16, FP16, FP32):
+        for steps in (8, 4):
+            a = element_params(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
+            b = element_params_reference(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
+            for u, v in zip(a, b):
+                assert np.array_equal(np.asarray(u, np.int64), np.asarray(v, np.int64))
