@@ -31,7 +31,7 @@ from .predictors.rope import RopeFrame
 from .predictors.runner import build_twin, run_decoder
 
 FORMAT = "hf_kvcompress.calibration"
-VERSION = 1
+VERSION = 2  # 2: two layers below as features, per-feature ridge
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
@@ -218,7 +218,9 @@ class Calibration:
         fitted: dict[str, dict[str, Any]] = {}
         for name, predictor in specs:
             stats = _fit_predictor(predictor, chunks, frame, n_layers, tensors, name, progress)
-            fitted[name] = stats
+            recipe = predictor.layer_recipe(n_layers - 1)
+            fitted[name] = {**stats, "features": {"below": recipe.below, "inter_head": recipe.inter_head,
+                                                  "extras": list(recipe.extras)}}
 
         config = model.config.to_dict()
         kv_heads = chunks[0].kv[0][0].shape[1]

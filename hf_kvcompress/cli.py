@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--probe-layers", default="8,15,22", help="k values of the probe predictor")
     cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
     cal.set_defaults(func=cmd_calibrate)
+
+    from .evaluation.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

@@ -81,13 +81,19 @@ class FeatureBuilder:
     def apply(self, kind: str, head: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
         """``features(kind, head) @ weight`` (``[batch, tokens, dim]``), computed piecewise: the same sum
         without concatenating the features."""
+        own = self.own(kind, head)
+        width = 1 + (self.base_matrix.shape[-1] if self.base_matrix is not None else 0) + sum(p.shape[-1] for p in own)
+        if width != weight.shape[0]:
+            raise ValueError(
+                f"calibrated {kind}{head} head expects {weight.shape[0]} features, this predictor builds {width}: "
+                "the calibration was fitted with other predictor features; recalibrate (hf-kvcompress calibrate)"
+            )
         out = weight[0].expand(batch, self.positions.shape[0], -1)
         row = 1
         if self.base_matrix is not None:
-            width = self.base_matrix.shape[-1]
-            out = out + self.base_matrix @ weight[row : row + width]
-            row += width
-        for part in self.own(kind, head):
+            out = out + self.base_matrix @ weight[row : row + self.base_matrix.shape[-1]]
+            row += self.base_matrix.shape[-1]
+        for part in own:
             out = out + part @ weight[row : row + part.shape[-1]]
             row += part.shape[-1]
         return out

@@ -203,3 +203,13 @@ def test_model_running_predictors_are_refused_inside_generation():
         CompressedCache(lossless("probe", probe_layer=1), model=model, calibration=calibration())
     with pytest.raises(ValueError, match="needs a calibration"):
         CompressedCache(lossless("twin"), model=model)
+
+
+def test_stale_calibration_heads_are_a_clear_error():
+    model = tiny_model(MODEL, torch.bfloat16)
+    stale = Calibration(dict(calibration().meta), dict(calibration().tensors))
+    key = "context/L1/k0/weight"
+    stale.tensors[key] = stale.tensors[key][:-16]  # as if fitted with one feature block fewer
+    cache = CompressedCache(lossless(), model=model, calibration=stale)
+    with pytest.raises(ValueError, match="recalibrate"), torch.no_grad():
+        model(random_ids(1, 40), cache=cache)

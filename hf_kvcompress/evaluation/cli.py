@@ -1,0 +1,68 @@
+"""``hf-kvcompress eval``: run an evaluation suite from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+SECTIONS = ("lossless", "generation", "lossy")
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand to the ``hf-kvcompress`` parser's subparsers."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="measure what compression costs: lossless and lossy tables, plots and JSON in a results folder",
+        description="Run an evaluation suite (quick: a few minutes; full: about an hour on 2 CPU cores) and write "
+        "results.json, report.md and PNG plots into the results folder.",
+    )
+    parser.add_argument("--suite", default="quick", help="quick, full, or a path to a suite .toml file")
+    parser.add_argument("--out", default=None, help="results folder (default: results/eval/<suite name>)")
+    parser.add_argument("--model", default=None, help="model of the run: hub id or local folder (overrides the suite)")
+    parser.add_argument("--dataset", default=None,
+                        help="text of the run: hub dataset or local .txt/.json/.jsonl files (overrides the suite)")
+    parser.add_argument("--calibration", default=None,
+                        help="auto, fit, or a calibration folder (overrides the suite's [calibration] use)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (overrides the suite; 0 = default)")
+    parser.add_argument("--only", default=None, help=f"comma-separated sections to run, among {','.join(SECTIONS)}")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.set_defaults(func=cmd_eval)
+    return parser
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..cli import CliError
+    from .runner import EvalError, failed_rows, run_suite
+    from .suite import SuiteError, load_suite
+
+    try:
+        suite = load_suite(args.suite)
+    except SuiteError as err:
+        raise CliError(str(err)) from err
+    if args.model is not None:
+        suite.model.name = args.model
+    if args.dataset is not None:
+        suite.data.source = args.dataset
+    if args.calibration is not None:
+        suite.calibration.use = args.calibration
+    if args.threads is not None:
+        if args.threads < 0:
+            raise CliError(f"--threads must be >= 0, got {args.threads}")
+        suite.threads = args.threads
+    if args.only is not None:
+        chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = sorted(set(chosen) - set(SECTIONS))
+        if unknown or not chosen:
+            raise CliError(f"--only takes sections among {list(SECTIONS)}, got {args.only!r}")
+        for name in SECTIONS:
+            getattr(suite, name).enabled = getattr(suite, name).enabled and name in chosen
+    out = Path(args.out) if args.out else Path("results") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", suite.name)
+    try:
+        results = run_suite(suite, out, progress=args.progress)
+    except EvalError as err:
+        raise CliError(str(err)) from err
+    failed = failed_rows(results)
+    if failed:
+        raise CliError(f"{len(failed)} configuration(s) failed (results written to {out}): {failed[0]}")
+    return 0
