@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.evaluation.baselines import baselines, timed
 
 FIXED_SIZES = (64, 256, 1024, 4096)
 ADAPTIVE_MODES = ("metadata", "predicted", "causal")
@@ -115,55 +116,6 @@ def channel_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ baselines
-
-
-def timed(fn, repeat: int = 1):
-    """(result, best wall seconds, best CPU seconds of this process)."""
-    best, best_cpu, out = math.inf, math.inf, None
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = fn()
-        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
-    return out, best, best_cpu
-
-
-def baselines(tensors: list[torch.Tensor]) -> list[dict]:
-    import zstandard
-
-    n = sum(t.numel() for t in tensors)
-    raw = [t.contiguous().view(torch.int16).numpy().tobytes() for t in tensors]
-    rows = [{"method": "raw bf16", "bits_per_scalar": 16.0, "enc_mps": None, "dec_mps": None}]
-    for level in (3, 19):
-        cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-        comp, te, tec = timed(lambda cctx=cctx: [cctx.compress(b) for b in raw])
-        back, td, tdc = timed(lambda comp=comp, dctx=dctx: [dctx.decompress(c) for c in comp])
-        assert back == raw
-        rows.append({"method": f"zstd -{level}", "bits_per_scalar": 8 * sum(map(len, comp)) / n,
-                     "enc_mps": n / te / 1e6, "dec_mps": n / td / 1e6, "enc_cpu_mps": n / tec / 1e6,
-                     "dec_cpu_mps": n / tdc / 1e6})
-    try:
-        import zipnn
-
-        z = zipnn.ZipNN(input_format="torch", bytearray_dtype="bfloat16", threads=1)
-        # zipnn.compress reorders its input's bytes in place: hand it copies
-        comp, te, tec = timed(lambda: [z.compress(t.clone()) for t in tensors])
-        back, td, tdc = timed(lambda: [z.decompress(c) for c in comp])
-        assert all(torch.equal(b.view(torch.int16).reshape(-1), t.view(torch.int16).reshape(-1))
-                   for b, t in zip(back, tensors))
-        rows.append({"method": "zipnn", "bits_per_scalar": 8 * sum(map(len, comp)) / n,
-                     "enc_mps": n / te / 1e6, "dec_mps": n / td / 1e6, "enc_cpu_mps": n / tec / 1e6,
-                     "dec_cpu_mps": n / tdc / 1e6})
-    except ImportError:
-        rows.append({"method": "zipnn (not installed)", "bits_per_scalar": None, "enc_mps": None, "dec_mps": None})
-    exps = np.concatenate([((t.view(torch.int16).numpy().reshape(-1) >> 7) & 0xFF) for t in tensors])
-    p = np.bincount(exps, minlength=256) / exps.size
-    h = float(-(p[p > 0] * np.log2(p[p > 0])).sum())
-    rows.append({"method": "exponent-Huffman bound (DFloat11)", "bits_per_scalar": 8.0 + h,
-                 "enc_mps": None, "dec_mps": None, "note": f"H(exponent) = {h:.3f} + 8 raw sign/mantissa bits"})
-    return rows
-
-
-# ------------------------------------------------------------------ codec runs
 
 
 def run_codec(name: str, tensors, stats_args, cfg: CodecConfig, *, exact: bool, workers=(1, 2),
