@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..config import LossyConfig
+from .entropy import top_entries
+from .region import Region
 
 
 def token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
@@ -28,3 +32,25 @@ def entry_bytes(kv_heads: int, head_dim: int, element_size: int, *, with_bias: b
     and its bias when biases are stored."""
     value = head_dim if value_rank is None else value_rank
     return kv_heads * element_size * (head_dim + value + (1 if with_bias else 0))
+
+
+def keep_within(region: Region, budget: int, order: torch.Tensor | None) -> Region | None:
+    """The best entries of ``region`` that fit in ``budget`` bytes per row, or None if none does.
+
+    ``order``: ``[b, h, n]`` score, higher = keep first (None: the newest entries). A bias per entry is stored
+    only if a kept entry needs one (a dead or earlier-fitted entry), so the count is settled in two steps.
+    """
+    b, h, n, d = region.keys.shape
+    elem = region.keys.element_size()
+    for with_bias in (False, True):
+        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias))
+        if count <= 0:
+            return None
+        if order is None:
+            index = torch.arange(n - count, n, device=region.keys.device).expand(b, h, count)
+        else:
+            index = top_entries(order, count)
+        kept = region.gather(index)
+        if with_bias or bool((kept.bias == 0).all()):
+            return kept
+    return kept

@@ -17,6 +17,7 @@ from .queries import QueryBuffer, group_by_kv_head, proxy_queries, reposition
 from .region import FitContext, Region
 
 NEG_INF = float("-inf")
+QUERY_METHODS = ("summary", "topk")
 
 
 class LossyLayer(CompressedLayer):
@@ -132,8 +133,9 @@ class LossyLayer(CompressedLayer):
         else:
             new = None
         held_bias = self._held_bias(held)
-        if held_bias is None and (mask is None or mask.shape[-1] == kv_length):
-            return mask  # nothing to add: the model's own mask is right
+        model_mask_fits = mask.shape[-1] == kv_length if mask is not None else (q == 1 or held == 0)
+        if held_bias is None and model_mask_fits:
+            return mask  # nothing to add: the model's own mask (or sdpa's causal shortcut) is right
         if new is None:
             new = torch.ones(q, q, dtype=torch.bool, device=query.device).tril(diagonal=0)[None, None]
         low = torch.finfo(query.dtype).min
@@ -202,8 +204,13 @@ class LossyLayer(CompressedLayer):
         window = max(0, min(window, (budget - sink_bytes) // (per_token + valid_bytes)))
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
+        if self.lossy.method in QUERY_METHODS:
+            queries, weight = self._reference_queries()
+        else:  # streaming and plain SVD never look at queries
+            queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
         ctx = FitContext(
-            *self._reference_queries(),
+            queries,
+            weight,
             context_keys,
             context_values,
             context_bias,

@@ -15,6 +15,7 @@ The summary keeps entries ``j`` with key ``k_j``, weight ``w_j = exp(bias_j)`` a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -22,32 +23,37 @@ from .region import FitContext, Region
 from .solvers import nnls, ridge_lstsq
 
 
-@dataclass
 class Kernel:
     """Everything a summary needs about one batch row's reference queries against its region and context,
     computed once: ``region_exp`` ``[1, h, m, n]`` (``exp(logit + bias - top)``, 0 for dead entries),
-    ``context_exp`` likewise for the exact context, per-query totals and the full output ``[1, h, m, d]``."""
+    ``context_exp`` likewise for the exact context, per-query totals and (on first use) the full output."""
 
-    region_exp: torch.Tensor
-    context_exp: torch.Tensor
-    region_z: torch.Tensor
-    context_z: torch.Tensor
-    context_n: torch.Tensor
-    output: torch.Tensor
-    query_weight: torch.Tensor
+    def __init__(self, region: Region, ctx: FitContext):
+        self.region = region
+        self.ctx = ctx
+        region_logits = ctx.logits(region.keys, region.bias)
+        context_logits = ctx.logits(ctx.context_keys, ctx.context_bias)
+        top = torch.cat([region_logits, context_logits], dim=-1).amax(-1, keepdim=True)
+        top = torch.nan_to_num(top, neginf=0.0)  # a query with nothing live: anything finite will do
+        self.region_exp = region_logits.sub_(top).exp_()
+        self.context_exp = context_logits.sub_(top).exp_()
+        self.region_z, self.context_z = self.region_exp.sum(-1), self.context_exp.sum(-1)
+        self.query_weight = ctx.query_weight
 
     @classmethod
     def build(cls, region: Region, ctx: FitContext) -> Kernel:
-        region_logits = ctx.logits(region.keys, region.bias)
-        context_logits = ctx.logits(ctx.context_keys, ctx.context_bias)
-        top = torch.maximum(region_logits.amax(-1, keepdim=True), context_logits.amax(-1, keepdim=True))
-        top = torch.nan_to_num(top, neginf=0.0)  # a query with nothing live: anything finite will do
-        region_exp = (region_logits - top).exp_()
-        context_exp = (context_logits - top).exp_()
-        region_z, context_z = region_exp.sum(-1), context_exp.sum(-1)
-        context_n = context_exp @ ctx.context_values.float()
-        output = (region_exp @ region.values.float() + context_n) / (region_z + context_z)[..., None]
-        return cls(region_exp, context_exp, region_z, context_z, context_n, output, ctx.query_weight)
+        return cls(region, ctx)
+
+    @cached_property
+    def context_n(self) -> torch.Tensor:
+        """``[1, h, m, d]``: the exact context's un-normalised output."""
+        return self.context_exp @ self.ctx.context_values.float()
+
+    @cached_property
+    def output(self) -> torch.Tensor:
+        """``[1, h, m, d]``: the full layer's attention output for each reference query."""
+        numerator = self.region_exp @ self.region.values.float() + self.context_n
+        return numerator / self.full_z[..., None]
 
     @property
     def full_z(self) -> torch.Tensor:
@@ -77,7 +83,7 @@ class Fit:
 
 
 def fit_row(
-    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = 200
+    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = 100
 ) -> Fit:
     """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``."""
     kept = region.gather(index)
@@ -96,8 +102,15 @@ def fit_row(
     summary_z = kernel.context_z + design.sum(-1)
     row_scale = (root_w / summary_z)[..., None]
     target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
-    values = ridge_lstsq((design * row_scale)[0], target[0], ridge=ridge, prior=kept.values.float()[0])
-    return Fit(values[None].float(), bias, design / summary_z[..., None])
+    prior = kept.values.float()
+    try:
+        values = ridge_lstsq((design * row_scale)[0], target[0], ridge=ridge, prior=prior[0])[None].float()
+    except FloatingPointError:
+        values = prior
+    # an ill-conditioned fit (ridge=0) can still overflow: such heads keep their entries' own values
+    finite = torch.isfinite(values).all(-1).all(-1)[..., None, None]
+    values = torch.where(finite, values, prior)
+    return Fit(values, bias, design / summary_z[..., None])
 
 
 def row(region: Region, index: int) -> Region:
@@ -116,6 +129,6 @@ def row_context(ctx: FitContext, index: int) -> FitContext:
         ctx.context_values[sl],
         ctx.context_bias[sl],
         ctx.scaling,
-        ctx.use_bias,
+        ctx.attached,
         ctx.config,
     )

@@ -51,8 +51,10 @@ class FitContext:
     ``queries``: ``[batch, kv_heads, m, head_dim]`` float32 reference queries per KV head (already moved to future
     positions), ``query_weight``: ``[batch, kv_heads, m]`` (0 for padding queries); ``context_*``: the entries that
     stay exact (sinks and recent window) in the same layout as a `Region`, so fits can weight each query by how much
-    of its attention the region really gets; ``scaling``: the attention scale; ``use_bias``: whether the attention
-    path applies per-entry biases (a model is attached); ``config``: the lossy parameters.
+    of its attention the region really gets; ``scaling``: the attention scale; ``attached``: a model is attached,
+    so the lossy attention function applies per-entry biases and builds each layer's mask (layers may then hold
+    different numbers of entries; without it every layer must hold the same number); ``config``: the lossy
+    parameters.
     """
 
     queries: torch.Tensor
@@ -61,7 +63,7 @@ class FitContext:
     context_values: torch.Tensor
     context_bias: torch.Tensor
     scaling: float
-    use_bias: bool
+    attached: bool
     config: LossyConfig
 
     def logits(self, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,27 +78,3 @@ def dead_bias_or_none(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
         return None
     return bias.to(dtype)
 
-
-def keep_within(region: Region, budget: int, order: torch.Tensor | None) -> Region | None:
-    """The best entries of ``region`` that fit in ``budget`` bytes per row, or None if none does.
-
-    ``order``: ``[b, h, n]`` score, higher = keep first (None: the newest entries). A bias per entry is stored
-    only if a kept entry needs one (a dead or earlier-fitted entry), so the count is settled in two steps.
-    """
-    from .budget import entry_bytes
-    from .entropy import top_entries
-
-    b, h, n, d = region.keys.shape
-    elem = region.keys.element_size()
-    for with_bias in (False, True):
-        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias))
-        if count <= 0:
-            return None
-        if order is None:
-            index = torch.arange(n - count, n, device=region.keys.device).expand(b, h, count)
-        else:
-            index = top_entries(order, count)
-        kept = region.gather(index)
-        if with_bias or bool((kept.bias == 0).all()):
-            return kept
-    return kept

@@ -27,8 +27,12 @@ def ridge_lstsq(
     """
     a, y = design, target
     if ridge == 0:
-        # plain least squares (the seed's OLS): rank-revealing SVD driver, never the normal equations
-        return torch.linalg.lstsq(a.double().cpu(), y.double().cpu(), driver="gelsd").solution.to(a.device)
+        # plain least squares (the seed's OLS): rank-revealing SVD driver, never the normal equations; singular
+        # values below 1e-7 of the largest are cut (with LAPACK's default cut the solutions blew up to inf here)
+        a64, y64 = a.double().cpu(), y.double().cpu()
+        if not (bool(torch.isfinite(a64).all()) and bool(torch.isfinite(y64).all())):
+            raise FloatingPointError("ridge_lstsq: non-finite design or target")
+        return torch.linalg.lstsq(a64, y64, rcond=1e-7, driver="gelsd").solution.to(a.device)
     if row_weight is not None:
         a, y = a * row_weight[..., None], y * row_weight[..., None]
     x0 = torch.zeros(a.shape[0], a.shape[-1], y.shape[-1], dtype=torch.float64) if prior is None else prior.double()
@@ -60,13 +64,14 @@ def nnls(
     Multiplicative updates (Lee & Seung): every step keeps ``w`` non-negative without an active set, works on the
     whole batch at once and only needs ``A^T A`` and ``A^T z`` (t x t), so it stays cheap for thousands of queries.
     """
-    a = design
-    gram = (a.transpose(-1, -2) @ a).double()
-    atz = (a.transpose(-1, -2) @ target.to(a.dtype)[..., None])[..., 0].double().clamp_min(0.0)
-    w = torch.ones(a.shape[0], a.shape[-1], dtype=torch.float64) if init is None else init.double().clone()
+    a = design.float()
+    # float32 on purpose: the iteration is a memory-bound batched mat-vec; the update is self-correcting
+    gram = a.transpose(-1, -2) @ a
+    atz = (a.transpose(-1, -2) @ target.float()[..., None])[..., 0].clamp_min(0.0)
+    w = torch.ones(a.shape[0], a.shape[-1]) if init is None else init.float().clone()
     # a zero start can never move under multiplicative updates: give such weights a small foothold
     w = torch.where(w > 0, w, torch.full_like(w, 1e-3))
     for _ in range(iters):
-        denom = (gram @ w[..., None])[..., 0]
-        w = w * atz / denom.clamp_min(1e-300)
+        denom = torch.bmm(gram, w[..., None])[..., 0]
+        w = w * atz / denom.clamp_min(1e-30)
     return w

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..cache.storage import Block
 from .blocks import LossyBlock
-from .region import FitContext, Region, dead_bias_or_none, keep_within
+from .budget import keep_within
+from .region import FitContext, Region, dead_bias_or_none
 
 
 def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]:

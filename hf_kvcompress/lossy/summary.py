@@ -9,8 +9,8 @@
    per-entry logit biases by NNLS (when the attention path applies biases) and values by ridge least squares.
 3. SVD: the refitted values are truncated to the smallest rank whose attention-output error on the reference
    queries stays within ``error_tolerance``; if storing them at that rank frees enough bytes for more entries, the
-   summary is refitted with more entries and stored as value factors. On SmolLM2 refitted values need (nearly) full
-   rank at a 5 % tolerance, so this stage rarely changes anything there.
+   summary is refitted with more entries and stored as value factors (only with a model attached: the entry count
+   then differs between layers, which only the lossy attention function's own masks allow).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     cfg = ctx.config
     b, h, n, d = region.keys.shape
     elem = region.keys.element_size()
-    use_bias = ctx.use_bias and cfg.fit_bias
+    use_bias = ctx.attached and cfg.fit_bias
     store_bias = use_bias or not bool(region.live.all())
     count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias))
     if count <= 0:
@@ -44,7 +44,8 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
         fits.append((index, fit))
         worst = torch.maximum(worst, truncation_errors(kernel, fit))
     rank = smallest_rank(worst, cfg.error_tolerance)
-    if rank < d:
+    # more entries than the plain count only where layers may differ in length (a model attached)
+    if rank < d and ctx.attached:
         per_entry = entry_bytes(h, d, elem, with_bias=store_bias, value_rank=rank)
         more = min(n, (budget - h * rank * d * elem) // per_entry)
         if more > count:

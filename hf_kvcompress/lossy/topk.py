@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from ..cache.storage import Block
 from .blocks import LossyBlock
+from .budget import keep_within
 from .entropy import attention_mass
-from .region import FitContext, Region, dead_bias_or_none, keep_within
+from .region import FitContext, Region, dead_bias_or_none
 
 
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
