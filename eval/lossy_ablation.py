@@ -9,19 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
+from lossy_experiment import Settings
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from lossy_capture import capture, replayed_cache
-from lossy_experiment import Settings, attention_errors, continuation_nll
-
-from hf_kvcompress import CompressionConfig, LossyConfig
 from hf_kvcompress.data import token_ids
+from hf_kvcompress.evaluation.capture import capture, replay
+from hf_kvcompress.evaluation.lossy import attention_errors, continuation_nll, lossy_setting
 from hf_kvcompress.models import load_model
 
 VARIANTS: dict[str, dict] = {
@@ -54,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{"variant": "full", "ratio": 1.0, "attn_err": 0.0, "ppl": math.exp(full_nll.item())}]
     for ratio in args.ratios:
         for name in tqdm(args.variants, desc=f"ratio {ratio}"):
-            fields = {"budget": ratio, "interval": settings.interval, "sinks": settings.sinks, **VARIANTS[name]}
-            config = CompressionConfig(mode="lossy", residual_tokens=settings.window, lossy=LossyConfig(**fields))
-            cache = replayed_cache(model, config, context)
-            errors = attention_errors(cache, full, settings.context, settings.heldout_stride, full.scaling)
+            setting = lossy_setting(model, name, VARIANTS[name], ratio, window=settings.window,
+                                    interval=settings.interval, sinks=settings.sinks)
+            cache = replay(setting.make(), context)
+            errors = attention_errors(cache, full, settings.context, settings.heldout_stride)
             nll = continuation_nll(model, cache, ids, settings.context, settings.interval, full.logits[:, 0])
             rows.append({"variant": name, "ratio": ratio, "attn_err": sum(errors) / len(errors),
                          "ppl": math.exp(nll.mean().item())})

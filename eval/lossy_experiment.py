@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,14 +29,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from lossy_capture import Captured, capture, replayed_cache
-from lossy_needles import answer_correct, make_needles
-
-from hf_kvcompress import CompressionConfig, LossyConfig
 from hf_kvcompress.data import token_ids
-from hf_kvcompress.lossy.blocks import block_bias
+from hf_kvcompress.evaluation.lossy import (
+    Setting,
+    empty_results,
+    lossy_setting,
+    run_needles,
+    run_perplexity,
+    summarise,
+)
 from hf_kvcompress.models import load_model
 
 #: name -> LossyConfig fields. "summary-seed" is the seed's pipeline as written (entropy selection, plain OLS
@@ -53,6 +52,8 @@ METHODS: dict[str, dict] = {
     },
     "summary": {"method": "summary"},
 }
+SEGMENT_STRIDE = 10_000  # tokens between the starts of two perplexity segments of the evaluation split
+NEEDLE_OFFSET = 40_000  # where the needles' haystacks start, past every perplexity segment
 
 
 @dataclass(frozen=True)
@@ -76,143 +77,12 @@ QUICK = Settings(
 )
 
 
-def lossy_config(settings: Settings, method: str, ratio: float) -> CompressionConfig:
-    fields = {"budget": ratio, "interval": settings.interval, "sinks": settings.sinks, **METHODS[method]}
-    return CompressionConfig(mode="lossy", residual_tokens=settings.window, lossy=LossyConfig(**fields))
+def settings_for(model, settings: Settings, methods: list[str]) -> list[Setting]:
+    return [lossy_setting(model, m, METHODS[m], r, window=settings.window, interval=settings.interval,
+                          sinks=settings.sinks) for m in methods for r in settings.ratios]
 
 
-# ---------------------------------------------------------------------- measurements
-
-
-def held_entries(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys, values and float biases ``[b, h, n]`` of everything a layer holds."""
-    keys, values = layer.keys, layer.values
-    parts = []
-    for block in layer.blocks:
-        bias = block_bias(block)
-        parts.append(torch.zeros(keys.shape[0], keys.shape[1], block.entries) if bias is None else bias.float())
-    res = torch.zeros(keys.shape[0], keys.shape[1], layer.residual_length)
-    if getattr(layer, "residual_valid", None) is not None:
-        res = torch.where(layer.residual_valid[:, None, :], 0.0, float("-inf")).expand_as(res)
-    return keys.float(), values.float(), torch.cat([*parts, res], dim=-1)
-
-
-def attention_errors(cache, full: Captured, context: int, stride: int, scaling: float) -> list[float]:
-    """Per layer: mean relative error of the held-out queries' attention output over the context."""
-    errors = []
-    for layer, (q, k, v) in zip(cache.layers, full.states):
-        queries = q[..., context::stride, :].float()
-        groups = queries.shape[1] // k.shape[1]
-        k_full = k[..., :context, :].float().repeat_interleave(groups, 1)
-        v_full = v[..., :context, :].float().repeat_interleave(groups, 1)
-        o_full = torch.softmax(queries @ k_full.transpose(-1, -2) * scaling, -1) @ v_full
-        k_c, v_c, bias = held_entries(layer)
-        k_c, v_c, bias = (t.repeat_interleave(groups, 1) for t in (k_c, v_c, bias))
-        logits = queries @ k_c.transpose(-1, -2) * scaling + bias[..., None, :]
-        o_c = torch.softmax(logits, -1) @ v_c
-        rel = (o_c - o_full).norm(dim=-1) / o_full.norm(dim=-1).clamp_min(1e-12)
-        errors.append(rel.mean().item())
-    return errors
-
-
-def summary_times(cache) -> list[float]:
-    """Seconds per summary event, summed over layers."""
-    per_layer = [layer.summary_seconds for layer in cache.layers]
-    events = min(len(s) for s in per_layer)
-    return [sum(s[i] for s in per_layer) for i in range(events)]
-
-
-@torch.inference_mode()
-def continuation_nll(model, cache, ids: torch.Tensor, context: int, chunk: int, first_logits: torch.Tensor):
-    """NLL of every continuation token: the first from the (shared) full prefill, the rest from the cache."""
-    cont = ids[:, context:]
-    losses = [torch.nn.functional.cross_entropy(first_logits.float(), cont[:, 0], reduction="none")]
-    for start in range(0, cont.shape[1] - 1, chunk):
-        piece = cont[:, start : start + chunk]
-        logits = model(piece, cache=cache).logits.float()
-        target = cont[:, start + 1 : start + chunk + 1]
-        losses.append(torch.nn.functional.cross_entropy(logits[0, : target.shape[1]], target[0], reduction="none"))
-    return torch.cat([x.reshape(-1) for x in losses])
-
-
-# ---------------------------------------------------------------------- the experiment
-
-
-def run_perplexity(model, tokenizer, settings: Settings, methods: list[str], results: dict, bar) -> None:
-    total = settings.context + settings.continuation
-    scaling = float(model.model.layers[0].self_attn.scaling)
-    for seg in range(settings.segments):
-        ids = token_ids(tokenizer, total, split="evaluation", offset=seg * 10_000)
-        full = capture(model, ids, logits_to_keep=settings.continuation + 1)
-        full_nll = torch.nn.functional.cross_entropy(
-            full.logits[0, :-1].float(), ids[0, settings.context :], reduction="none"
-        )
-        results["full"]["nll"].extend(full_nll.tolist())
-        context_states = full.slice(0, settings.context)
-        for method in methods:
-            for ratio in settings.ratios:
-                bar.set_postfix_str(f"segment {seg} {method} {ratio}")
-                cache = replayed_cache(model, lossy_config(settings, method, ratio), context_states)
-                stats = cache.stats()
-                errors = attention_errors(cache, full, settings.context, settings.heldout_stride, scaling)
-                nll = continuation_nll(model, cache, ids, settings.context, settings.interval, full.logits[:, 0])
-                entry = results[method][str(ratio)]
-                entry["kept"].append(stats["stored_bytes"] / stats["raw_bytes"])
-                entry["layer_errors"].append(errors)
-                entry["nll"].extend(nll.tolist())
-                entry["summary_seconds"].extend(summary_times(cache))
-                bar.update(1)
-        del full, context_states
-
-
-def run_needles(model, tokenizer, settings: Settings, methods: list[str], results: dict, bar) -> None:
-    needles = make_needles(tokenizer, settings.needles, settings.needle_context, split="evaluation")
-    configs = [("full", None, CompressionConfig(mode="none"))] + [
-        (m, r, lossy_config(settings, m, r)) for m in methods for r in settings.ratios
-    ]
-    for start in range(0, settings.needles, settings.needle_batch):
-        context = needles.context[start : start + settings.needle_batch]
-        prompt = torch.cat([context, needles.question.expand(context.shape[0], -1)], dim=1)
-        states = capture(model, context)
-        for name, ratio, config in configs:
-            bar.set_postfix_str(f"needles {start} {name} {ratio}")
-            cache = replayed_cache(model, config, states)
-            with torch.inference_mode():
-                out = model.generate(
-                    prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=7,
-                    min_new_tokens=7, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                )
-            answers = needles.answers[start : start + context.shape[0]]
-            hits = [answer_correct(tokenizer, row[prompt.shape[1] :], a) for row, a in zip(out, answers)]
-            entry = results[name] if ratio is None else results[name][str(ratio)]
-            entry["needle_hits"].extend(hits)
-            bar.update(1)
-
-
-def summarise(results: dict, settings: Settings, methods: list[str]) -> list[dict]:
-    full_ppl = math.exp(sum(results["full"]["nll"]) / len(results["full"]["nll"]))
-    full_acc = sum(results["full"]["needle_hits"]) / max(1, len(results["full"]["needle_hits"]))
-    rows = [{"method": "full", "ratio": 1.0, "kept": 1.0, "attn_err": 0.0, "worst_layer": None, "worst_err": 0.0,
-             "ppl": full_ppl, "needle_acc": full_acc, "sec_per_summary": 0.0}]
-    for method in methods:
-        for ratio in settings.ratios:
-            e = results[method][str(ratio)]
-            per_layer = torch.tensor(e["layer_errors"]).mean(0)  # mean over segments
-            rows.append({
-                "method": method,
-                "ratio": ratio,
-                "kept": sum(e["kept"]) / len(e["kept"]),
-                "attn_err": per_layer.mean().item(),
-                "worst_layer": int(per_layer.argmax()),
-                "worst_err": per_layer.max().item(),
-                "ppl": math.exp(sum(e["nll"]) / len(e["nll"])),
-                "needle_acc": sum(e["needle_hits"]) / max(1, len(e["needle_hits"])),
-                "sec_per_summary": sum(e["summary_seconds"]) / max(1, len(e["summary_seconds"])),
-            })
-    return rows
-
-
-def format_table(rows: list[dict], settings: Settings) -> str:
+def format_table(rows: list[dict]) -> str:
     head = (f"{'method':<13} {'ratio':>5} {'kept':>6} {'attn err':>9} {'worst layer':>13} "
             f"{'ppl':>8} {'d ppl':>7} {'needle':>7} {'s/summary':>10}")
     lines = [head, "-" * len(head)]
@@ -220,8 +90,9 @@ def format_table(rows: list[dict], settings: Settings) -> str:
     for r in rows:
         worst = "-" if r["worst_layer"] is None else f"{r['worst_err']:.3f} (L{r['worst_layer']})"
         lines.append(
-            f"{r['method']:<13} {r['ratio']:>5.2f} {r['kept']:>6.3f} {r['attn_err']:>9.4f} {worst:>13} "
-            f"{r['ppl']:>8.3f} {r['ppl'] - full_ppl:>+7.3f} {r['needle_acc']:>7.2f} {r['sec_per_summary']:>10.2f}"
+            f"{r['method'].split(' ')[0]:<13} {r.get('budget') or 1.0:>5.2f} {r['kept']:>6.3f} {r['attn_err']:>9.4f} "
+            f"{worst:>13} {r['ppl']:>8.3f} {r['ppl'] - full_ppl:>+7.3f} {r['needle_acc']:>7.2f} "
+            f"{r['sec_per_summary'] or 0.0:>10.2f}"
         )
     return "\n".join(lines)
 
@@ -239,7 +110,7 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> None:
     for ax, (key, title) in zip(axes, panels):
         for method in methods:
             mine = [r for r in rows if r["method"] == method]
-            ax.plot([r["ratio"] for r in mine], [r[key] for r in mine], marker="o", label=method)
+            ax.plot([r["budget"] for r in mine], [r[key] for r in mine], marker="o", label=method)
         if key in ("ppl", "needle_acc"):
             ax.axhline(full[key], color="black", linestyle="--", label="full cache")
         ax.set_title(title)
@@ -257,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small settings, a few minutes")
     parser.add_argument("--out", type=Path, default=Path("results/lossy"))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--ratios", nargs="+", type=float, help="keep ratios (default: 0.1 0.2 0.3 0.5)")
     parser.add_argument("--segments", type=int, help="perplexity segments (default: 2, quick: 1)")
     parser.add_argument("--needles", type=int, help="needle prompts (default: 50, quick: 10)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -265,33 +137,42 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch threads (1: on a busy 2-core machine more threads made small matmuls 30x slower)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
-    overrides = {k: v for k, v in (("segments", args.segments), ("needles", args.needles)) if v is not None}
-    settings = dataclasses.replace(settings, **overrides)
+    overrides = {"segments": args.segments, "needles": args.needles,
+                 "ratios": tuple(args.ratios) if args.ratios else None}
+    settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     methods = args.methods
-    results: dict = {"full": {"nll": [], "needle_hits": []}}
-    for m in methods:
-        results[m] = {str(r): {"kept": [], "layer_errors": [], "nll": [], "needle_hits": [], "summary_seconds": []}
-                      for r in settings.ratios}
-    runs = len(methods) * len(settings.ratios)
-    batches = math.ceil(settings.needles / settings.needle_batch)
+    configs = settings_for(model, settings, methods)
+    total = settings.context + settings.continuation
+    segments = [token_ids(tokenizer, total, split="evaluation", offset=seg * SEGMENT_STRIDE)
+                for seg in range(settings.segments)]
+    haystack = token_ids(tokenizer, settings.needles * settings.needle_context + 1, split="evaluation",
+                         offset=NEEDLE_OFFSET)[0]
+    results = empty_results(configs)
+    batches = -(-settings.needles // settings.needle_batch)
     start = time.perf_counter()
-    with tqdm(total=settings.segments * runs + batches * (runs + 1), desc="lossy experiment") as bar:
-        args.out.mkdir(parents=True, exist_ok=True)
-        run_perplexity(model, tokenizer, settings, methods, results, bar)
-        # a long run killed during the needles keeps its perplexity half
-        (args.out / "partial.json").write_text(json.dumps(results))
-        run_needles(model, tokenizer, settings, methods, results, bar)
-    rows = summarise(results, settings, methods)
-    table = format_table(rows, settings)
-    print(table)
     args.out.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=settings.segments * len(configs) + batches * (len(configs) + 1), desc="lossy experiment") as bar:
+        def step(name: str) -> None:
+            if bar.n or bar.postfix:
+                bar.update(1)
+            bar.set_postfix_str(name)
+
+        run_perplexity(model, segments, configs, results, context=settings.context, interval=settings.interval,
+                       stride=settings.heldout_stride, step=step)
+        # a long run killed during the needles keeps its perplexity half
+        (args.out / "partial.json").write_text(json.dumps({" ".join(k) if isinstance(k, tuple) else k: v
+                                                           for k, v in results.items()}))
+        run_needles(model, tokenizer, haystack, configs, results, count=settings.needles,
+                    context_tokens=settings.needle_context, batch=settings.needle_batch, step=step)
+        bar.update(1)
+    rows = summarise(results, configs, {})
+    table = format_table(rows)
+    print(table)
     report = {"settings": dataclasses.asdict(settings), "dtype": args.dtype, "methods": METHODS,
-              "seconds": time.perf_counter() - start, "rows": rows, "table": table,
-              "per_layer_errors": {m: {str(r): torch.tensor(results[m][str(r)]["layer_errors"]).mean(0).tolist()
-                                       for r in settings.ratios} for m in methods}}
+              "seconds": time.perf_counter() - start, "rows": rows, "table": table}
     (args.out / "results.json").write_text(json.dumps(report, indent=2))
     plot(rows, methods, args.out / "lossy.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'lossy.png'} ({report['seconds']:.0f} s)")

@@ -189,6 +189,11 @@ def _entry() -> dict[str, list]:
             "seconds": []}
 
 
+def empty_results(settings: list[Setting]) -> dict:
+    """The results dict `run_perplexity` and `run_needles` fill: ``"full"`` plus ``(method, setting)`` keys."""
+    return {"full": _entry()} | {(s.method, s.setting): _entry() for s in settings}
+
+
 def run_perplexity(model, segments: list[torch.Tensor], settings: list[Setting], results: dict, *, context: int,
                    interval: int, stride: int, step=None, errors: dict | None = None) -> None:
     """Per text segment (``[1, context + continuation]`` ids): full NLL once, then per setting the kept
@@ -330,9 +335,7 @@ def build_settings(model, suite_lossy, methods: list[tuple[str, dict[str, Any]]]
 def run_lossy(model, tokenizer, segments: list[torch.Tensor], haystack: torch.Tensor, suite_lossy,
               settings: list[Setting], unavailable: list[dict], *, seed: int = 0, step=None) -> dict[str, Any]:
     """The lossy table of a suite's ``[lossy]`` section on the given text (settings from `build_settings`)."""
-    results: dict = {"full": _entry()}
-    for s in settings:
-        results[(s.method, s.setting)] = _entry()
+    results = empty_results(settings)
     errors: dict = {}
     run_perplexity(model, segments, settings, results, context=suite_lossy.context, interval=suite_lossy.interval,
                    stride=suite_lossy.heldout_stride, step=step, errors=errors)

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from .matching import Kernel, row, row_context
+from ..kernels import attention_scores
 from .region import FitContext, Region
+
+
+def _scores(region: Region, ctx: FitContext) -> tuple[torch.Tensor, torch.Tensor]:
+    # one fused pass (Triton on GPU, chunked torch otherwise) never holds the [m, n] weight matrix
+    return attention_scores(ctx.queries, ctx.query_weight, region.keys, region.bias, ctx.context_keys,
+                            ctx.context_bias, ctx.scaling)
 
 
 def attention_mass(region: Region, ctx: FitContext) -> torch.Tensor:
     """``[b, h, n]``: mean attention weight each entry receives over the valid reference queries."""
-    rows = [Kernel.build(row(region, r), row_context(ctx, r)).mass() for r in range(region.keys.shape[0])]
-    return torch.cat(rows).masked_fill(~region.live, float("-inf"))
+    return _scores(region, ctx)[0].masked_fill(~region.live, float("-inf"))
 
 
 def entry_entropy(region: Region, ctx: FitContext) -> torch.Tensor:
@@ -27,8 +32,7 @@ def entry_entropy(region: Region, ctx: FitContext) -> torch.Tensor:
     Measured on SmolLM2 this is a poor importance signal: the attention sinks and the most attended entries have
     some of the *highest* column entropies (every query attends to them a little), see docs/lossy.md.
     """
-    rows = [Kernel.build(row(region, r), row_context(ctx, r)).entropy() for r in range(region.keys.shape[0])]
-    return torch.cat(rows).masked_fill(~region.live, float("inf"))
+    return _scores(region, ctx)[1].masked_fill(~region.live, float("inf"))
 
 
 def top_entries(score: torch.Tensor, count: int) -> torch.Tensor:
