@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .downloads import writable_folder
+
 
 class CliError(Exception):
     """A user-facing problem: printed as one line, exit status 2."""
@@ -58,12 +60,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     out = Path(args.out) if args.out else default_calibration_dir(model)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        writable_folder(out, "calibration folder")
     except OSError as err:
-        raise CliError(f"cannot write to {out}: {err}") from err
+        raise CliError(str(err)) from err
     try:
         calibration = Calibration.fit(
             model, tokenizer, source=args.dataset, split=args.split, tokens=args.tokens, chunk=args.chunk,

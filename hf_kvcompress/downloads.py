@@ -23,6 +23,19 @@ def cache_dir() -> Path:
     return path
 
 
+def writable_folder(folder: Path, role: str = "folder") -> Path:
+    """Create ``folder`` if needed and check a file can be written there, so a long job fails before it starts;
+    raises ``OSError`` naming the folder."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise OSError(f"cannot write to {role} {str(folder)!r}: {err.strerror or err}") from err
+    return folder
+
+
 def pip_download(requirement: str) -> Path:
     """Download one distribution of ``requirement`` (no dependencies) into the cache folder once and return
     the archive's path. Uses this interpreter's pip, so the machine's index settings apply."""

@@ -26,9 +26,9 @@ TINY = {
 }
 
 
-@functools.cache
-def tiny_model(kind: str, dtype: torch.dtype = torch.float32):
-    """A randomly initialised 2-layer model of ``kind`` (see TINY), deterministic, eval mode."""
+def fresh_tiny_model(kind: str, dtype: torch.dtype = torch.float32):
+    """A new randomly initialised 2-layer model of ``kind`` (see TINY), deterministic, eval mode: for tests that
+    change the model (lossy mode switches its attention implementation)."""
     config_cls, model_cls, extra = TINY[kind]
     config = config_cls(
         vocab_size=128,
@@ -45,6 +45,10 @@ def tiny_model(kind: str, dtype: torch.dtype = torch.float32):
     model = model_cls(config).to(dtype).eval()
     model.generation_config.pad_token_id = 0
     return model
+
+
+#: the shared instance of `fresh_tiny_model` for tests that leave the model as it is
+tiny_model = functools.cache(fresh_tiny_model)
 
 
 

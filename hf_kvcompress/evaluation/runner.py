@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..downloads import writable_folder
 from . import lossless as lossless_mod
 from . import lossy as lossy_mod
 from .env import machine, threads, versions
@@ -42,12 +43,9 @@ class EvalError(ValueError):
 
 def check_output_folder(out: Path) -> None:
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        writable_folder(out, "output folder")
     except OSError as err:
-        raise EvalError(f"cannot write to output folder {str(out)!r}: {err.strerror or err}") from err
+        raise EvalError(str(err)) from err
 
 
 def _looks_like_path(name: str) -> bool:
