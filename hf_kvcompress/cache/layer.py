@@ -65,18 +65,22 @@ class CompressedLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new tokens; return every cached entry of this layer followed by the new ones."""
+        keys, values = self._append(key_states, value_states)
+        self._seal_full_blocks()
+        self._drop_out_of_window()
+        return keys, values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check and append new tokens to the residual; return every held entry followed by the new ones."""
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         parts_k, parts_v = self._held_parts()
         keys = torch.cat([*parts_k, key_states], dim=-2)
         values = torch.cat([*parts_v, value_states], dim=-2)
-
         self.residual_keys = torch.cat([self.residual_keys, key_states], dim=-2)
         self.residual_values = torch.cat([self.residual_values, value_states], dim=-2)
         self.seen_tokens += key_states.shape[-2]
-        self._seal_full_blocks()
-        self._drop_out_of_window()
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -77,19 +77,11 @@ class LossyLayer(CompressedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new tokens; return every held entry followed by the new ones (the summary, when due, changes only
         what later forwards see)."""
-        self._check_states(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        parts_k, parts_v = self._held_parts()
-        keys = torch.cat([*parts_k, key_states], dim=-2)
-        values = torch.cat([*parts_v, value_states], dim=-2)
+        keys, values = self._append(key_states, value_states)
         count = key_states.shape[-2]
-        self.residual_keys = torch.cat([self.residual_keys, key_states], dim=-2)
-        self.residual_values = torch.cat([self.residual_values, value_states], dim=-2)
         if self.residual_valid is not None:
             ones = torch.ones(self.rows, count, dtype=torch.bool, device=self.residual_valid.device)
             self.residual_valid = torch.cat([self.residual_valid, ones], dim=-1)
-        self.seen_tokens += count
         self.since_summary += count
         self._new_valid = None
         self._expected_kv = keys.shape[-2]
