@@ -4,6 +4,7 @@ predictors and by calibration."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -69,7 +70,14 @@ def run_decoder(
 def build_twin(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose decoder linear weights are rounded to float8 e4m3 with one float32 scale
     per output channel (absmax / 448), computing in the model's dtype: Finn's FP8 twin."""
-    twin = copy.deepcopy(model)
+    # the caches' token-recorder hooks stay with the original: a cache collected while deepcopy walks the hook
+    # dicts removes its hook from them ("OrderedDict mutated during iteration")
+    hooks, hooks_kwargs = model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs
+    model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs = OrderedDict(), {}
+    try:
+        twin = copy.deepcopy(model)
+    finally:
+        model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs = hooks, hooks_kwargs
     for module in decoder_layers(twin).modules():
         if isinstance(module, torch.nn.Linear):
             weight = module.weight.data.to(torch.float32)

@@ -213,3 +213,17 @@ def test_stale_calibration_heads_are_a_clear_error():
     cache = CompressedCache(lossless(), model=model, calibration=stale)
     with pytest.raises(ValueError, match="recalibrate"), torch.no_grad():
         model(random_ids(1, 40), cache=cache)
+
+
+def test_twin_leaves_the_caches_token_hooks_on_the_original():
+    """build_twin copies the model without the caches' recorder hooks (a cache collected mid-copy used to
+    remove its hook from the dict being copied)."""
+    from hf_kvcompress.predictors.runner import build_twin
+
+    model = tiny_model("llama-gqa")
+    caches = [CompressedCache(CompressionConfig(mode="lossless"), model=model) for _ in range(3)]
+    hooks = dict(model._forward_pre_hooks)
+    twin = build_twin(model)
+    assert len(twin._forward_pre_hooks) == 0 and len(twin._forward_pre_hooks_with_kwargs) == 0
+    assert dict(model._forward_pre_hooks) == hooks and len(hooks) >= len(caches)
+    del caches
