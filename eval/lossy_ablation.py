@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import torch
-from lossy_experiment import Settings
+from lossy_experiment import FULL
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    settings = Settings()
+    settings = FULL
     model, tokenizer = load_model(dtype=torch.float32, attn_implementation="sdpa")
     ids = token_ids(tokenizer, settings.context + settings.continuation, split="calibration", offset=20_000)
     full = capture(model, ids, logits_to_keep=settings.continuation + 1)

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from hf_kvcompress.evaluation.lossy import (
     run_perplexity,
     summarise,
 )
+from hf_kvcompress.evaluation.suite import LossySection
 from hf_kvcompress.models import load_model
 
 #: name -> LossyConfig fields. "summary-seed" is the seed's pipeline as written (entropy selection, plain OLS
@@ -55,31 +55,16 @@ METHODS: dict[str, dict] = {
 SEGMENT_STRIDE = 10_000  # tokens between the starts of two perplexity segments of the evaluation split
 NEEDLE_OFFSET = 40_000  # where the needles' haystacks start, past every perplexity segment
 
-
-@dataclass(frozen=True)
-class Settings:
-    context: int = 2048
-    continuation: int = 512
-    segments: int = 2
-    needles: int = 50
-    needle_context: int = 512
-    needle_batch: int = 10
-    ratios: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5)
-    interval: int = 256
-    window: int = 64
-    sinks: int = 4
-    heldout_stride: int = 4
+#: the issue's setting: keep ratios 0.1-0.5 of a 2,048-token context, 512 tokens of perplexity, 50 needles
+FULL = LossySection(context=2048, continuation=512, segments=2, interval=256, window=64, sinks=4, heldout_stride=4,
+                    budgets=[0.1, 0.2, 0.3, 0.5], needles=50, needle_context=512, needle_batch=10, quantized=[])
+QUICK = dataclasses.replace(FULL, context=384, continuation=128, segments=1, interval=64, window=32,
+                            budgets=[0.2, 0.5], needles=10, needle_context=256)
 
 
-QUICK = Settings(
-    context=384, continuation=128, segments=1, needles=10, needle_context=256, needle_batch=10,
-    ratios=(0.2, 0.5), interval=64, window=32,
-)
-
-
-def settings_for(model, settings: Settings, methods: list[str]) -> list[Setting]:
-    return [lossy_setting(model, m, METHODS[m], r, window=settings.window, interval=settings.interval,
-                          sinks=settings.sinks) for m in methods for r in settings.ratios]
+def settings_for(model, section: LossySection, methods: list[str]) -> list[Setting]:
+    return [lossy_setting(model, m, METHODS[m], b, window=section.window, interval=section.interval,
+                          sinks=section.sinks) for m in methods for b in section.budgets]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -155,42 +140,42 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.mkdir(parents=True, exist_ok=True)
         plot(report["rows"], list(report["methods"]), args.out / "lossy.png")
         return report
-    settings = QUICK if args.quick else Settings()
+    section = QUICK if args.quick else FULL
     overrides = {"segments": args.segments, "needles": args.needles,
-                 "ratios": tuple(args.ratios) if args.ratios else None}
-    settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+                 "budgets": list(args.ratios) if args.ratios else None}
+    section = dataclasses.replace(section, **{k: v for k, v in overrides.items() if v is not None})
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     methods = args.methods
-    configs = settings_for(model, settings, methods)
-    total = settings.context + settings.continuation
+    configs = settings_for(model, section, methods)
+    total = section.context + section.continuation
     segments = [token_ids(tokenizer, total, split="evaluation", offset=seg * SEGMENT_STRIDE)
-                for seg in range(settings.segments)]
-    haystack = token_ids(tokenizer, settings.needles * settings.needle_context + 1, split="evaluation",
+                for seg in range(section.segments)]
+    haystack = token_ids(tokenizer, section.needles * section.needle_context + 1, split="evaluation",
                          offset=NEEDLE_OFFSET)[0]
     results = empty_results(configs)
-    batches = -(-settings.needles // settings.needle_batch)
+    batches = -(-section.needles // section.needle_batch)
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=settings.segments * len(configs) + batches * (len(configs) + 1), desc="lossy experiment") as bar:
+    with tqdm(total=section.segments * len(configs) + batches * (len(configs) + 1), desc="lossy experiment") as bar:
         def step(name: str) -> None:
             if bar.n or bar.postfix:
                 bar.update(1)
             bar.set_postfix_str(name)
 
-        run_perplexity(model, segments, configs, results, context=settings.context, interval=settings.interval,
-                       stride=settings.heldout_stride, step=step)
+        run_perplexity(model, segments, configs, results, context=section.context, interval=section.interval,
+                       stride=section.heldout_stride, step=step)
         # a long run killed during the needles keeps its perplexity half
         (args.out / "partial.json").write_text(json.dumps({" ".join(k) if isinstance(k, tuple) else k: v
                                                            for k, v in results.items()}))
-        run_needles(model, tokenizer, haystack, configs, results, count=settings.needles,
-                    context_tokens=settings.needle_context, batch=settings.needle_batch, step=step)
+        run_needles(model, tokenizer, haystack, configs, results, count=section.needles,
+                    context_tokens=section.needle_context, batch=section.needle_batch, step=step)
         bar.update(1)
     rows = summarise(results, configs, {})
     table = format_table(rows)
     print(table)
-    report = {"settings": dataclasses.asdict(settings), "dtype": args.dtype, "methods": METHODS,
+    report = {"settings": dataclasses.asdict(section), "dtype": args.dtype, "methods": METHODS,
               "seconds": time.perf_counter() - start, "rows": rows, "table": table}
     (args.out / "results.json").write_text(json.dumps(report, indent=2))
     plot(rows, methods, args.out / "lossy.png")
