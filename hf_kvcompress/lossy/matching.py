@@ -40,10 +40,6 @@ class Kernel:
         self.region_z, self.context_z = self.region_exp.sum(-1), self.context_exp.sum(-1)
         self.query_weight = ctx.query_weight
 
-    @classmethod
-    def build(cls, region: Region, ctx: FitContext) -> Kernel:
-        return cls(region, ctx)
-
     @cached_property
     def context_n(self) -> torch.Tensor:
         """``[1, h, m, d]``: the exact context's un-normalised output."""

@@ -38,7 +38,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     fits, worst = [], torch.zeros(min(count, d) + 1, dtype=torch.float64)
     for r in range(b):
         sub, sub_ctx = row(region, r), row_context(ctx, r)
-        kernel = Kernel.build(sub, sub_ctx)
+        kernel = Kernel(sub, sub_ctx)
         index = top_entries(selection_score(kernel, sub, cfg), count)
         fit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge)
         fits.append((index, fit))
@@ -52,7 +52,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
             fits = []
             for r in range(b):
                 sub, sub_ctx = row(region, r), row_context(ctx, r)
-                kernel = Kernel.build(sub, sub_ctx)
+                kernel = Kernel(sub, sub_ctx)
                 index = top_entries(selection_score(kernel, sub, cfg), more)
                 fits.append((index, fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge)))
             keys, values, bias = _stack(region, fits)
