@@ -26,15 +26,16 @@ TINY = {
 }
 
 
-def fresh_tiny_model(kind: str, dtype: torch.dtype = torch.float32):
-    """A new randomly initialised 2-layer model of ``kind`` (see TINY), deterministic, eval mode: for tests that
-    change the model (lossy mode switches its attention implementation)."""
+def fresh_tiny_model(kind: str, dtype: torch.dtype = torch.float32, layers: int = 2):
+    """A new randomly initialised ``layers``-layer model of ``kind`` (see TINY), deterministic, eval mode: for
+    tests that change the model (lossy mode switches its attention implementation). Use >= 6 layers where a
+    per-step cost or a memo of the last layers could hide behind two."""
     config_cls, model_cls, extra = TINY[kind]
     config = config_cls(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         max_position_embeddings=512,
         pad_token_id=0,
         eos_token_id=1,

@@ -12,6 +12,8 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 
 from ..config import CompressionConfig
 from .layer import CompressedLayer
+from .lossless import sealed_raw_bytes
+from .pool import storage_bytes
 from .storage import RawStorage, Storage
 
 if TYPE_CHECKING:
@@ -119,7 +121,14 @@ class CompressedCache(Cache):
         self._check_layer_idx(layer_idx)
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
+        if layer_idx == 0 and self.lossless is not None:  # once per forward: the pool budget's reference
+            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def kv_layer_count(self) -> int | None:
+        """Layers of the model this cache serves (None while created lazily, without a model config)."""
+        return self._layer_count
 
     def _check_layer_idx(self, layer_idx: Any) -> None:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
@@ -140,19 +149,29 @@ class CompressedCache(Cache):
         super().crop(tokens_to_remove)
         if self.token_ids is not None and tokens_to_remove < 0:
             self.token_ids = self.token_ids[:, :tokens_to_remove]
+        self._blocks_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._select_token_rows(beam_idx)
+        self._blocks_changed()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.token_ids is not None:
             self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
+        self._blocks_changed()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self._select_token_rows(indices)
+        self._blocks_changed()
+
+    def _blocks_changed(self) -> None:
+        """Blocks were replaced or removed: decoded copies of the old ones would only pin memory."""
+        if self.lossless is not None:
+            self.lossless.forget()
+            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self)
 
     def reset(self) -> None:
         super().reset()
@@ -207,9 +226,11 @@ class CompressedCache(Cache):
         """What this cache holds against what a `DynamicCache` in the same dtype would hold.
 
         Returns a dict with ``mode``, ``tokens`` (text positions seen), ``entries`` (K/V rows attention sees,
-        summed over layers), ``raw_bytes``, ``stored_bytes`` (everything really held: blocks with their headers
-        and side data, residual tensors), ``bits_per_scalar`` (stored bits per cached K/V scalar),
-        ``compression_ratio`` (raw / stored), ``dtype`` and ``per_layer`` (the same numbers per layer).
+        summed over layers), ``raw_bytes``, ``stored_bytes`` (the compressed form: blocks with their headers
+        and side data, residual tensors), ``held_bytes`` (every byte the cache keeps: ``stored_bytes`` plus
+        decoded blocks kept between steps, the recorded token ids and whole buffers behind any view), ``decoded_bytes`` (the
+        decoded part of that), ``bits_per_scalar`` (stored bits per cached K/V scalar), ``compression_ratio``
+        (raw / stored), ``dtype`` and ``per_layer`` (the same numbers per layer).
         """
         per_layer = []
         for idx, layer in enumerate(self.layers):
@@ -218,6 +239,8 @@ class CompressedCache(Cache):
         raw = sum(s["raw_bytes"] for s in per_layer)
         stored = sum(s["stored_bytes"] for s in per_layer)
         scalars = sum(s["scalars"] for s in per_layer)
+        decoded = storage_bytes(self.lossless.decoded_tensors()) if self.lossless is not None else 0
+        ids = storage_bytes([self.token_ids]) if self.token_ids is not None else 0
         dtypes = {str(layer.dtype).replace("torch.", "") for layer in self.layers if getattr(layer, "dtype", None)}
         return {
             "mode": self.config.mode,
@@ -225,6 +248,8 @@ class CompressedCache(Cache):
             "entries": sum(s["entries"] for s in per_layer),
             "raw_bytes": raw,
             "stored_bytes": stored,
+            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in per_layer) + decoded + ids,
+            "decoded_bytes": decoded,
             "bits_per_scalar": 8.0 * stored / scalars if scalars else 0.0,
             "compression_ratio": raw / stored if stored else 1.0,
             "dtype": ",".join(sorted(dtypes)) or None,

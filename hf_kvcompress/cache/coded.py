@@ -3,8 +3,8 @@
 A block of one layer is ``rows * 2 * kv_heads`` streams (one per batch row, kind and head, coded in
 `stream_order`). Each stream's mean and std come from the predictor; the encoder adds one byte per stream
 that scales the std by ``2^(s/4)`` to fit the block's actual spread (cheap protection against text unlike
-the calibration text). Decoding a block of layer ``l`` needs the same block of layer ``l - 1`` when the
-predictor reads the layer below, so `LosslessContext` keeps the last two layers' decoded blocks.
+the calibration text). Decoding a block of layer ``l`` needs the same block of the layers below when the
+predictor reads them; `LosslessContext` keeps those only as long as a layer above can need them (`pool`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, encode
 from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor, stream_order
+from .pool import DecodedPool, flat_values, owned, values_tensors
 from .storage import Block, Storage
 
 SCALE_MIN, SCALE_MAX = -32, 63  # std scale exponents (quarter octaves) one byte can hold
@@ -88,10 +89,14 @@ class CodedBlock(Block):
 
 
 class LosslessContext:
-    """What every layer of one lossless cache shares: predictor, codec settings, decoded-block memo.
+    """What every layer of one lossless cache shares: predictor, codec settings, decoded tensors.
 
     ``find_block(layer, start)`` returns the block of ``layer`` that starts at ``start`` (the layer-below
-    lookup); ``marginals(layer)`` the calibrated p_hat of a layer, or None for the codec's default.
+    lookup); ``marginals(layer)`` the calibrated p_hat of a layer, or None for the codec's default;
+    ``layer_count()`` how many layers the model has (None while unknown). Decoded tensors live in the
+    `DecodedPool` (``decoded_budget``: a fraction of the sealed blocks' raw bytes) and, for predictors that
+    read the layers below, in a chain memo that holds a block only until no layer above can need it
+    (see `pool`). ``decodes`` counts block decodes, so tests and benchmarks can see the work per step.
     """
 
     def __init__(
@@ -101,6 +106,9 @@ class LosslessContext:
         find_block: Callable[[int, int], Block | None],
         marginals: Callable[[int], Marginal | None] | None = None,
         workers: int = 1,
+        *,
+        decoded_budget: float = 0.0,
+        layer_count: Callable[[], int | None] | None = None,
     ):
         self.predictor = predictor
         self.codec_config = codec_config
@@ -108,7 +116,13 @@ class LosslessContext:
         self.marginals = marginals
         self.workers = workers
         self.extras_source: ExtrasSource | None = None
-        self._memo: dict[tuple[int, int], tuple[Block, LayerValues]] = {}
+        self.layer_count = layer_count or (lambda: None)
+        self.depth = predictor.below_depth()
+        self.pool = DecodedPool(decoded_budget)
+        #: raw bytes of every sealed block (the pool's budget is a fraction of it); refreshed by the cache
+        self.sealed_raw_bytes = 0
+        self.decodes = 0
+        self._chain: dict[tuple[int, int], tuple[Block, LayerValues]] = {}
 
     # ------------------------------------------------------------------ coding
 
@@ -124,89 +138,169 @@ class LosslessContext:
 
     def _encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         batch, heads, tokens, dim = keys.shape
+        keys, values = owned(keys.cpu()), owned(values.cpu())  # never pin the residual the block came from
         side = self.predictor.side_data(layer, keys, values)
-        inputs = self._inputs(layer, start, tokens, batch, side)
-        session = self.predictor.session(inputs)
+        session = self.predictor.session(self._inputs(layer, start, tokens, batch, side))
         config = self.codec_for(layer)
         rows = [CodedRow([], [], {name: t[b].clone() for name, t in side.items()}) for b in range(batch)]
-        for kind, head in stream_order(heads):
-            mean, std = session.predict(kind, head)
-            x = (keys if kind == "k" else values)[:, head].cpu()
-            for b, row in enumerate(rows):
-                code = choose_scale(x[b], mean[b], std[b])
-                row.scales.append(code)
-                # channel-major: a channel's elements share its sigma, so the coder switches tables less often
-                row.blobs.append(encode(x[b].T, mean[b].T, (std[b] * scale_factor(code)).T, config))
-            session.observe(kind, head, x)
-        keys_cpu, values_cpu = keys.cpu(), values.cpu()
+        order = stream_order(heads)
+
+        def code(streams: list[tuple[str, int]], predictions) -> None:
+            xs, means, stds = [], [], []
+            for (kind, head), (mean, std) in zip(streams, predictions):
+                x = (keys if kind == "k" else values)[:, head]
+                for b, row in enumerate(rows):
+                    scale = choose_scale(x[b], mean[b], std[b])
+                    row.scales.append(scale)
+                    # channel-major: a channel's elements share its sigma, so the coder switches tables less
+                    xs.append(x[b].T)
+                    means.append(mean[b].T)
+                    stds.append((std[b] * scale_factor(scale)).T)
+            blobs = encode_streams(xs, means, stds, config)
+            for i, blob in enumerate(blobs):
+                rows[i % batch].blobs.append(blob)
+
+        if session.independent:  # every stream's prediction is known up front: one batch for the block
+            code(order, [session.predict(kind, head) for kind, head in order])
+        else:
+            for kind, head in order:
+                code([(kind, head)], [session.predict(kind, head)])
+                session.observe(kind, head, (keys if kind == "k" else values)[:, head])
+        self.sealed_raw_bytes += 2 * keys.numel() * keys.element_size()
         block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, keys.device)
-        self._remember(block, session.finish(keys_cpu, values_cpu))
+        self._keep(block, session.finish(keys, values))
         return block
 
     def decoded(self, block: CodedBlock) -> LayerValues:
-        """The block's exact keys and values (and surprise), decoding it (and what it needs) if not known."""
-        hit = self._memo.get((block.layer, block.start))
-        if hit is not None and hit[0] is block:
-            return hit[1]
-        with one_thread():
-            return self._decode_block(block)
+        """The block's exact keys and values (and surprise), decoding it (and what it needs) if not held."""
+        found = self._held(block)
+        if found is None:
+            with one_thread():
+                found = self._decode_block(block)
+        else:
+            self._keep(block, found)  # advances the chain memo as a decode would
+        return found
+
+    def _held(self, block: Block) -> LayerValues | None:
+        found = self.pool.get(block)
+        if found is not None:
+            return found
+        hit = self._chain.get((block.layer, block.start))
+        return hit[1] if hit is not None and hit[0] is block else None
 
     def _decode_block(self, block: CodedBlock) -> LayerValues:
         side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
         inputs = self._inputs(block.layer, block.start, block.tokens, len(block.rows), side)
         session = self.predictor.session(inputs)
         config = self.codec_for(block.layer)
-        shape = (len(block.rows), block.heads, block.tokens, block.dim)
+        batch = len(block.rows)
+        shape = (batch, block.heads, block.tokens, block.dim)
         keys = torch.empty(shape, dtype=block.dtype)
         values = torch.empty(shape, dtype=block.dtype)
-        for index, (kind, head) in enumerate(stream_order(block.heads)):
-            mean, std = session.predict(kind, head)
-            target = keys if kind == "k" else values
-            for b, row in enumerate(block.rows):
-                try:
-                    target[b, head] = decode(row.blobs[index], mean[b].T, (std[b] * scale_factor(row.scales[index])).T,
-                                             config=config, workers=self.workers).T
-                except ParameterMismatchError as err:
-                    raise PredictorMismatchError(
-                        f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
-                        f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
-                        f"(different thread count, CPU, library version or calibration?): {err}"
-                    ) from err
-            session.observe(kind, head, target[:, head])
-        values_out = session.finish(keys, values)
-        self._remember(block, values_out)
-        return values_out
+        order = stream_order(block.heads)
 
-    # ------------------------------------------------------------------ internals
+        def decode(indices: list[int], predictions) -> None:
+            blobs, means, stds = [], [], []
+            for index, (mean, std) in zip(indices, predictions):
+                for b, row in enumerate(block.rows):
+                    blobs.append(row.blobs[index])
+                    means.append(mean[b].T)
+                    stds.append((std[b] * scale_factor(row.scales[index])).T)
+            try:
+                out = decode_streams(blobs, means, stds, config, self.workers)
+            except ParameterMismatchError as err:
+                raise PredictorMismatchError(
+                    f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
+                    f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
+                    f"(different thread count, CPU, library version or calibration?): {err}"
+                ) from err
+            for i, x in enumerate(out):
+                kind, head = order[indices[i // batch]]
+                (keys if kind == "k" else values)[i % batch, head] = x.T
+
+        if session.independent:
+            decode(list(range(len(order))), [session.predict(kind, head) for kind, head in order])
+        else:
+            for index, (kind, head) in enumerate(order):
+                decode([index], [session.predict(kind, head)])
+                session.observe(kind, head, (keys if kind == "k" else values)[:, head])
+        self.decodes += 1
+        found = session.finish(keys, values)
+        self._keep(block, found)
+        return found
+
+    # ------------------------------------------------------------------ decoded tensors
 
     def _inputs(self, layer: int, start: int, tokens: int, batch: int, side: dict) -> BlockInputs:
         extras = dict(side)
         if self.extras_source is not None:
             extras.update(self.extras_source.extras(layer, start, start + tokens))
-        below = self._below(layer, start) if layer > 0 else None
+        below = self._below(layer, start, self.depth) if layer > 0 and self.depth > 0 else None
         return BlockInputs(layer, batch, torch.arange(start, start + tokens), below, extras)
 
-    def _below(self, layer: int, start: int) -> LayerValues | None:
-        hit = self._memo.get((layer - 1, start))
+    def _below(self, layer: int, start: int, depth: int) -> LayerValues | None:
+        """Layer ``layer - 1``'s block at ``start`` with ``depth - 1`` further layers chained below it."""
+        if depth <= 0 or layer <= 0:
+            return None
         current = self.find_block(layer - 1, start)
-        if hit is not None and (current is None or hit[0] is current):
-            return hit[1]
-        if isinstance(current, CodedBlock):
-            return self.decoded(current)
-        if current is not None:  # a raw block below (mode mix): its values are exact
+        if current is None:
+            # unsealed a moment ago (crop goes up the layers); the memo still has its exact values, and every
+            # structural change of the cache clears the memo (`forget`), so the entry is of these tokens
+            hit = self._chain.get((layer - 1, start))
+            if hit is None:
+                raise RuntimeError(f"lossless: layer {layer} needs layer {layer - 1}'s block at {start}, which is gone")
+            found = hit[1]
+        elif isinstance(current, CodedBlock):
+            found = self._held(current)
+            if found is None:
+                found = self.decoded(current)
+        else:  # a raw block below (mode mix): its values are exact
             k, v = current.read()
-            return LayerValues(k.cpu(), v.cpu(), torch.ones(k.shape[0], k.shape[2]),
-                               self._below(layer - 1, start) if layer > 1 else None)
-        raise RuntimeError(f"lossless: layer {layer} needs layer {layer - 1}'s block at {start}, which is gone")
+            found = LayerValues(k.cpu(), v.cpu(), torch.ones(k.shape[0], k.shape[2]))
+        return LayerValues(found.keys, found.values, found.surprise, self._below(layer - 1, start, depth - 1))
 
-    def _remember(self, block: Block, values: LayerValues) -> None:
-        layer = block.layer
-        for key in [key for key in self._memo if key[0] not in (layer - 1, layer)]:
-            del self._memo[key]
-        self._memo[(layer, block.start)] = (block, values)
+    def _keep(self, block: Block, values: LayerValues) -> None:
+        """Store what the next layers and steps may need; drop what no layer above can need any more."""
+        flat = flat_values(values)
+        layer, start = block.layer, block.start
+        self.pool.offer(block, flat, self.sealed_raw_bytes)
+        if self.depth == 0:
+            return
+        # layer + 1 reads layers layer .. layer + 1 - depth: anything below that is done for this step
+        for old in range(layer - self.depth, -1, -1):
+            if self._chain.pop((old, start), None) is None:
+                break
+        count = self.layer_count()
+        if count is not None and layer >= count - 1:  # the top layer: nobody above reads this block
+            for old in range(layer - 1, layer - self.depth, -1):
+                self._chain.pop((old, start), None)
+            return
+        self._chain[(layer, start)] = (block, flat)
+
+    def decoded_tensors(self) -> list[torch.Tensor]:
+        """Every decoded tensor held between reads (pool and chain memo; shared tensors appear twice)."""
+        out = self.pool.tensors()
+        for _, values in self._chain.values():
+            out.extend(values_tensors(values))
+        return out
 
     def forget(self) -> None:
-        self._memo.clear()
+        self.pool.clear()
+        self._chain.clear()
+        self.sealed_raw_bytes = 0
+
+
+def encode_streams(xs: list[torch.Tensor], means: list[torch.Tensor], stds: list[torch.Tensor],
+                   config: CodecConfig) -> list[bytes]:
+    """One blob per stream ``xs[i]`` under ``means[i]`` / ``stds[i]`` (the block's streams in one place, so a
+    batch coder can take them in one call)."""
+    return [encode(x, m, s, config) for x, m, s in zip(xs, means, stds)]
+
+
+def decode_streams(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
+                   workers: int = 1) -> list[torch.Tensor]:
+    """Inverse of `encode_streams`."""
+    return [decode(b, m, s, config=config, workers=workers) for b, m, s in zip(blobs, means, stds)]
 
 
 class CodedStorage(Storage):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .pool import owned, storage_bytes
 from .storage import Block, Storage, tensor_nbytes
 
 
@@ -129,8 +130,8 @@ class CompressedLayer(CacheLayerMixin):
         keep = self.residual_length - remove
         if keep < 0:
             raise ValueError(f"crop: layer {self.layer_idx} no longer holds the tokens to remove")
-        self.residual_keys = self.residual_keys[..., :keep, :]
-        self.residual_values = self.residual_values[..., :keep, :]
+        self.residual_keys = owned(self.residual_keys[..., :keep, :])
+        self.residual_values = owned(self.residual_values[..., :keep, :])
         self.seen_tokens -= remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -197,20 +198,24 @@ class CompressedLayer(CacheLayerMixin):
     def stats(self) -> dict[str, int]:
         """Tokens, entries and bytes of this layer (see `CompressedCache.stats`)."""
         if not self.is_initialized:
-            return {"tokens": 0, "entries": 0, "raw_bytes": 0, "stored_bytes": 0, "scalars": 0}
+            return {"tokens": 0, "entries": 0, "raw_bytes": 0, "stored_bytes": 0, "scalars": 0, "held_bytes": 0,
+                    "residual_bytes": 0}
         batch, heads, _, dim = self.residual_keys.shape
         window_tokens = self.seen_tokens
         if self.sliding_window is not None:
             window_tokens = min(self.seen_tokens, self.sliding_window - 1)
         scalars = 2 * batch * heads * dim * window_tokens
-        stored = sum(block.nbytes() for block in self.blocks)
-        stored += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
+        blocks = sum(block.nbytes() for block in self.blocks)
+        stored = blocks + tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
+        residual = storage_bytes([self.residual_keys, self.residual_values])  # whole buffers, views included
         return {
             "tokens": self.seen_tokens,
             "entries": self.entries,
             "raw_bytes": scalars * self.residual_keys.element_size(),
             "stored_bytes": stored,
             "scalars": scalars,
+            "held_bytes": blocks + residual,
+            "residual_bytes": residual,
         }
 
     # ------------------------------------------------------------------ internals
@@ -232,8 +237,9 @@ class CompressedLayer(CacheLayerMixin):
             block = self.storage.hold(self.residual_keys[..., :n, :], self.residual_values[..., :n, :], start=start)
             self.blocks.append(block)
             self.block_starts.append(start)
-            self.residual_keys = self.residual_keys[..., n:, :].contiguous()
-            self.residual_values = self.residual_values[..., n:, :].contiguous()
+            # copies: a slice would keep the whole pre-seal residual alive
+            self.residual_keys = owned(self.residual_keys[..., n:, :])
+            self.residual_values = owned(self.residual_values[..., n:, :])
 
     def _drop_out_of_window(self) -> None:
         if self.sliding_window is None:

@@ -6,7 +6,7 @@ import functools
 
 from ..codec import CodecConfig
 from ..predictors import make_predictor
-from .coded import LosslessContext
+from .coded import CodedBlock, LosslessContext
 
 
 def lossless_context(cache) -> LosslessContext:
@@ -26,7 +26,8 @@ def lossless_context(cache) -> LosslessContext:
     marginals = None
     if cache.calibration is not None:
         marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
-    return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers)
+    return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
+                           decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
 
 
 def codec_config(settings) -> CodecConfig:
@@ -62,3 +63,13 @@ def _check_layer_chain(cache, predictor) -> None:
             f"{sorted(set(layer_types) - {'full_attention'})} layers that drop old tokens; use predictor 'none' "
             "or no calibration (per-block statistics) for it"
         )
+
+
+def sealed_raw_bytes(cache) -> int:
+    """Raw (uncompressed) bytes of every sealed block of ``cache``: what the decoded pool's budget scales."""
+    total = 0
+    for layer in cache.kv_layers():
+        for block in layer.blocks:
+            if isinstance(block, CodedBlock):
+                total += 2 * len(block.rows) * block.heads * block.tokens * block.dim * block.dtype.itemsize
+    return total

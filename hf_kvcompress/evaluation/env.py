@@ -1,4 +1,5 @@
-"""What a result depends on besides the suite: library versions, the machine, and a peak-memory probe."""
+"""What a result depends on besides the suite: library versions, the machine, a peak-memory probe and an
+independent walk of the bytes an object holds."""
 
 from __future__ import annotations
 
@@ -126,3 +127,38 @@ class threads:
 
     def __exit__(self, *exc: object) -> None:
         torch.set_num_threads(self.before)
+
+
+def walk_held_bytes(root, skip=()) -> int:
+    """Bytes reachable from ``root``, found without asking it: every tensor's whole storage (each storage
+    once, so a view that pins a larger buffer counts that buffer) and every bytes object, through object
+    attributes, dicts, lists, tuples and sets. Modules (the model) and the objects in ``skip`` are not
+    walked."""
+    seen: set[int] = {id(obj) for obj in skip}
+    storages: set[int] = set()
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (torch.nn.Module, type, str, int, float, bool)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, (bytes, bytearray)):
+            total += len(obj)
+        elif isinstance(obj, memoryview):
+            total += obj.nbytes
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+        elif hasattr(obj, "__slots__"):
+            stack.extend(getattr(obj, name) for name in obj.__slots__ if hasattr(obj, name))
+    return total

@@ -77,6 +77,10 @@ def stream_order(kv_heads: int) -> list[tuple[str, int]]:
 class PredictorSession(ABC):
     """Predicts the streams of one block, in `stream_order`."""
 
+    #: True when no prediction depends on an earlier stream's values (`observe` is a no-op): the caller
+    #: may then predict every stream first and code the whole block in one batch
+    independent: bool = False
+
     @abstractmethod
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std, each ``[batch, tokens, head_dim]`` float32, for stream (kind, head)."""
@@ -101,6 +105,11 @@ class Predictor(ABC):
     @abstractmethod
     def session(self, inputs: BlockInputs) -> PredictorSession:
         """Start predicting one block of one layer."""
+
+    def below_depth(self) -> int:
+        """How many layers below a block its session reads (`BlockInputs.below`); 0 lets a cache decode
+        each layer on its own."""
+        return MAX_BELOW
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Small tensors the encoder computes from a block and stores with it; both sides then find them

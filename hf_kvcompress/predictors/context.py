@@ -21,6 +21,8 @@ BLOCK_MEAN, BLOCK_STD = "block_mean", "block_std"
 class BlockStatsSession(PredictorSession):
     """Mean and std per (row, head, channel) of the block itself, sent as bf16 side data."""
 
+    independent = True
+
     def __init__(self, inputs: BlockInputs):
         self.inputs = inputs
         self.mean = inputs.extras[BLOCK_MEAN].to(torch.float32)  # [batch, 2, heads, dim]
@@ -71,6 +73,10 @@ class CalibratedLinearPredictor(Predictor):
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return {} if self.calibrated else block_stats(keys, values)
+
+    def below_depth(self) -> int:
+        # a fitted session reads its recipe's layers below, and at least the layer below's surprise
+        return max(1, self.layer_recipe(0).below) if self.calibrated else 0
 
     def session(self, inputs: BlockInputs) -> PredictorSession:
         if not self.calibrated:

@@ -43,6 +43,8 @@ class ExactSession(PredictorSession):
     a bf16 ulp (the storage scales it up where the recomputation differs, e.g. for tokens that were
     generated one at a time and are now recomputed in one batch)."""
 
+    independent = True
+
     def __init__(self, inputs: BlockInputs):
         self.inputs = inputs
         self.keys = inputs.extras[EXACT_K].to(torch.float32)

@@ -1,0 +1,211 @@
+"""Lossless generation side by side with DynamicCache: time per decode step, bytes held, bits/scalar, peak RSS.
+
+For each context length the prompt is prefilled once with `DynamicCache`; every configuration then starts
+from a copy of that K/V (a lossless cache codes it as it goes in, as at a prefill), runs the same
+teacher-forced decode steps (DynamicCache's greedy tokens) and must give bit-identical logits. Per
+configuration: the median seconds per decode step and its ratio to DynamicCache's in the same run, the
+block decodes per step, bytes held (an independent walk of the cache's tensors and bytes, and
+``stats()['held_bytes']``), their ratio to DynamicCache's, bits per scalar of the sealed part, and peak
+RSS growth over the steps (cache and transients) against DynamicCache's.
+
+    python eval/bench_generate.py [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
+        [--predictors generic,none,context] [--calibration-tokens 2048] [--out results/generate]
+
+Predictors: ``generic`` is the default without a calibration (per-block channel statistics as side data),
+``none`` and ``context`` use a calibration fitted here (context heads read the two layers below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.data import token_ids
+from hf_kvcompress.evaluation.env import PeakMemory, machine, versions, walk_held_bytes
+from hf_kvcompress.models import load_model
+
+
+def fill(cache, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for layer, (k, v) in enumerate(prefix):
+        cache.update(k.clone(), v.clone(), layer)
+
+
+def run_steps(model, cache, tokens: torch.Tensor) -> tuple[list[float], list[torch.Tensor]]:
+    """Teacher-forced decode steps; (seconds per step, logits per step)."""
+    times, logits = [], []
+    for i in range(tokens.shape[1]):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(tokens[:, i : i + 1], cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        logits.append(out.logits[:, -1].clone())
+    return times, logits
+
+
+def measure(model, name: str, make_cache, prefix, tokens, reference_logits) -> tuple[dict, list]:
+    gc.collect()
+    with PeakMemory() as peak:
+        cache = make_cache()
+        t0 = time.perf_counter()
+        fill(cache, prefix)
+        fill_seconds = time.perf_counter() - t0
+        decodes0 = cache.lossless.decodes if isinstance(cache, CompressedCache) and cache.lossless else 0
+        times, logits = run_steps(model, cache, tokens)
+    row = {
+        "config": name,
+        "step_s": statistics.median(times),
+        "steps": len(times),
+        "fill_s": fill_seconds,
+        "peak_rss_growth": peak.peak_bytes,
+        "walk_bytes": walk_held_bytes(cache, skip=[getattr(cache, "model_config", None),
+                                                   getattr(cache, "calibration", None),
+                                                   getattr(getattr(cache, "lossless", None), "predictor", None)]),
+    }
+    if isinstance(cache, CompressedCache):
+        stats = cache.stats()
+        sealed_bits = [8.0 * sum(b.nbytes() for b in layer.blocks) for layer in cache.kv_layers()]
+        sealed_scalars = [sum(2 * b.tokens * b.heads * b.dim * len(b.rows) for b in layer.blocks)
+                          for layer in cache.kv_layers()]
+        row.update(held_bytes=stats["held_bytes"], decoded_bytes=stats["decoded_bytes"],
+                   bits_per_scalar=stats["bits_per_scalar"],
+                   sealed_bits_per_scalar=sum(sealed_bits) / max(1, sum(sealed_scalars)),
+                   decodes_per_step=(cache.lossless.decodes - decodes0) / len(times) if cache.lossless else 0)
+    else:
+        row.update(held_bytes=row["walk_bytes"], decoded_bytes=0, bits_per_scalar=16.0,
+                   sealed_bits_per_scalar=16.0, decodes_per_step=0)
+    if reference_logits is not None:
+        row["identical"] = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                               for a, b in zip(reference_logits, logits))
+    del cache
+    return row, logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", default="512,2048,8192")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--budgets", default="0,0.05,0.5", help="LosslessConfig.decoded_budget values")
+    parser.add_argument("--predictors", default="generic,none,context")
+    parser.add_argument("--block-tokens", type=int, default=CompressionConfig().block_tokens)
+    parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
+    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the shared machine: 1)")
+    parser.add_argument("--out", default="results/generate")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model()
+    predictors = args.predictors.split(",")
+    calibration = None
+    if any(p != "generic" for p in predictors):
+        folder = out / f"calibration-{args.calibration_tokens}"
+        if (folder / "calibration.json").exists():
+            calibration = Calibration.load(folder, model)
+        else:
+            t0 = time.perf_counter()
+            calibration = Calibration.fit(model, tokenizer, tokens=args.calibration_tokens, chunk=512,
+                                          predictors=("none", "context"), probe_layers=())
+            calibration.save(folder)
+            print(f"calibration (none, context) on {args.calibration_tokens} tokens: {time.perf_counter() - t0:.0f} s")
+    warm_up(model)
+    rows = []
+    for context in [int(c) for c in args.contexts.split(",")]:
+        ids = token_ids(tokenizer, context + args.steps, split="evaluation")
+        prompt, forced = ids[:, :context], ids[:, context:]
+        with torch.no_grad():
+            reference = DynamicCache()
+            model(prompt, cache=reference, use_cache=True)
+        prefix = [(layer.keys.clone(), layer.values.clone()) for layer in reference.layers]
+        del reference
+        configs = [("DynamicCache", DynamicCache)]
+        for predictor in predictors:
+            for budget in [float(b) for b in args.budgets.split(",")]:
+                config = CompressionConfig(
+                    mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
+                    lossless={"predictor": "context" if predictor == "generic" else predictor,
+                              "decoded_budget": budget})
+                cal = None if predictor == "generic" else calibration
+                configs.append((f"{predictor} budget={budget:g}",
+                                lambda config=config, cal=cal: CompressedCache(config, model=model, calibration=cal)))
+        reference_logits, base = None, None
+        for name, make in tqdm(configs, desc=f"context {context}"):
+            row, logits = measure(model, name, make, prefix, forced, reference_logits)
+            if reference_logits is None:
+                reference_logits, base = logits, row
+            row.update(context=context, step_ratio=row["step_s"] / base["step_s"],
+                       held_ratio=row["held_bytes"] / base["held_bytes"],
+                       rss_ratio=(row["peak_rss_growth"] / base["peak_rss_growth"]
+                                  if row["peak_rss_growth"] and base["peak_rss_growth"] else None))
+            rows.append(row)
+            print(format_row(row), flush=True)
+    result = {"rows": rows, "args": vars(args), "versions": versions(), "machine": machine()}
+    (out / "bench_generate.json").write_text(json.dumps(result, indent=1))
+    (out / "bench_generate.md").write_text(table(rows) + "\n")
+    plot(rows, out / "bench_generate.png")
+    print("\n" + table(rows))
+    print(f"\nwrote {out / 'bench_generate.json'}, bench_generate.md and bench_generate.png")
+
+
+def warm_up(model) -> None:
+    """Build the codec's tables and compile what compiles once per process, outside every measurement."""
+    config = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=0)
+    cache = CompressedCache(config, model=model)
+    with torch.no_grad():
+        model(torch.arange(3, 40).unsqueeze(0), cache=cache, use_cache=True)
+        model(torch.tensor([[5]]), cache=cache, use_cache=True)
+
+
+HEADER = ("| context | config | step s | x Dynamic | decodes/step | held MB (walk) | held MB (stats) | x Dynamic "
+          "| decoded MB | bits/scalar (sealed) | peak RSS MB | x Dynamic | identical |")
+
+
+def format_row(r: dict) -> str:
+    mb = 1 / 2**20
+    rss = "-" if r["peak_rss_growth"] is None else f"{r['peak_rss_growth'] * mb:.0f}"
+    rss_ratio = "-" if r["rss_ratio"] is None else f"{r['rss_ratio']:.2f}"
+    return (f"| {r['context']} | {r['config']} | {r['step_s']:.3f} | {r['step_ratio']:.2f} | "
+            f"{r['decodes_per_step']:.0f} | {r['walk_bytes'] * mb:.1f} | {r['held_bytes'] * mb:.1f} | "
+            f"{r['held_ratio']:.3f} | {r['decoded_bytes'] * mb:.1f} | {r['bits_per_scalar']:.2f} "
+            f"({r['sealed_bits_per_scalar']:.2f}) | {rss} | {rss_ratio} | {r.get('identical', '-')} |")
+
+
+def table(rows: list[dict]) -> str:
+    return "\n".join([HEADER, "|" + " ---: |" * (HEADER.count("|") - 1), *map(format_row, rows)])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for context in sorted({r["context"] for r in rows}):
+        sub = [r for r in rows if r["context"] == context]
+        ax.scatter([r["held_ratio"] for r in sub], [r["step_ratio"] for r in sub], label=f"{context} tokens")
+        for r in sub:
+            ax.annotate(r["config"].replace("budget=", "b="), (r["held_ratio"], r["step_ratio"]), fontsize=6)
+    ax.set_xlabel("bytes held / DynamicCache's")
+    ax.set_ylabel("decode step time / DynamicCache's")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("Lossless generation: step time against memory (SmolLM2-135M, bf16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

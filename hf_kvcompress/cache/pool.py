@@ -1,0 +1,116 @@
+"""Decoded tensors of a lossless cache: who owns them, how long they live, and what they cost.
+
+A lossless cache holds sealed blocks as bytes; attention needs them as tensors. Two owners keep decoded
+tensors between reads, and both are counted in `CompressedCache.stats()['held_bytes']`:
+
+- `DecodedPool`: blocks kept decoded across steps, within a byte budget (``LosslessConfig.decoded_budget``,
+  a fraction of the sealed blocks' raw size). The most recent blocks win (they are the ones a crop or an
+  assisted-generation rollback unseals, and recency is as good as any order for a scan that reads every
+  block each step). A larger budget trades memory for fewer decodes per step.
+- the chain memo of `LosslessContext`: predictors that read the layer(s) below need those layers' decoded
+  blocks while the next layer decodes; entries are dropped as soon as no layer above can need them.
+
+Everything stored here is an owned, compact copy (`owned`), never a view into a larger buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..predictors.base import LayerValues
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it owns exactly its storage, else a compact copy (a view would pin the whole
+    buffer it was cut from, e.g. the residual a block was sealed out of)."""
+    if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def flat_values(values: LayerValues) -> LayerValues:
+    """``values`` without its ``below`` chain, every tensor owned (what the pool and the memo keep)."""
+    return LayerValues(owned(values.keys), owned(values.values), owned(values.surprise), None)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once (also across calls sharing
+    ``seen``): what the process really holds for them, including any larger buffer a view keeps alive."""
+    seen = set() if seen is None else seen
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def values_tensors(values: LayerValues) -> list[torch.Tensor]:
+    return [values.keys, values.values, values.surprise]
+
+
+class DecodedPool:
+    """Decoded blocks kept across steps within a byte budget (see module docstring)."""
+
+    def __init__(self, fraction: float):
+        self.fraction = fraction
+        self.entries: dict[tuple[int, int], tuple[object, LayerValues, int]] = {}
+        self.nbytes = 0
+
+    def budget(self, sealed_raw_bytes: int) -> int:
+        return int(self.fraction * sealed_raw_bytes)
+
+    def get(self, block) -> LayerValues | None:
+        hit = self.entries.get((block.layer, block.start))
+        if hit is None:
+            return None
+        if hit[0] is not block:  # a stale entry: that block was replaced (rows selected, cropped, reloaded)
+            self.drop(block.layer, block.start)
+            return None
+        return hit[1]
+
+    def offer(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
+        """Keep ``values`` (already owned, flat) if the budget allows, evicting older blocks for newer ones."""
+        key = (block.layer, block.start)
+        self.drop(*key)
+        # the budget is in decoded K/V bytes (the per-token surprise beside them is ~3 % more; held_bytes
+        # counts it all), so a budget of 1.0 holds every block
+        size = sum(t.numel() * t.element_size() for t in (values.keys, values.values))
+        budget = self.budget(sealed_raw_bytes)
+        if size > budget:
+            return False
+        # newest first: evict the oldest entries while the newcomer does not fit and is newer than them
+        while self.nbytes + size > budget:
+            oldest = min(self.entries, key=lambda k: (k[1], k[0]))
+            if (oldest[1], oldest[0]) >= (block.start, block.layer):
+                return False
+            self.drop(*oldest)
+        self.entries[key] = (block, values, size)
+        self.nbytes += size
+        return True
+
+    def drop(self, layer: int, start: int) -> None:
+        hit = self.entries.pop((layer, start), None)
+        if hit is not None:
+            self.nbytes -= hit[2]
+
+    def shrink(self, sealed_raw_bytes: int) -> None:
+        """Evict the oldest entries until the pool fits its budget again (the cache got smaller)."""
+        budget = self.budget(sealed_raw_bytes)
+        while self.entries and self.nbytes > budget:
+            self.drop(*min(self.entries, key=lambda k: (k[1], k[0])))
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, values, _ in self.entries.values() for t in values_tensors(values)]

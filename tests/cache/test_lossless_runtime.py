@@ -1,0 +1,181 @@
+"""Lossless mode inside generate(): work per step, the decoded pool's budget, and bytes the cache really holds.
+
+Six-layer models throughout: a memo of the last two layers, or a per-step cost, would hide behind two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import fresh_tiny_model, random_ids
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.evaluation.env import walk_held_bytes
+
+LAYERS = 6
+BLOCK, RESIDUAL = 16, 8
+
+
+@functools.cache
+def model6(kind: str = "llama-gqa"):
+    return fresh_tiny_model(kind, torch.bfloat16, layers=LAYERS)
+
+
+@functools.cache
+def calibration6() -> Calibration:
+    return Calibration.fit(model6(), None, ids=random_ids(1, 256, seed=9), tokens=256, chunk=128, probe_layers=(1,),
+                           progress=False)
+
+
+def lossless(budget: float = 0.0, predictor: str = "context") -> CompressionConfig:
+    return CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                             lossless={"predictor": predictor, "decoded_budget": budget})
+
+
+def make_cache(budget: float = 0.0, calibrated: bool = False) -> CompressedCache:
+    return CompressedCache(lossless(budget), model=model6(), calibration=calibration6() if calibrated else None)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def generate(cache, ids, **kwargs):
+    kwargs.setdefault("max_new_tokens", 10)
+    with torch.no_grad():
+        return model6().generate(ids, cache=cache, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def step(cache, token: torch.Tensor) -> None:
+    """One decode step of ``model6`` on ``cache``."""
+    with torch.no_grad():
+        model6()(token, cache=cache, use_cache=True)
+
+
+def prefill(cache, length: int, batch: int = 1) -> torch.Tensor:
+    ids = random_ids(batch, length, seed=3)
+    with torch.no_grad():
+        model6()(ids, cache=cache, use_cache=True)
+    return ids
+
+
+def sealed_blocks(cache) -> int:
+    return sum(len(layer.blocks) for layer in cache.kv_layers())
+
+
+@pytest.mark.parametrize("calibrated", [False, True], ids=["block-stats", "context-calibrated"])
+def test_each_step_decodes_every_sealed_block_once(calibrated):
+    cache = make_cache(budget=0.0, calibrated=calibrated)
+    prefill(cache, 64)
+    blocks = sealed_blocks(cache)
+    assert blocks == LAYERS * 3  # (64 - 8) // 16 blocks per layer
+    assert cache.lossless.decodes == 0  # prefill coded them; nothing was decoded
+    for i in range(4):
+        before = cache.lossless.decodes
+        step(cache, torch.tensor([[5 + i]]))
+        # every block read once, nothing re-decoded for the layers above (the chain memo serves them)
+        assert cache.lossless.decodes - before == sealed_blocks(cache)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.34, 1.0])
+def test_pool_stays_within_budget_and_saves_decodes(budget):
+    cache = make_cache(budget=budget)
+    prefill(cache, 64)
+    for i in range(6):
+        before = cache.lossless.decodes
+        step(cache, torch.tensor([[7 + i]]))
+        pool = cache.lossless.pool
+        raw = cache.lossless.sealed_raw_bytes
+        assert pool.nbytes <= pool.budget(raw)
+        decoded_now = cache.lossless.decodes - before
+        if budget == 1.0:
+            assert decoded_now == 0
+        elif budget == 0.0:
+            assert decoded_now == sealed_blocks(cache) and pool.nbytes == 0
+        else:
+            assert 0 < decoded_now < sealed_blocks(cache)
+            assert pool.nbytes > 0
+
+
+@pytest.mark.parametrize("calibrated", [False, True], ids=["block-stats", "context-calibrated"])
+def test_held_bytes_match_an_independent_walk_after_a_long_prefill(calibrated):
+    cache = make_cache(budget=0.05, calibrated=calibrated)
+    prefill(cache, 400)
+    stats = cache.stats()
+    skip = [cache.model_config, cache.calibration, cache.lossless.predictor]
+    walked = walk_held_bytes(cache, skip=skip)
+    assert abs(stats["held_bytes"] - walked) <= 0.1 * walked, (stats["held_bytes"], walked)
+    # nothing pins the prefill's residual: what is held is streams + side data + residual + pool (+ ids)
+    per_layer_residual = sum(s["residual_bytes"] for s in stats["per_layer"])
+    dynamic = 2 * LAYERS * 400 * 2 * 16 * 2  # bytes DynamicCache holds: K and V, 2 heads x 16 dims, bf16
+    assert per_layer_residual <= 2 * LAYERS * (RESIDUAL + BLOCK) * 2 * 16 * 2
+    assert stats["held_bytes"] < dynamic
+    assert stats["decoded_bytes"] <= 0.05 * stats["raw_bytes"] + 2 * LAYERS * BLOCK * 2 * 16 * 2
+
+
+def test_held_bytes_track_generation_step_by_step():
+    cache = make_cache(budget=0.2)
+    prefill(cache, 100)
+    for i in range(5):
+        step(cache, torch.tensor([[9 + i]]))
+        walked = walk_held_bytes(cache, skip=[cache.model_config, cache.lossless.predictor])
+        held = cache.stats()["held_bytes"]
+        assert abs(held - walked) <= 0.1 * walked, (held, walked)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("calibrated", [False, True], ids=["block-stats", "context-calibrated"])
+def test_greedy_generation_is_identical_to_dynamic_cache(budget, calibrated):
+    ids = random_ids(1, 50, seed=5)
+    kwargs = {"output_logits": True, "return_dict_in_generate": True, "max_new_tokens": 20}
+    expected = generate(DynamicCache(), ids, **kwargs)
+    cache = make_cache(budget=budget, calibrated=calibrated)
+    got = generate(cache, ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(expected.logits, got.logits):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_beam_search_and_padded_batch_are_identical(budget):
+    ids = random_ids(2, 45, seed=4)
+    mask = torch.ones_like(ids)
+    ids[0, :9] = 0
+    mask[0, :9] = 0
+    expected = generate(DynamicCache(), ids, attention_mask=mask, num_beams=3)
+    got = generate(make_cache(budget=budget, calibrated=True), ids, attention_mask=mask, num_beams=3)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.0])
+def test_crop_then_continue_is_identical(budget):
+    ids = random_ids(1, 70, seed=6)
+    reference = DynamicCache()
+    cache = make_cache(budget=budget, calibrated=True)
+    with torch.no_grad():
+        model6()(ids, cache=reference, use_cache=True)
+        model6()(ids, cache=cache, use_cache=True)
+    reference.crop(-25)  # 70 -> 45 tokens: reaches into sealed blocks (the residual holds < 24)
+    cache.crop(-25)
+    assert cache.get_seq_length() == 45
+    more = random_ids(1, 6, seed=8)
+    with torch.no_grad():
+        want = model6()(more, cache=reference, use_cache=True).logits
+        got = model6()(more, cache=cache, use_cache=True).logits
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    for layer, ref in zip(cache.kv_layers(), reference.layers):
+        assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
+    held = cache.stats()["held_bytes"]
+    walked = walk_held_bytes(cache, skip=[cache.model_config, cache.calibration, cache.lossless.predictor])
+    assert abs(held - walked) <= 0.1 * walked
+
+
+def test_decoded_budget_is_validated():
+    with pytest.raises(ValueError, match="decoded_budget"):
+        CompressionConfig(mode="lossless", lossless={"decoded_budget": 1.5})
+    with pytest.raises(ValueError, match="decoded_budget"):
+        CompressionConfig(mode="lossless", lossless={"decoded_budget": -0.1})
