@@ -394,6 +394,8 @@ def _run(kernel, args: tuple, n_streams: int, threads: int) -> None:
         f.result()
 
 
+_PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
+
 _ERRORS = {
     jit.ERR_WORDS_SHORT: "the word stream ends early",
     jit.ERR_WORDS_LEFT: "words left over after the last element",
@@ -454,18 +456,29 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
             f"the mean or std passed to decode differs from the one used to encode (fingerprint mismatch in "
             f"stream {bad[0]}); decoding would produce garbage"
         )
-    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
-    base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
+    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
     data = np.array([h.data_start for h in heads], dtype=np.int64)
     wbytes = sizes - data - nraw
     if (wbytes < 0).any() or (wbytes % 4).any():
         i = int(np.flatnonzero((wbytes < 0) | (wbytes % 4 != 0))[0])
         raise _corrupt(f"stream {i}: payload of {int(sizes[i] - data[i])} bytes does not fit its raw bits")
-    buf = np.frombuffer(b"".join(bytes(b) for b in blobs), dtype=np.uint8)
-    wstart = base + data
+    # one buffer, each stream's words 4-byte aligned (pads before each blob), read as u32 and as bytes
+    parts = []
+    wstart = np.empty(n_streams, dtype=np.int64)
+    pos = 0
+    for i, b in enumerate(blobs):
+        pad = -(pos + int(data[i])) % 4
+        parts.append(_PADS[pad])
+        parts.append(b)
+        wstart[i] = pos + pad + int(data[i])
+        pos += pad + int(sizes[i])
+    parts.append(_PADS[-pos % 4])
+    buf8 = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    buf32 = buf8.view("<u4")
     wcount = wbytes // 4
     rstart = wstart + wbytes
+    wstart //= 4
     lanes = np.array([h.lanes_log2 for h in heads], dtype=np.int64)
     checks = np.array([h.check for h in heads], dtype=np.uint32)
     np_dtype = np.uint32 if fmt.dtype == torch.float32 else np.uint16
@@ -481,7 +494,7 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     err = np.zeros(n_streams, dtype=np.int32)
     tab = lane_tables()
     pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
-    args = (buf, wstart, wcount, rstart, m, lanes, st.pidx, st.p_row, st.tid, st.cp, st.cn, st.sg, tab.cum,
+    args = (buf8, buf32, wstart, wcount, rstart, m, lanes, st.pidx, st.p_row, st.tid, st.cp, st.cn, st.sg, tab.cum,
             tab.coff, tab.size, tab.half, tab.lut, pcum, plut, _escape_freq(cfg, m), fmt.zero_key,
             fmt.pattern_bits, fmt.raw_bits, checks, ov, err)
     _run(jit.decode_streams, args, n_streams, threads)
