@@ -16,6 +16,7 @@ MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
 WINDOW_MODES = ("fixed", "metadata", "predicted", "causal")
 MEAN_STEPS = (8, 4, 2)
 HEADERS = ("full", "compact")
+CODERS = ("ans", "lanes")
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -72,7 +73,11 @@ class CodecConfig:
             (fewer, larger coder calls: faster with per-element means) for a small rate cost (docs/codec.md).
         header: stream header layout: ``"full"`` (self-describing: config JSON, hashes; decodes without
             the config) or ``"compact"`` (a short digest of tables, marginal and config; ``decode`` then
-            needs ``config=`` and checks the digest).
+            needs ``config=`` and checks the digest). Ignored by ``coder="lanes"``, which has its own layout.
+        coder: ``"ans"`` (constriction, windows grouped by table id; the layouts above) or ``"lanes"``
+            (compiled interleaved rANS over the whole stream as one window, element order, ~24-byte header;
+            `encode_batch` / `decode_batch`; ``decode`` needs ``config=``; only ``window="fixed"``, and
+            ``fixed_window`` has no effect). docs/codec.md section 12.
     """
 
     window: str = "fixed"
@@ -91,6 +96,7 @@ class CodecConfig:
     marginal: Marginal | None = None
     mean_steps: int = 8
     header: str = "full"
+    coder: str = "ans"
 
     _NOT_IN_DICT: ClassVar[tuple[str, ...]] = ("marginal",)
 
@@ -135,6 +141,12 @@ class CodecConfig:
             raise ValueError(f"CodecConfig.mean_steps must be one of {list(MEAN_STEPS)}, got {self.mean_steps!r}")
         if self.header not in HEADERS:
             raise ValueError(f"CodecConfig.header must be one of {list(HEADERS)}, got {self.header!r}")
+        if self.coder not in CODERS:
+            raise ValueError(f"CodecConfig.coder must be one of {list(CODERS)}, got {self.coder!r}")
+        if self.coder == "lanes" and self.window != "fixed":
+            raise ValueError(
+                f"CodecConfig(coder='lanes') codes each stream as one window: window must be 'fixed', got {self.window!r}"
+            )
         if self.marginal is not None and not isinstance(self.marginal, Marginal):
             raise TypeError(f"CodecConfig.marginal must be a Marginal or None, got {type(self.marginal).__name__}")
 
@@ -161,10 +173,12 @@ class CodecConfig:
             out[f.name] = list(v) if isinstance(v, tuple) else v
         out["marginal_sha256"] = None if self.marginal is None else self.marginal.sha256
         # the layout is not a coding choice, and the default mean_steps is left out, so that streams of the
-        # default config keep the exact bytes of earlier versions
+        # default config keep the exact bytes of earlier versions (likewise the default coder)
         del out["header"]
         if self.mean_steps == 8:
             del out["mean_steps"]
+        if self.coder == "ans":
+            del out["coder"]
         return out
 
     @classmethod

@@ -135,14 +135,14 @@ def element_params_reference(mean_bits: np.ndarray, std_bits: np.ndarray, fmt: F
 # test, the N family computed only on the elements that need it). Equality with the reference is tested on
 # random and edge-case bit patterns; keep the two in step.
 
-_SH_MIN, _SH_MAX = -9, 24  # beyond these the W test's shifted mantissa saturates (see the reference)
+SH_MIN, SH_MAX = -9, 24  # beyond these the W test's shifted mantissa saturates (see the reference)
 
 
 @functools.lru_cache(maxsize=4)
-def _t_lut(mean_steps: int) -> np.ndarray:
+def t_lut(mean_steps: int) -> np.ndarray:
     """t of the W table (0..63), or 255 for "N regime" (the 1/8-step t reaches 64), indexed by
-    ``(clip(sh) - _SH_MIN) << 11 | j << 8 | mant8``: the reference's integer formula on every input."""
-    sh = np.arange(_SH_MIN, _SH_MAX + 1, dtype=np.int64)[:, None, None]
+    ``(clip(sh) - SH_MIN) << 11 | j << 8 | mant8``: the reference's integer formula on every input."""
+    sh = np.arange(SH_MIN, SH_MAX + 1, dtype=np.int64)[:, None, None]
     j = np.arange(8, dtype=np.int64)[None, :, None]
     mant8 = np.arange(256, dtype=np.int64)[None, None, :]
     mrel = np.where(sh >= 0, mant8 << np.clip(sh, 0, 24), mant8 >> np.clip(-sh, 0, 40))
@@ -181,8 +181,8 @@ def element_params(mean_bits: np.ndarray, std_bits: np.ndarray, fmt: Format, mea
     lcs = (s >> 20) & 0xFFF  # unsigned semantics (a -0.0 std reads as exponent 256, like the reference)
     es = lcs >> 3
     j = lcs & 7
-    sh = np.clip(ge1 - es + (fmt.exp_offset + 5), _SH_MIN, _SH_MAX)
-    t = _t_lut(mean_steps)[((sh - _SH_MIN) << 11) | (j << 8) | mant8]
+    sh = np.clip(ge1 - es + (fmt.exp_offset + 5), SH_MIN, SH_MAX)
+    t = t_lut(mean_steps)[((sh - SH_MIN) << 11) | (j << 8) | mant8]
     narrow = (t == 255) | (es == 0)
 
     tid = (W_BASE + (j << 6) + t).astype(np.uint16)

@@ -88,7 +88,10 @@ def encode_with_stats(
     exact: bool = True,
 ) -> tuple[bytes, CodecStats]:
     """`encode` plus a `CodecStats`. ``decode=True`` also decodes once (checking the round trip) to time
-    windows by size; ``exact=True`` computes the exact-mixture ideal (float64, slower than coding)."""
+    windows by size; ``exact=True`` computes the exact-mixture ideal (float64, slower than coding).
+    ``coder="ans"`` only (the lanes coder has one window per stream; eval/bench_codec.py measures it)."""
+    if isinstance(config, CodecConfig) and config.coder != "ans":
+        raise ValueError(f"codec.encode_with_stats supports coder='ans' only, got coder={config.coder!r}")
     t0 = time.perf_counter()
     blob, tr = encode_impl(x, mean, std, config, want_costs=True)
     enc_s = time.perf_counter() - t0

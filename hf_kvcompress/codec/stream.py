@@ -29,6 +29,7 @@ from .marginal import Marginal
 from .symbols import FORMATS_BY_CODE, Format
 
 MAGIC = b"\x89KVCdc\r\n"
+LANES_MAGIC = b"\x89KL"  # the lanes layout (lanes.py); here so that dispatch need not import numba
 VERSION = 1
 _PREFIX = struct.Struct("<8sHHI")
 _BODY = struct.Struct("<BBBBBBHQIiIQ32s32s16s16s")

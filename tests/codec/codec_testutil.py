@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from hf_kvcompress.codec.compact import MAGIC as COMPACT_MAGIC
-from hf_kvcompress.codec.stream import _BODY, _PREFIX
+from hf_kvcompress.codec.stream import _BODY, _PREFIX, LANES_MAGIC
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -59,6 +59,8 @@ def reseal(blob: bytes) -> bytes:
     Returns the blob unchanged when its layout cannot be followed."""
     if blob[:3] == COMPACT_MAGIC:
         return _reseal_compact(blob)
+    if blob[:3] == LANES_MAGIC:
+        return _reseal_lanes(blob)
     try:
         b = bytearray(blob)
         _magic, _v, _r, body_len = _PREFIX.unpack_from(b, 0)
@@ -114,3 +116,18 @@ def _reseal_compact(blob: bytes) -> bytes:
         return bytes(b)
     except (struct.error, IndexError, ValueError, OverflowError):
         return blob
+
+
+def _reseal_lanes(blob: bytes) -> bytes:
+    """A lanes stream: the header CRC (the payload's check covers the decoded values: nothing to reseal)."""
+    from hf_kvcompress.codec.errors import CorruptStreamError
+    from hf_kvcompress.codec.lanes import parse_header
+
+    b = bytearray(blob)
+    try:
+        h = parse_header(blob, verify=False)
+    except CorruptStreamError:
+        return blob
+    at = h.data_start - 4
+    struct.pack_into("<I", b, at, zlib.crc32(b[:at]))
+    return bytes(b)

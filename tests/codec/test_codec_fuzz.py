@@ -35,6 +35,11 @@ def _streams():
         ("bf16-compact-none-2win", x, None, None, CodecConfig(header="compact", fixed_window=3072)),
         ("f32-compact-metadata", x32, o32, s32, CodecConfig(header="compact", window="metadata", **small)),
         ("f16-compact-causal", x16, o16, None, CodecConfig(header="compact", window="causal", **small)),
+        ("bf16-lanes-stats", x, offset, scale, CodecConfig(coder="lanes")),
+        ("bf16-lanes-none", x, None, None, CodecConfig(coder="lanes", mean_steps=4)),
+        ("f32-lanes", x32, o32, s32, CodecConfig(coder="lanes")),
+        ("f16-lanes-meanonly", x16, o16, None, CodecConfig(coder="lanes")),
+        ("bf16-lanes-elementwise", x, x.float() * 0.5, scale, CodecConfig(coder="lanes")),
     ]
 
 
@@ -43,7 +48,8 @@ STREAMS = _streams()
 
 def _check(blob, x, mean, std, cfg, rng):
     t0 = time.perf_counter()
-    config = cfg if cfg.header == "compact" or rng.random() < 0.5 else None  # full streams: with and without
+    # full streams: with and without their config; compact and lanes streams need it
+    config = cfg if cfg.header == "compact" or cfg.coder == "lanes" or rng.random() < 0.5 else None
     try:
         if rng.random() < 0.25:
             n = x.numel()
@@ -86,7 +92,7 @@ def test_fuzz_bit_flips_and_truncations(name, x, mean, std, cfg):
                 b[pos // 8] ^= 1 << (pos % 8)
             b = bytearray(reseal(bytes(b)))
         elif kind == 3:  # flips in header / window table, CRCs recomputed: exercises the parser
-            head = 64 if cfg.header == "compact" else 400
+            head = 64 if cfg.header == "compact" or cfg.coder == "lanes" else 400
             for pos in rng.integers(0, min(n, head) * 8, rng.integers(1, 3)):
                 b[pos // 8] ^= 1 << (pos % 8)
             b = bytearray(reseal(bytes(b)))
@@ -105,10 +111,13 @@ def test_fuzz_random_inputs_never_crash():
     rng = np.random.default_rng(7)
     for _ in range(300):
         blob = rng.integers(0, 256, rng.integers(0, 400), dtype=np.uint8).tobytes()
-        prefix = rng.integers(0, 3)
+        prefix = rng.integers(0, 4)
         if prefix == 1:
             blob = b"\x89KVCdc\r\n" + blob
         elif prefix == 2:  # compact magic and version, then garbage
             blob = b"\x89Kc\x01" + blob
+        elif prefix == 3:  # lanes magic, then garbage
+            blob = b"\x89KL" + blob
+        cfg = CodecConfig(coder="lanes") if prefix == 3 else CodecConfig(header="compact")
         with pytest.raises(CorruptStreamError):
-            codec.decode(blob, config=CodecConfig(header="compact") if rng.random() < 0.8 else None)
+            codec.decode(blob, config=cfg if rng.random() < 0.8 else None)

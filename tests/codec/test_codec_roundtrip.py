@@ -129,3 +129,18 @@ def test_non_contiguous_and_mean_dtypes():
     assert_bit_exact(codec.decode(blob, mean, std), x.contiguous())
     # the same values in another dtype are the same mean (fingerprints use the float32 values)
     assert_bit_exact(codec.decode(blob, mean.float(), std.float()), x.contiguous())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.data())
+def test_round_trip_bit_exact_lanes(case, data):
+    """The same cases through the lanes coder (one window per stream: the drawn window settings do not
+    apply, the escape weights do)."""
+    x, mean, std, drawn = case
+    cfg = CodecConfig(coder="lanes", escape=drawn.escape, mean_steps=data.draw(st.sampled_from([8, 4, 2])))
+    blob = codec.encode(x, mean, std, cfg)
+    assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
+    n = x.numel()
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    assert_bit_exact(codec.decode_range(blob, start, stop, mean, std, config=cfg), x.reshape(-1)[start:stop])

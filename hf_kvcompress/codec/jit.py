@@ -1,0 +1,379 @@
+"""Compiled kernels of the lanes format (numba, ``nogil``): the per-element model, interleaved rANS, hashes.
+
+Everything here is integer arithmetic on arrays prepared by `lanes.py`; nothing allocates Python objects in
+the loops, so the kernels release the GIL and run on several threads at once (one call per thread, each
+over a range of streams). `element_param` is `params.element_params_reference` element by element (tested
+equal); the coder is rANS with a 64-bit state and 32-bit words (state in ``[2^31, 2^63)``), precision 24 bits
+(the tables' own), one state per lane, element ``i`` in lane ``i % lanes``, one shared word stream.
+See docs/codec.md section 12.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from .model import (
+    N_LEVELS,
+    N_OCT_MIN,
+    N_OFFSET_LEVELS,
+    N_OFFSETS,
+    PRECISION,
+    SUB,
+    W_BASE,
+    W_HALF,
+    W_LOW,
+)
+from .params import SH_MAX, SH_MIN
+
+_MAX_FINITE_BF16 = 0x7F7F
+_MAX_FINITE_FP16_13 = (30 << 7) | 127
+PREC = PRECISION  # 24: the tables' frequencies sum to 2^24
+MASK = (1 << PREC) - 1
+TOTAL = 1 << PREC
+RANS_L = 1 << 31  # lower bound of a normalised state; states lie in [RANS_L, RANS_L << 32)
+LUT_BITS = 10  # slot -> symbol index: 2^10 buckets per table, 2 KiB (docs/codec.md 12.2)
+LUT_SHIFT = PREC - LUT_BITS
+_FNV = 0x100000001B3
+
+# error codes returned per stream by the decode kernel (lanes.py turns them into messages)
+OK = 0
+ERR_WORDS_SHORT = 1  # the word stream ran out
+ERR_WORDS_LEFT = 2  # words left over after the last element
+ERR_STATE = 3  # a lane did not return to its initial state
+ERR_KEY = 4  # a decoded value outside the dtype
+ERR_HASH = 5  # the check hash of payload and decoded bits differs
+
+_jit = nb.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _rne_shift(v, sh):
+    sh = min(max(sh, 1), 62)
+    return (v + (np.int64(1) << (sh - 1)) - 1 + ((v >> sh) & 1)) >> sh
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def element_param(mb, sb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
+    """(mean bits, std bits) as non-negative int64 -> (tid, cp, cn, s): `params.element_params` (the W test
+    through its look-up table ``tlut`` = `params.t_lut`), tested equal to `params.element_params_reference`."""
+    # rounded mean (params.rounded_mean)
+    sign = (mb >> 31) & 1
+    mag = mb & 0x7FFFFFFF
+    if truncated:
+        mag = max(mag - 0x8000, 0)
+    hi = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+    frac = mag - (hi << 16)
+    if hi > _MAX_FINITE_BF16:
+        hi = _MAX_FINITE_BF16
+        frac = 0
+    if is_fp16:
+        e8 = hi >> 7
+        if e8 >= 143:
+            p = np.int64(_MAX_FINITE_FP16_13)
+            frac = 0
+        elif e8 >= 113:
+            p = ((e8 - 112) << 7) | (hi & 127)
+        else:
+            e32 = mag >> 23
+            p = _rne_shift((mag & 0x7FFFFF) | 0x800000, 129 - e32) if e32 >= 1 else np.int64(0)
+            frac = 0
+    else:
+        p = hi
+    ge = p >> 7
+    ge1 = max(ge, 1)
+    mant8 = (p & 127) | (min(ge, 1) << 7)
+    lcs = (sb >> 20) & 0xFFF  # std's log code (a -0.0 std reads as exponent 256, like the reference)
+    es = lcs >> 3
+    j = lcs & 7
+    sh = min(max(ge1 - es + (exp_offset + 5), SH_MIN), SH_MAX)
+    t = np.int64(tlut[((sh - SH_MIN) << 11) | (j << 8) | mant8])
+    z = zero_key
+    if t != 255 and es != 0:  # W family
+        base = (es - (exp_offset + W_LOW)) << 7
+        return W_BASE + (j << 6) + t, (z - W_HALF) + base, (z - W_HALF) - base, 1 - 2 * sign
+    if sign == 0:
+        key_m = z + p
+        fk = frac
+    else:
+        key_m = z - 1 - p
+        fk = -frac
+    if es == 0:
+        level = np.int64(0)
+    else:
+        u_exp = ge1 + (exp_offset - 7)
+        level = min(max(lcs - SUB * u_exp - SUB * N_OCT_MIN, 0), N_LEVELS - 1)
+    q = (abs(fk) * 16 + 32768) >> 16
+    if level < N_OFFSET_LEVELS:
+        tid = level * N_OFFSETS + q
+        s = -1 if fk < 0 else 1
+    else:
+        tid = N_OFFSET_LEVELS * N_OFFSETS + level - N_OFFSET_LEVELS
+        s = 1
+    c = key_m - radius[tid]
+    return tid, c, c, s
+
+
+@_jit
+def params_kernel(mean_bits, std_bits, zero_key, exp_offset, truncated, is_fp16, mean_steps, radius, tlut,
+                  tid, cp, cn, sg):
+    """`element_param` over equal-length uint32 arrays, into preallocated outputs (``mean_steps`` is in
+    ``tlut``; kept in the signature so that callers state it)."""
+    for i in range(mean_bits.size):
+        t, a, b, s = element_param(np.int64(mean_bits[i]), np.int64(std_bits[i]), zero_key, exp_offset,
+                                   truncated, is_fp16, radius, tlut)
+        tid[i] = t
+        cp[i] = a
+        cn[i] = b
+        sg[i] = s
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fmix64(h):
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xFF51AFD7ED558CCD)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xC4CEB9FE1A85EC53)
+    h ^= h >> np.uint64(33)
+    return h
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def combine_check(h_words, h_values):
+    """The stream's 32-bit check from the two FNV-1a accumulators (payload words; decoded bit patterns)."""
+    return np.uint32(_fmix64(_fmix64(h_words) ^ h_values) & np.uint64(0xFFFFFFFF))
+
+
+@_jit
+def fingerprints(mean_bits, mean_rows, mean_shape, std_bits, std_rows, std_shape, n_streams, out):
+    """Per stream: a 32-bit hash of its mean and std (float32 bits and per-stream broadcast shape).
+    ``mean_bits``: [rows, C] with rows 1 (shared) or n_streams; rows 0 marks None. Four interleaved FNV-1a
+    accumulators (one multiply chain would bound the speed), mixed at the end."""
+    for i in range(n_streams):
+        h = np.uint64(0xCBF29CE484222325)
+        for which in range(2):
+            bits = mean_bits if which == 0 else std_bits
+            rows = mean_rows if which == 0 else std_rows
+            shape = mean_shape if which == 0 else std_shape
+            if rows == 0:
+                h = (h ^ np.uint64(0xFFFFFFFF)) * np.uint64(_FNV)
+                continue
+            h = (h ^ np.uint64(shape.size)) * np.uint64(_FNV)
+            for d in range(shape.size):
+                h = (h ^ np.uint64(shape[d])) * np.uint64(_FNV)
+            r = i if rows > 1 else 0
+            c = bits.shape[1]
+            a0 = h
+            a1 = np.uint64(0x9E3779B97F4A7C15)
+            a2 = np.uint64(0xC2B2AE3D27D4EB4F)
+            a3 = np.uint64(0x165667B19E3779F9)
+            k = 0
+            while k + 4 <= c:
+                a0 = (a0 ^ np.uint64(bits[r, k])) * np.uint64(_FNV)
+                a1 = (a1 ^ np.uint64(bits[r, k + 1])) * np.uint64(_FNV)
+                a2 = (a2 ^ np.uint64(bits[r, k + 2])) * np.uint64(_FNV)
+                a3 = (a3 ^ np.uint64(bits[r, k + 3])) * np.uint64(_FNV)
+                k += 4
+            while k < c:
+                a0 = (a0 ^ np.uint64(bits[r, k])) * np.uint64(_FNV)
+                k += 1
+            h = _fmix64(a0) ^ _fmix64(a1 ^ (a2 << np.uint64(1))) ^ (a3 * np.uint64(3))
+        out[i] = np.uint32(_fmix64(h) & np.uint64(0xFFFFFFFF))
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _find(cum, c0, lut, l0, slot):
+    """Symbol whose [cum[s], cum[s+1]) holds ``slot``: the bucket narrows it to [lut[b], lut[b+1]]; one or
+    two candidates (the usual case near the mode) are settled without a branch, wider buckets (the tails,
+    rarely visited) by binary search."""
+    b = slot >> LUT_SHIFT
+    lo = np.int64(lut[l0 + b])
+    hi = np.int64(lut[l0 + b + 1])
+    if hi - lo <= 1:
+        return lo + np.int64(cum[c0 + lo + 1] <= slot)
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if cum[c0 + mid] <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@_jit
+def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a, sg_a,
+                   cum, coff, size_a, half_a, pcum, esc_freq, zero_key, words, nwords, checks, s_lo, s_hi):
+    """Code streams ``s_lo..s_hi-1`` (bit patterns ``bits[s, :n]``) into ``words[s]``, filled from the end:
+    the stream's ``nwords[s]`` words are ``words[s, -nwords[s]:]``, lane states (low, high word each) then
+    the word stream in decoding order; ``checks[s]`` gets the check `decode_streams` verifies.
+
+    Element ``i`` of stream ``s`` takes its parameters at ``p_row[s] + pidx[i]`` (``pidx`` empty: ``i``)."""
+    lanes = 1 << lanes_log2
+    cap = words.shape[1]
+    state = np.empty(lanes, dtype=np.uint64)
+    z = zero_key
+    fe = np.uint64(esc_freq)
+    fv = np.uint64(TOTAL - esc_freq)
+    ident = pidx.size == 0
+    for s in range(s_lo, s_hi):
+        for k in range(lanes):
+            state[k] = np.uint64(RANS_L)
+        pos = cap  # words grow downwards
+        base = p_row[s]
+        for i in range(n - 1, -1, -1):
+            lane = i & (lanes - 1)
+            x = state[lane]
+            pat = np.int64(bits[s, i]) >> raw_bits
+            key = pat + z if pat < z else (2 * z - 1) - pat
+            pi = base + (i if ident else pidx[i])
+            t = np.int64(tid_a[pi])
+            size = np.int64(size_a[t])
+            half = np.int64(half_a[t])
+            cpv = np.int64(cp_a[pi])
+            cnv = np.int64(cn_a[pi])
+            s0 = key - (cpv if key >= z else cnv)
+            valid = (s0 >= 0) and (s0 < size) and ((key < cnv + half) or (key >= cpv + half))
+            if valid:
+                sym = s0 if sg_a[pi] > 0 else size - 1 - s0
+                c0 = coff[t]
+                start = np.uint64(cum[c0 + sym])
+                f = np.uint64(cum[c0 + sym + 1]) - start
+            else:
+                start = np.uint64(pcum[pat])
+                f = np.uint64(pcum[pat + 1]) - start
+            # symbol (decoded second, so coded first)
+            if x >= (f << np.uint64(63 - PREC)):
+                pos -= 1
+                words[s, pos] = np.uint32(x & np.uint64(0xFFFFFFFF))
+                x >>= np.uint64(32)
+            x = ((x // f) << np.uint64(PREC)) + (x % f) + start
+            # escape flag: valid [0, TOTAL - fe), escaped [TOTAL - fe, TOTAL)
+            if valid:
+                f2 = fv
+                st2 = np.uint64(0)
+            else:
+                f2 = fe
+                st2 = fv
+            if x >= (f2 << np.uint64(63 - PREC)):
+                pos -= 1
+                words[s, pos] = np.uint32(x & np.uint64(0xFFFFFFFF))
+                x >>= np.uint64(32)
+            x = ((x // f2) << np.uint64(PREC)) + (x % f2) + st2
+            state[lane] = x
+        for k in range(lanes - 1, -1, -1):
+            pos -= 1
+            words[s, pos] = np.uint32(state[k] >> np.uint64(32))
+            pos -= 1
+            words[s, pos] = np.uint32(state[k] & np.uint64(0xFFFFFFFF))
+        nwords[s] = cap - pos
+        h = np.uint64(0xCBF29CE484222325)
+        for k in range(pos, cap):
+            h = (h ^ np.uint64(words[s, k])) * np.uint64(_FNV)
+        h2 = np.uint64(0x84222325CBF29CE4)
+        for i in range(n):
+            h2 = (h2 ^ np.uint64(bits[s, i])) * np.uint64(_FNV)
+        checks[s] = combine_check(h, h2)
+
+
+@_jit
+def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_row, tid_a, cp_a, cn_a, sg_a,
+                   cum, coff, size_a, half_a, lut, pcum, plut, esc_freq, zero_key, pattern_bits, raw_bits,
+                   checks, out, err, s_lo, s_hi):
+    """Decode streams ``s_lo..s_hi-1`` (``lanes_log2[s]`` lanes each): words ``buf32[wstart[s] :
+    wstart[s] + wcount[s]]``, raw low bits from byte ``rstart[s]`` of ``buf8`` (the same buffer), into
+    ``out[s, :n]`` (full bit patterns); ``err[s]`` gets an error code (0: ok, every word consumed, every
+    lane back at its initial state, the check of words and decoded bits equal to ``checks[s]``).
+
+    Renormalisation is a branch, not a select: all lanes share one read position, and a select would chain
+    every lane's step through it (measured 1.5-2x slower); the predictor lets the lanes run ahead."""
+    state = np.empty(1 << 7, dtype=np.uint64)
+    z = np.int64(zero_key)
+    fe = np.uint64(esc_freq)
+    fv = np.uint64(TOTAL - esc_freq)
+    lo_bound = np.uint64(RANS_L)
+    ident = pidx.size == 0
+    n_pat = np.int64(1) << pattern_bits
+    lut_stride = (1 << LUT_BITS) + 1
+    for s in range(s_lo, s_hi):
+        w0 = wstart[s]
+        nw = wcount[s]
+        lanes = np.int64(1) << lanes_log2[s]
+        lmask = lanes - 1
+        if nw < 2 * lanes:
+            err[s] = ERR_WORDS_SHORT
+            continue
+        for k in range(lanes):
+            state[k] = np.uint64(buf32[w0 + 2 * k]) | (np.uint64(buf32[w0 + 2 * k + 1]) << np.uint64(32))
+        last = w0 + nw - 1
+        pos = w0 + 2 * lanes
+        base = p_row[s]
+        r0 = rstart[s]
+        code = OK
+        h2 = np.uint64(0x84222325CBF29CE4)
+        for i in range(n):
+            lane = i & lmask
+            x = state[lane]
+            slot = x & np.uint64(MASK)
+            q = x >> np.uint64(PREC)
+            valid = slot < fv
+            x = fv * q + slot if valid else fe * q + slot - fv
+            if x < lo_bound:
+                if pos > last:
+                    code = ERR_WORDS_SHORT
+                    break
+                x = (x << np.uint64(32)) | np.uint64(buf32[pos])
+                pos += 1
+            slot_i = np.int64(x & np.uint64(MASK))
+            if valid:
+                pi = base + (i if ident else pidx[i])
+                t = np.int64(tid_a[pi])
+                c0 = coff[t]
+                sym = _find(cum, c0, lut, t * lut_stride, slot_i)
+                start = np.int64(cum[c0 + sym])
+                f = np.int64(cum[c0 + sym + 1]) - start
+                size = np.int64(size_a[t])
+                s0 = sym if sg_a[pi] > 0 else size - 1 - sym
+                key = s0 + (np.int64(cp_a[pi]) if s0 >= half_a[t] else np.int64(cn_a[pi]))
+            else:
+                sym = _find(pcum, 0, plut, 0, slot_i)
+                start = np.int64(pcum[sym])
+                f = np.int64(pcum[sym + 1]) - start
+                key = sym + z if sym < z else (2 * z - 1) - sym
+            x = np.uint64(f) * (x >> np.uint64(PREC)) + np.uint64(slot_i - start)
+            if x < lo_bound:
+                if pos > last:
+                    code = ERR_WORDS_SHORT
+                    break
+                x = (x << np.uint64(32)) | np.uint64(buf32[pos])
+                pos += 1
+            state[lane] = x
+            if key < 0 or key >= n_pat:
+                code = ERR_KEY
+                break
+            pat = key - z if key >= z else (2 * z - 1) - key
+            if raw_bits == 16:
+                a = r0 + 2 * i
+                v = (pat << 16) | np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8)
+            elif raw_bits == 3:
+                a = r0 + 3 * (i >> 3)
+                wd = np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8) | (np.int64(buf8[a + 2]) << 16)
+                v = (pat << 3) | ((wd >> (3 * (i & 7))) & 7)
+            else:
+                v = pat
+            h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
+            out[s, i] = v
+        if code == OK:
+            if pos - w0 < nw:
+                code = ERR_WORDS_LEFT
+            else:
+                for k in range(lanes):
+                    if state[k] != lo_bound:
+                        code = ERR_STATE
+                        break
+        if code == OK:
+            h = np.uint64(0xCBF29CE484222325)
+            for k in range(w0, w0 + nw):
+                h = (h ^ np.uint64(buf32[k])) * np.uint64(_FNV)
+            if combine_check(h, h2) != checks[s]:
+                code = ERR_HASH
+        err[s] = code

@@ -1,0 +1,339 @@
+"""The lanes format (`CodecConfig(coder="lanes")`): compiled params equal the reference, every pattern and
+shape round-trips, the batch API equals the per-stream one byte for byte, bad input is refused."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from codec_testutil import DTYPES, assert_bit_exact, from_patterns, realistic, reseal, special_patterns
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_kvcompress import codec
+from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal, ParameterMismatchError
+from hf_kvcompress.codec import lanes as L
+from hf_kvcompress.codec.params import element_params_reference
+from hf_kvcompress.codec.symbols import BF16, FP16, FP32
+
+LANES = CodecConfig(coder="lanes")
+
+
+def _jit_params(mean: np.ndarray, std: np.ndarray, fmt, steps: int):
+    mb = np.ascontiguousarray(mean, dtype=np.float32).view(np.uint32).reshape(-1)
+    sb = np.ascontiguousarray(std, dtype=np.float32).view(np.uint32).reshape(-1)
+    out = (np.empty(mb.size, np.uint16), np.empty(mb.size, np.int32), np.empty(mb.size, np.int32),
+           np.empty(mb.size, np.int8))
+    L.jit.params_kernel(mb, sb, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, steps,
+                        L.lane_tables().radius, L.t_lut(steps), *out)
+    return out
+
+
+def _assert_params_equal(mean: np.ndarray, std: np.ndarray, fmt, steps: int) -> None:
+    a = _jit_params(mean, std, fmt, steps)
+    b = element_params_reference(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
+    for name, u, v in zip(("tid", "cp", "cn", "s"), a, b):
+        assert np.array_equal(np.asarray(u, np.int64), np.asarray(v, np.int64)), name
+
+
+# ------------------------------------------------------------------ compiled params == numpy reference
+
+def _edges() -> np.ndarray:
+    return np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, 1.1754944e-38, 1.0, -1.0, 1.5, 3.0e38, -3.3e38,
+                     3.4028235e38, -3.4028235e38, 65504.0, 65520.0, 6.1e-5, 5.96e-8, 2.0**-24, 0.999, 1.0039062,
+                     1.0078125, 8.0, 7.9375, 0.12451172], dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16, FP32], ids=lambda f: f.name)
+@pytest.mark.parametrize("steps", [8, 4, 2])
+def test_jit_params_equal_reference_on_edges(fmt, steps):
+    e = _edges()
+    mean, std = np.meshgrid(e, np.concatenate([e[:2], np.abs(e)]).astype(np.float32))
+    _assert_params_equal(mean.reshape(-1), std.reshape(-1), fmt, steps)
+
+
+_finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_finite32, _finite32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64),
+       st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
+def test_jit_params_equal_reference(triples, fmt, steps):
+    mean = np.array([t[0] for t in triples], dtype=np.float32)
+    free = np.abs(np.array([t[1] for t in triples], dtype=np.float32))
+    ratio = np.array([t[2] for t in triples], dtype=np.float32)
+    with np.errstate(all="ignore"):  # half the stds near |mean| / ratio: the W / N boundary
+        tied = np.where(ratio > 0, np.abs(mean) / ratio, free).astype(np.float32)
+    std = np.where(np.arange(mean.size) % 2 == 0, free, tied)
+    std = np.where(np.isfinite(std), std, 1.0).astype(np.float32)
+    _assert_params_equal(mean, std, fmt, steps)
+
+
+def test_jit_params_equal_reference_bulk():
+    rng = np.random.default_rng(5)
+    n = 200_000
+    with np.errstate(all="ignore"):  # overflows become inf, replaced below
+        mean = (rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
+        std = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
+        tied = (np.abs(mean) / rng.uniform(0.01, 20, n)).astype(np.float32)
+    std = np.where(rng.random(n) < 0.5, std, tied)
+    mean = np.where(np.isfinite(mean), mean, 0).astype(np.float32)
+    std = np.where(np.isfinite(std), std, 1).astype(np.float32)
+    for fmt in (BF16, FP16, FP32):
+        for steps in (8, 4, 2):
+            _assert_params_equal(mean, std, fmt, steps)
+
+
+# ------------------------------------------------------------------ round trips
+
+STATS = ("none", "scalar", "mean-only", "std-only", "channel", "full")
+
+
+def _stats(kind: str, x: torch.Tensor, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    xf = x.float().nan_to_num(0.0, 0.0, 0.0)
+    shape = tuple(x.shape)
+    cshape = (1,) * (len(shape) - 1) + shape[-1:] if shape else ()
+    if kind == "none":
+        return None, None
+    if kind == "scalar":
+        return 0.25, 1.5
+    if kind == "mean-only":
+        return torch.randn(cshape, generator=g), None
+    if kind == "std-only":
+        return None, torch.rand(cshape, generator=g) * 3
+    if kind == "channel":
+        return torch.randn(cshape, generator=g), torch.rand(cshape, generator=g) * 3
+    noise = torch.randn(shape, generator=g)
+    return (xf + noise * 0.1).clamp(-1e30, 1e30), (noise.abs() * 0.2).clamp(max=1e30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_pattern_round_trips(dtype):
+    """All 2^16 bf16 / fp16 patterns (a wide sample of float32 ones), special values, several stats."""
+    rng = np.random.default_rng(1)
+    if dtype == torch.float32:
+        pats = np.concatenate([rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.int64),
+                               special_patterns(dtype)])
+    else:
+        pats = np.arange(1 << 16)
+    x = from_patterns(pats, dtype)
+    for mean, std in ((None, None), (torch.tensor(0.3), torch.tensor(2.0)), (1e4, 0.0), (-2.5, 1e-3),
+                      (torch.randn(x.shape), torch.rand(x.shape) * 10)):
+        blob = codec.encode(x, mean, std, LANES)
+        assert_bit_exact(codec.decode(blob, mean, std, config=LANES), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", STATS)
+def test_realistic_stat_shapes(dtype, kind):
+    x, _, _ = realistic((2, 3, 40, 64), dtype=dtype)
+    mean, std = _stats(kind, x)
+    blob = codec.encode(x, mean, std, LANES)
+    assert_bit_exact(codec.decode(blob, mean, std, config=LANES), x)
+    assert_bit_exact(codec.decode_range(blob, 77, 5000, mean, std, config=LANES), x.reshape(-1)[77:5000])
+
+
+def test_empty_scalar_and_odd_shapes():
+    for dtype in DTYPES:
+        for shape in ((0,), (3, 0, 2), (), (1,), (7,), (5, 1, 3), (1000,)):
+            x = torch.randn(shape).to(dtype)
+            assert_bit_exact(codec.decode(codec.encode(x, config=LANES), config=LANES), x)
+            assert_bit_exact(codec.decode(codec.encode(x, 0.0, 1.0, LANES), 0.0, 1.0, config=LANES), x)
+
+
+def test_non_contiguous_and_mean_dtypes():
+    x = torch.randn(64, 48).to(torch.bfloat16).t()
+    mean = torch.zeros(48, 1, dtype=torch.float64)
+    std = torch.ones(1, 64, dtype=torch.bfloat16)
+    blob = codec.encode(x, mean, std, LANES)
+    assert_bit_exact(codec.decode(blob, mean, std, config=LANES), x.contiguous())
+    assert_bit_exact(codec.decode(blob, mean.float(), std.float(), config=LANES), x.contiguous())
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=3), st.integers(1, 700),
+       st.sampled_from(STATS), st.floats(-6, 6), st.sampled_from([0.0, 0.01, 0.5]), st.integers(0, 2**32 - 1),
+       st.lists(st.integers(1, 32768), min_size=3, max_size=3), st.sampled_from([8, 4, 2]))
+def test_round_trip_property(dtype, lead, last, kind, log_scale, frac_random, seed, escape, steps):
+    shape = (*lead, last)
+    n = math.prod(shape)
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal(n) * 10.0**log_scale).to(dtype)
+    width = 32 if dtype == torch.float32 else 16
+    rand_bits = rng.integers(0, 2**width, n, dtype=np.uint64).astype(np.int64)
+    x = torch.where(torch.from_numpy(rng.random(n) < frac_random), from_patterns(rand_bits, dtype), x)
+    sp = special_patterns(dtype)
+    x[torch.from_numpy(rng.integers(0, n, min(n, sp.size)))] = from_patterns(sp[: min(n, sp.size)], dtype)
+    x = x.reshape(shape)
+    cfg = CodecConfig(coder="lanes", escape=tuple(escape), mean_steps=steps)
+    mean, std = _stats(kind, x, seed % 1000)
+    blob = codec.encode(x, mean, std, cfg)
+    assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
+
+
+# ------------------------------------------------------------------ batch API
+
+BATCH_STATS = {
+    "none": lambda x: (None, None),
+    "shared-channel": lambda x: (torch.randn(1, 1, x.shape[-1]), torch.rand(1, 1, x.shape[-1]) + 0.1),
+    "per-stream-channel": lambda x: (torch.randn(x.shape[0], 1, x.shape[-1]), torch.rand(x.shape[0], 1, x.shape[-1])),
+    "per-element": lambda x: (x.float() * 0.9, x.float().abs() * 0.1 + 1e-3),
+    "mean-only-1d": lambda x: (torch.randn(x.shape[-1]), None),
+    "std-only-scalar": lambda x: (None, 2.0),
+}
+
+
+def _pick(stat, i: int, n: int):
+    """Stream i's slice of a batch stat (as the per-stream API gets it)."""
+    if not isinstance(stat, torch.Tensor) or stat.dim() < 3:
+        return stat
+    return stat[i] if stat.shape[0] == n else stat[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", list(BATCH_STATS))
+def test_batch_equals_per_stream(dtype, kind):
+    x, _, _ = realistic((1, 5, 48, 64), seed=2, dtype=dtype)
+    x = x[0]
+    mean, std = BATCH_STATS[kind](x)
+    blobs = codec.encode_batch(x, mean, std, LANES)
+    assert len(blobs) == x.shape[0]
+    for i, b in enumerate(blobs):
+        assert b == codec.encode(x[i], _pick(mean, i, 5), _pick(std, i, 5), LANES)
+    assert codec.encode_batch(x, mean, std, LANES, threads=2) == blobs
+    for threads in (1, 2, 8):
+        assert_bit_exact(codec.decode_batch(blobs, mean, std, LANES, threads=threads), x)
+    out = torch.empty_like(x)
+    got = codec.decode_batch(blobs, mean, std, LANES, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_bit_exact(out, x)
+
+
+def test_rate_close_to_ans():
+    """The same tables at the same precision: the lanes stream is within 0.02 bit/scalar of the ans one."""
+    x, offset, scale = realistic((1, 2, 256, 64), seed=6)
+    cfg = CodecConfig(header="compact", fixed_window=65536)
+    for h in range(2):
+        a = len(codec.encode(x[0, h], offset[0, h], scale[0, h], cfg))
+        b = len(codec.encode(x[0, h], offset[0, h], scale[0, h], LANES))
+        assert abs(b - a) * 8 / x[0, h].numel() < 0.02
+
+
+def test_marginal_in_config():
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    m = Marginal.from_samples(x)
+    cfg = CodecConfig(coder="lanes", marginal=m)
+    blobs = codec.encode_batch(x, None, None, cfg)
+    assert_bit_exact(codec.decode_batch(blobs, None, None, cfg), x)
+    assert_bit_exact(codec.decode(blobs[1], config=LANES, marginal=m), x[1])
+    with pytest.raises(CorruptStreamError, match="digest"):
+        codec.decode(blobs[1], config=LANES)
+
+
+# ------------------------------------------------------------------ refusals
+
+@pytest.fixture(scope="module")
+def batch():
+    x, offset, scale = realistic((1, 4, 64, 64), seed=8)
+    x, offset, scale = x[0], offset[0], scale[0]
+    return x, offset, scale, codec.encode_batch(x, offset, scale, LANES)
+
+
+def test_mismatched_stats_refused(batch):
+    x, offset, scale, blobs = batch
+    with pytest.raises(ParameterMismatchError, match="fingerprint"):
+        codec.decode_batch(blobs, offset + 1e-3, scale, LANES)
+    with pytest.raises(ParameterMismatchError, match="fingerprint"):
+        codec.decode_batch(blobs, offset, scale.expand(4, 64, 64), LANES)  # same values, another shape
+    with pytest.raises(ParameterMismatchError):
+        codec.decode_batch(blobs, offset, torch.ones(7), LANES)
+    with pytest.raises(ParameterMismatchError, match="stream 2"):
+        codec.decode_batch([*blobs[:2], blobs[3], blobs[3]], offset, scale, LANES)
+    with pytest.raises(CorruptStreamError, match="encoded with a std"):
+        codec.decode_batch(blobs, offset, None, LANES)
+    with pytest.raises(ParameterMismatchError, match="fingerprint"):
+        codec.decode(blobs[0], offset[1], scale[0], config=LANES)
+    with pytest.raises(ParameterMismatchError):
+        codec.decode(blobs[0], offset[0], torch.ones(7), config=LANES)
+    plain = codec.encode(x[0], config=LANES)
+    with pytest.raises(CorruptStreamError, match="without a mean"):
+        codec.decode(plain, offset[0], config=LANES)
+
+
+def test_config_and_arguments_refused(batch):
+    x, offset, scale, blobs = batch
+    with pytest.raises(CorruptStreamError, match="config"):
+        codec.decode(blobs[0], offset[0], scale[0])
+    with pytest.raises(CorruptStreamError, match="digest"):
+        codec.decode(blobs[0], offset[0], scale[0], config=CodecConfig(coder="lanes", escape=(256, 128, 32)))
+    with pytest.raises(ValueError, match="coder='lanes'"):
+        codec.decode_batch(blobs, offset, scale, CodecConfig())
+    with pytest.raises(ValueError, match="coder='lanes'"):
+        codec.encode_batch(x, offset, scale, CodecConfig())
+    with pytest.raises(ValueError, match="window"):
+        CodecConfig(coder="lanes", window="metadata")
+    with pytest.raises(ValueError, match="coder"):
+        CodecConfig(coder="rans")
+    with pytest.raises(ValueError, match="threads"):
+        codec.decode_batch(blobs, offset, scale, LANES, threads=0)
+    with pytest.raises(TypeError, match="sequence"):
+        codec.decode_batch(blobs[0], offset, scale, LANES)
+    with pytest.raises(ValueError, match="no streams"):
+        codec.decode_batch([], offset, scale, LANES)
+    with pytest.raises(ValueError, match="one shape"):
+        codec.decode_batch([*blobs[:3], codec.encode(x[0, :10], offset[0], scale[0], LANES)], offset, scale, LANES)
+    with pytest.raises(ValueError, match="out"):
+        codec.decode_batch(blobs, offset, scale, LANES, out=torch.empty(4, 64, 64))
+    with pytest.raises(ValueError, match="out"):
+        codec.decode_batch(blobs, offset, scale, LANES, out=torch.empty(4, 64, 128, dtype=torch.bfloat16)[..., ::2])
+    with pytest.raises(TypeError, match="dtype"):
+        codec.encode_batch(x.to(torch.int32), None, None, LANES)
+    with pytest.raises(ValueError, match="supports coder='ans'"):
+        codec.encode_with_stats(x, offset, scale, LANES)
+    with pytest.raises(ValueError, match="start"):
+        codec.decode_range(blobs[0], 5, 2, offset[0], scale[0], config=LANES)
+    assert "coder" not in CodecConfig().to_dict()
+    assert CodecConfig.from_dict(LANES.to_dict()) == LANES
+
+
+def test_truncated_and_extended(batch):
+    _x, offset, scale, blobs = batch
+    b = blobs[1]
+    for cut in (len(b) - 1, len(b) - 4, len(b) // 2, 30, 10, 3, 0):
+        with pytest.raises(CorruptStreamError):
+            codec.decode(b[:cut], offset[1], scale[1], config=LANES)
+    for extra in (b"\0", b"\0\0\0\0", b"\x01\x02\x03\x04\x05\x06\x07\x08"):
+        with pytest.raises(CorruptStreamError):
+            codec.decode(b + extra, offset[1], scale[1], config=LANES)
+
+
+def test_every_payload_word_is_guarded(batch):
+    """Each payload byte flipped (one at a time): always an error, never other values."""
+    _x, offset, scale, blobs = batch
+    b = blobs[2]
+    start = L.parse_header(b).data_start
+    for pos in range(start, len(b), 3):
+        bad = bytearray(b)
+        bad[pos] ^= 0x10
+        with pytest.raises(CorruptStreamError):
+            codec.decode(bytes(bad), offset[2], scale[2], config=LANES)
+
+
+def test_header_fields_are_guarded(batch):
+    """Every header bit flipped, with and without the header CRC recomputed: an error, or (a shape that
+    still fits) never different values."""
+    x, offset, scale, blobs = batch
+    b = blobs[0]
+    end = L.parse_header(b).data_start
+    for bit in range(end * 8):
+        bad = bytearray(b)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        for blob in (bytes(bad), reseal(bytes(bad))):
+            try:
+                y = codec.decode(blob, offset[0], scale[0], config=LANES)
+            except CorruptStreamError:
+                continue
+            assert_bit_exact(y, x[0])
