@@ -75,7 +75,11 @@ class LosslessConfig(_JsonConfig):
             (self-describing, ~450 bytes).
         mean_steps: resolution of the codec's wide tables in ``|mean| / std`` (8, 4 or 2 steps per std; 4
             costs 0.002 bit/scalar against 8 and codes ~20 % faster).
-        workers: processes used to decode windows in parallel (1 = in this process).
+        workers: parallel decoders: threads over a block's streams for the ``lanes`` coder, forked processes
+            over windows for ``ans`` (1 = in this thread).
+        coder: the codec's entropy coder: ``"lanes"`` (compiled interleaved rANS, one call per block; the
+            default) or ``"ans"`` (constriction, one call per stream and table; files saved before 0.2 use it
+            and still load). Both give the same rate; docs/codec.md section 12.
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
@@ -90,8 +94,10 @@ class LosslessConfig(_JsonConfig):
     mean_steps: int = 4
     workers: int = 1
     decoded_budget: float = 0.05
+    coder: str = "lanes"
 
     PREDICTORS: ClassVar[tuple[str, ...]] = ("none", "context", "probe", "twin")
+    CODERS: ClassVar[tuple[str, ...]] = ("lanes", "ans")
     WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
 
     def __post_init__(self) -> None:
@@ -107,6 +113,9 @@ class LosslessConfig(_JsonConfig):
             _fail(owner, "mean_steps", f"must be one of [2, 4, 8], got {self.mean_steps!r}")
         _check_int(owner, "workers", self.workers, minimum=1)
         _check_float(owner, "decoded_budget", self.decoded_budget, low=0.0, high=1.0)
+        _check_choice(owner, "coder", self.coder, self.CODERS)
+        if self.coder == "lanes" and self.window != "fixed":
+            _fail(owner, "window", f"must be 'fixed' with coder='lanes' (one window per stream), got {self.window!r}")
 
 
 @dataclass(frozen=True)

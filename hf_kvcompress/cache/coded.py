@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, encode
+from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, decode_batch, encode, encode_batch
 from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor, stream_order
 from .pool import DecodedPool, flat_values, owned, values_tensors
 from .storage import Block, Storage
@@ -154,9 +154,9 @@ class LosslessContext:
                     row.scales.append(scale)
                     # channel-major: a channel's elements share its sigma, so the coder switches tables less
                     xs.append(x[b].T)
-                    means.append(mean[b].T)
-                    stds.append((std[b] * scale_factor(scale)).T)
-            blobs = encode_streams(xs, means, stds, config)
+                    means.append(compact(mean[b].T))
+                    stds.append(compact(std[b].T) * scale_factor(scale))
+            blobs = encode_streams(xs, means, stds, config, self.workers)
             for i, blob in enumerate(blobs):
                 rows[i % batch].blobs.append(blob)
 
@@ -181,6 +181,73 @@ class LosslessContext:
             self._keep(block, found)  # advances the chain memo as a decode would
         return found
 
+    def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values of one layer's ``blocks`` on their device. Blocks not held decoded are decoded
+        together in one codec call when the predictor's sessions are independent (per-block statistics:
+        no block needs another's values), else one by one in layer order."""
+        found: list[LayerValues | None] = [
+            self._held(b) if isinstance(b, CodedBlock) else None for b in blocks
+        ]
+        missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
+        if self.depth == 0 and len(missing) > 1:
+            groups: dict[tuple, list[int]] = {}
+            for i in missing:
+                b = blocks[i]
+                groups.setdefault((b.tokens, len(b.rows), b.heads, b.dim, b.dtype), []).append(i)
+            with one_thread():
+                for members in groups.values():
+                    decoded = self._decode_together([blocks[i] for i in members])
+                    if decoded is not None:
+                        for i, values in zip(members, decoded):
+                            found[i] = values
+        out = []
+        for block, values in zip(blocks, found):
+            if not isinstance(block, CodedBlock):
+                out.append(block.read())
+                continue
+            if values is None:
+                values = self.decoded(block)
+            out.append((values.keys.to(block.device), values.values.to(block.device)))
+        return out
+
+    def _decode_together(self, blocks: list[CodedBlock]) -> list[LayerValues] | None:
+        """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not)."""
+        first = blocks[0]
+        batch, heads, tokens, dim = len(first.rows), first.heads, first.tokens, first.dim
+        sessions, means, stds, blobs = [], [], [], []
+        for block in blocks:
+            side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
+            session = self.predictor.session(self._inputs(block.layer, block.start, tokens, batch, side))
+            if not session.independent:
+                return None
+            mean, std = session.predict_all(heads)  # [2 * heads, batch, tokens or 1, dim]
+            # [2 * heads, batch]: the same float32 factors as `scale_factor` gives the encoder
+            factors = torch.tensor([[scale_factor(c) for c in row.scales] for row in block.rows], dtype=torch.float32).T
+            sessions.append(session)
+            means.append(mean.transpose(-1, -2))
+            stds.append(std.transpose(-1, -2) * factors[..., None, None])
+            blobs.extend(row.blobs[index] for index in range(2 * heads) for row in block.rows)
+        config = self.codec_for(first.layer)
+        try:
+            mean = torch.stack(means).flatten(0, 2)  # streams in blob order: block, stream, row
+            std = torch.stack(stds).flatten(0, 2)
+            x = decode_batch(blobs, mean, std, config, threads=self.workers) if config.coder == "lanes" else \
+                torch.stack(decode_streams(blobs, list(mean), list(std), config, self.workers))
+        except ParameterMismatchError as err:
+            raise PredictorMismatchError(
+                f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
+                f"blocks were encoded with: {err}"
+            ) from err
+        # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
+        x = x.view(len(blocks), 2, heads, batch, dim, tokens).permute(0, 1, 3, 2, 5, 4).contiguous()
+        out = []
+        for i, (block, session) in enumerate(zip(blocks, sessions)):
+            values = session.finish(x[i, 0], x[i, 1])
+            self.decodes += 1
+            self._keep(block, values)
+            out.append(values)
+        return out
+
     def _held(self, block: Block) -> LayerValues | None:
         found = self.pool.get(block)
         if found is not None:
@@ -204,8 +271,8 @@ class LosslessContext:
             for index, (mean, std) in zip(indices, predictions):
                 for b, row in enumerate(block.rows):
                     blobs.append(row.blobs[index])
-                    means.append(mean[b].T)
-                    stds.append((std[b] * scale_factor(row.scales[index])).T)
+                    means.append(compact(mean[b].T))
+                    stds.append(compact(std[b].T) * scale_factor(row.scales[index]))
             try:
                 out = decode_streams(blobs, means, stds, config, self.workers)
             except ParameterMismatchError as err:
@@ -261,11 +328,12 @@ class LosslessContext:
 
     def _keep(self, block: Block, values: LayerValues) -> None:
         """Store what the next layers and steps may need; drop what no layer above can need any more."""
-        flat = flat_values(values)
         layer, start = block.layer, block.start
-        self.pool.offer(block, flat, self.sealed_raw_bytes)
+        if self.pool.wants(block, values, self.sealed_raw_bytes):
+            self.pool.offer(block, flat_values(values), self.sealed_raw_bytes)
         if self.depth == 0:
             return
+        flat = flat_values(values)
         # layer + 1 reads layers layer .. layer + 1 - depth: anything below that is done for this step
         for old in range(layer - self.depth, -1, -1):
             if self._chain.pop((old, start), None) is None:
@@ -291,16 +359,32 @@ class LosslessContext:
 
 
 def encode_streams(xs: list[torch.Tensor], means: list[torch.Tensor], stds: list[torch.Tensor],
-                   config: CodecConfig) -> list[bytes]:
-    """One blob per stream ``xs[i]`` under ``means[i]`` / ``stds[i]`` (the block's streams in one place, so a
-    batch coder can take them in one call)."""
-    return [encode(x, m, s, config) for x, m, s in zip(xs, means, stds)]
+                   config: CodecConfig, threads: int = 1) -> list[bytes]:
+    """One blob per stream ``xs[i]`` under ``means[i]`` / ``stds[i]``: the block's streams in one compiled
+    call for the lanes coder (all streams of a call share a shape), one call per stream for ``ans``."""
+    if config.coder != "lanes":
+        return [encode(x, m, s, config) for x, m, s in zip(xs, means, stds)]
+    return encode_batch(torch.stack(xs), _stacked(means), _stacked(stds), config, threads=threads)
 
 
 def decode_streams(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
                    workers: int = 1) -> list[torch.Tensor]:
     """Inverse of `encode_streams`."""
-    return [decode(b, m, s, config=config, workers=workers) for b, m, s in zip(blobs, means, stds)]
+    if config.coder != "lanes":
+        return [decode(b, m, s, config=config, workers=workers) for b, m, s in zip(blobs, means, stds)]
+    return list(decode_batch(blobs, _stacked(means), _stacked(stds), config, threads=workers))
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every broadcast (stride-0) dimension cut to size 1: per-channel statistics stay
+    ``[D, 1]`` instead of ``[D, T]``, so the coder reads (and fingerprints) D values, not D x T."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for stride, size in zip(t.stride(), t.shape))
+    return t[index]
+
+
+def _stacked(stats: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([compact(t) for t in stats])
 
 
 class CodedStorage(Storage):
@@ -314,6 +398,9 @@ class CodedStorage(Storage):
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, *, start: int) -> CodedBlock:
         return self.context.encode_block(self.layer, keys, values, start)
+
+    def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.context.read_all(blocks)
 
 
 def scale_factor(code: int) -> float:

@@ -222,8 +222,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _held_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keys, values = [], []
-        for block in self.blocks:
-            k, v = block.read()
+        for k, v in self.storage.read_all(self.blocks):
             keys.append(k)
             values.append(v)
         keys.append(self.residual_keys)

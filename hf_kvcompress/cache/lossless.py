@@ -33,7 +33,7 @@ def lossless_context(cache) -> LosslessContext:
 def codec_config(settings) -> CodecConfig:
     """The codec settings a `LosslessConfig` asks for (files record the LosslessConfig, so they decode)."""
     return CodecConfig(window=settings.window, fixed_window=settings.fixed_window, header=settings.header,
-                       mean_steps=settings.mean_steps)
+                       mean_steps=settings.mean_steps, coder=settings.coder)
 
 
 def find_block(cache, layer: int, start: int):

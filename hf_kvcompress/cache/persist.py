@@ -126,7 +126,7 @@ def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibr
     from .cache import CompressedCache
 
     header, payload = _read(Path(path))
-    saved_config = CompressionConfig.from_dict(header["config"])
+    saved_config = CompressionConfig.from_dict(_with_saved_defaults(header["config"]))
     target = CompressedCache(config or saved_config, model=model, calibration=calibration)
     if header["library_version"] != __version__:
         raise CacheFileError(
@@ -186,6 +186,14 @@ def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibr
         raise CacheFileError(f"{path}: malformed header ({type(err).__name__}: {err})") from err
     target.token_ids = token_ids
     return target
+
+
+def _with_saved_defaults(config: Any) -> Any:
+    """A saved config with the defaults of the version that wrote it: files written before the lanes coder
+    existed hold ``ans`` streams and say nothing of the coder."""
+    if isinstance(config, dict) and isinstance(config.get("lossless"), dict) and "coder" not in config["lossless"]:
+        return {**config, "lossless": {**config["lossless"], "coder": "ans"}}
+    return config
 
 
 def read_header(path: str | Path) -> dict[str, Any]:

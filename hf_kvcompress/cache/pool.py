@@ -53,6 +53,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
     return total
 
 
+def kv_bytes(values: LayerValues) -> int:
+    """Decoded K/V bytes of ``values``: what the pool's budget counts (the per-token surprise beside them is
+    ~3 % more, counted in held_bytes), so that a budget of 1.0 holds every block."""
+    return sum(t.numel() * t.element_size() for t in (values.keys, values.values))
+
+
 def values_tensors(values: LayerValues) -> list[torch.Tensor]:
     return [values.keys, values.values, values.surprise]
 
@@ -77,13 +83,23 @@ class DecodedPool:
             return None
         return hit[1]
 
+    def wants(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
+        """Whether `offer` would keep ``values`` (so that callers copy only what is kept)."""
+        if self.get(block) is values:
+            return False  # already held as it is
+        size = kv_bytes(values)
+        budget = self.budget(sealed_raw_bytes)
+        if size > budget:
+            return False
+        if self.nbytes + size <= budget:
+            return True
+        return min((k[1], k[0]) for k in self.entries) < (block.start, block.layer)
+
     def offer(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
         """Keep ``values`` (already owned, flat) if the budget allows, evicting older blocks for newer ones."""
         key = (block.layer, block.start)
         self.drop(*key)
-        # the budget is in decoded K/V bytes (the per-token surprise beside them is ~3 % more; held_bytes
-        # counts it all), so a budget of 1.0 holds every block
-        size = sum(t.numel() * t.element_size() for t in (values.keys, values.values))
+        size = kv_bytes(values)
         budget = self.budget(sealed_raw_bytes)
         if size > budget:
             return False

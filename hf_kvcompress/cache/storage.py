@@ -47,6 +47,10 @@ class Storage(ABC):
         """Seal ``keys``/``values`` (``[batch, kv_heads, tokens, head_dim]``) that begin at text position
         ``start``."""
 
+    def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``block.read()`` of each block, in order (a storage may read a layer's blocks in one batch)."""
+        return [block.read() for block in blocks]
+
 
 class RawBlock(Block):
     """Plain tensors: what `DynamicCache` holds."""

@@ -85,6 +85,14 @@ class PredictorSession(ABC):
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std, each ``[batch, tokens, head_dim]`` float32, for stream (kind, head)."""
 
+    def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std of every stream of an `independent` session, ``[2 * heads, batch, tokens, head_dim]``
+        in `stream_order` (a session may return size-1 dimensions where a statistic is broadcast)."""
+        if not self.independent:
+            raise RuntimeError(f"{type(self).__name__} predicts stream by stream (its streams depend on each other)")
+        pairs = [self.predict(kind, head) for kind, head in stream_order(heads)]
+        return torch.stack([m for m, _ in pairs]), torch.stack([s for _, s in pairs])
+
     @abstractmethod
     def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
         """The true values ``[batch, tokens, head_dim]`` of the stream just predicted."""

@@ -35,6 +35,13 @@ class BlockStatsSession(PredictorSession):
         std = self.std[:, index, head].unsqueeze(1).expand(-1, self.tokens, -1)
         return mean, std
 
+    def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # [batch, 2, heads, dim] -> [2 * heads, batch, 1, dim]: one value per channel, broadcast over tokens
+        def streams(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(1, 2, 0, 3).reshape(2 * heads, t.shape[0], 1, t.shape[3])
+
+        return streams(self.mean), streams(self.std)
+
     def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
         pass
 
