@@ -11,8 +11,9 @@ RSS growth over the steps (cache and transients) against DynamicCache's.
     python eval/bench_generate.py [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
         [--predictors generic,none,context] [--calibration-tokens 2048] [--out results/generate]
 
-Predictors: ``generic`` is the default without a calibration (per-block channel statistics as side data),
-``none`` and ``context`` use a calibration fitted here (context heads read the two layers below).
+Predictors: ``generic`` (the in-generation default: per-block channel statistics as side data, no calibration),
+``none`` and ``context`` with a calibration fitted here on ``--calibration-tokens`` of the calibration plays
+(context heads read the two layers below).
 """
 
 from __future__ import annotations
@@ -133,8 +134,7 @@ def main() -> None:
             for budget in [float(b) for b in args.budgets.split(",")]:
                 config = CompressionConfig(
                     mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
-                    lossless={"predictor": "context" if predictor == "generic" else predictor,
-                              "decoded_budget": budget})
+                    lossless={"predictor": predictor, "decoded_budget": budget})
                 cal = None if predictor == "generic" else calibration
                 configs.append((f"{predictor} budget={budget:g}",
                                 lambda config=config, cal=cal: CompressedCache(config, model=model, calibration=cal)))

@@ -63,9 +63,13 @@ class LosslessConfig(_JsonConfig):
     """Lossless mode: sealed blocks are stored as entropy-coded streams that decode bit-exactly.
 
     Attributes:
-        predictor: where each element's predicted mean comes from: ``"context"`` (no model needed),
-            ``"probe"`` (early exit through layers ``0..probe_layer-1`` plus linear heads), ``"twin"``
-            (an FP8-weight twin of the model), or ``"none"`` (per-channel statistics only).
+        predictor: where each element's predicted mean comes from inside ``generate()``: ``"generic"``
+            (per-block channel statistics as side data; needs nothing, the fastest: the default, see
+            docs/lossless.md "Inside generate()"), ``"context"`` (the layers below and earlier heads through a
+            calibration's linear maps: ~2 bits/scalar smaller, ~2.6x slower steps), ``"none"`` (a calibration's
+            per-channel statistics), ``"probe"`` / ``"twin"`` (rerun the model: storage only).
+        save_predictor: the predictor `CompressedCache.save` codes files with unless told otherwise
+            (``"context"``: the best model-free rate; per-block statistics without a calibration).
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window: the codec's window scheduler: ``"fixed"`` (measured best on SmolLM2: see docs/codec.md),
             ``"predicted"``, ``"metadata"`` or ``"causal"`` (seed 000's adaptive windows).
@@ -86,7 +90,8 @@ class LosslessConfig(_JsonConfig):
             ``hf_kvcompress/cache/pool.py``; eval/bench_generate.py measures the trade).
     """
 
-    predictor: str = "context"
+    predictor: str = "generic"
+    save_predictor: str = "context"
     probe_layer: int = 8
     window: str = "fixed"
     fixed_window: int = 65536
@@ -96,13 +101,14 @@ class LosslessConfig(_JsonConfig):
     decoded_budget: float = 0.05
     coder: str = "lanes"
 
-    PREDICTORS: ClassVar[tuple[str, ...]] = ("none", "context", "probe", "twin")
+    PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "none", "context", "probe", "twin")
     CODERS: ClassVar[tuple[str, ...]] = ("lanes", "ans")
     WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
 
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
         _check_choice(owner, "predictor", self.predictor, self.PREDICTORS)
+        _check_choice(owner, "save_predictor", self.save_predictor, self.PREDICTORS)
         _check_int(owner, "probe_layer", self.probe_layer, minimum=1)
         _check_choice(owner, "window", self.window, self.WINDOWS)
         _check_int(owner, "fixed_window", self.fixed_window, minimum=64)

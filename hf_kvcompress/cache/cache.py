@@ -193,8 +193,8 @@ class CompressedCache(Cache):
     def save(self, path: str | Path, *, predictor: str | None = None, probe_layer: int | None = None,
              progress: bool = False) -> Path:
         """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
-        token coded with ``predictor`` (default: the config's; ``"probe"``/``"twin"`` rerun the model here
-        and at load)."""
+        token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"context"``;
+        ``"probe"``/``"twin"`` rerun the model here and at load)."""
         from .persist import save_cache
 
         return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)

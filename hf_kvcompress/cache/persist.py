@@ -53,7 +53,8 @@ def reproducibility() -> dict[str, Any]:
 
 def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None = None, probe_layer: int | None = None,
                progress: bool = False) -> Path:
-    """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the cache's)."""
+    """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
+    ``save_predictor``)."""
     from ..models import model_fingerprint
 
     layers = cache.kv_layers()
@@ -62,7 +63,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     if any(layer.sliding_window is not None for layer in layers) or any(not layer.is_croppable for layer in layers):
         raise ValueError("save: only caches that hold every token exactly (no sliding window, no lossy summary)")
     settings = cache.config.lossless
-    name = predictor or settings.predictor
+    name = predictor or settings.save_predictor
     k = probe_layer or settings.probe_layer
     chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k)
     token_ids = cache.token_ids

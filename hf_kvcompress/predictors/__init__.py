@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 
 from .base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
-from .context import ContextPredictor, NoPredictor
+from .context import ContextPredictor, GenericPredictor, NoPredictor
 from .probe import ProbePredictor, TwinPredictor
 
-NAMES = ("none", "context", "probe", "twin")
+NAMES = ("generic", "none", "context", "probe", "twin")
 
 __all__ = [
     "NAMES",
     "BlockInputs",
     "ContextPredictor",
+    "GenericPredictor",
     "LayerValues",
     "NoPredictor",
     "Predictor",
@@ -29,6 +30,8 @@ def make_predictor(
     name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8
 ) -> Predictor:
     """The predictor called ``name`` (one of `NAMES`); ``probe``/``twin`` need the model and a calibration."""
+    if name == "generic":
+        return GenericPredictor()
     if name == "none":
         return NoPredictor(calibration)
     if name == "context":

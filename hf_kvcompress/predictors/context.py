@@ -58,6 +58,24 @@ def block_stats(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Ten
     return {BLOCK_MEAN: mean.to(torch.bfloat16), BLOCK_STD: std.clamp_min(1e-6).to(torch.bfloat16)}
 
 
+class GenericPredictor(Predictor):
+    """Per-block channel statistics sent as side data: needs nothing, and every stream of a block is
+    independent, so a cache decodes a layer's blocks in one codec call. The in-generation default: the
+    calibrated predictors read earlier streams (and `context` the layers below) stream by stream, which
+    costs 2.3x (`none`) to 2.6x (`context`) its step time (docs/lossless.md, "Inside generate()")."""
+
+    name = "generic"
+
+    def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return block_stats(keys, values)
+
+    def session(self, inputs: BlockInputs) -> PredictorSession:
+        return BlockStatsSession(inputs)
+
+    def below_depth(self) -> int:
+        return 0
+
+
 class CalibratedLinearPredictor(Predictor):
     """A `LinearSession` predictor whose heads come from a calibration (block statistics without one)."""
 

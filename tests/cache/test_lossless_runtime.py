@@ -13,6 +13,7 @@ from helpers import fresh_tiny_model, random_ids
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.cache.persist import read_header
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.evaluation.env import walk_held_bytes
 
@@ -172,6 +173,22 @@ def test_crop_then_continue_is_identical(budget):
     held = cache.stats()["held_bytes"]
     walked = walk_held_bytes(cache, skip=[cache.model_config, cache.calibration, cache.lossless.predictor])
     assert abs(held - walked) <= 0.1 * walked
+
+
+def test_defaults_generate_with_block_statistics_and_save_with_context(tmp_path):
+    config = CompressionConfig(mode="lossless")
+    assert (config.block_tokens, config.residual_tokens) == (128, 0)
+    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "context", "lanes")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=BLOCK), model=model6(),
+                            calibration=calibration6())
+    assert cache.lossless.predictor.name == "generic" and cache.lossless.depth == 0
+    ids = prefill(cache, 40)
+    path = cache.save(tmp_path / "c.kvc")
+    assert read_header(path)["predictor"]["name"] == "context"
+    loaded = CompressedCache.load(path, model=model6(), calibration=calibration6())
+    for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
+        assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+    assert ids.shape == (1, 40)
 
 
 def test_decoded_budget_is_validated():
