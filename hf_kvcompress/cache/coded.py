@@ -154,8 +154,8 @@ class LosslessContext:
                     row.scales.append(scale)
                     # channel-major: a channel's elements share its sigma, so the coder switches tables less
                     xs.append(x[b].T)
-                    means.append(compact(mean[b].T))
-                    stds.append(compact(std[b].T) * scale_factor(scale))
+                    means.append(mean[b].T)
+                    stds.append(std[b].T * scale_factor(scale))
             blobs = encode_streams(xs, means, stds, config, self.workers)
             for i, blob in enumerate(blobs):
                 rows[i % batch].blobs.append(blob)
@@ -231,8 +231,12 @@ class LosslessContext:
         try:
             mean = torch.stack(means).flatten(0, 2)  # streams in blob order: block, stream, row
             std = torch.stack(stds).flatten(0, 2)
-            x = decode_batch(blobs, mean, std, config, threads=self.workers) if config.coder == "lanes" else \
-                torch.stack(decode_streams(blobs, list(mean), list(std), config, self.workers))
+            if config.coder == "lanes":
+                x = decode_batch(blobs, mean, std, config, threads=self.workers)
+            else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
+                shape = (dim, tokens)
+                x = torch.stack(decode_streams(blobs, [m.expand(shape) for m in mean], [s.expand(shape) for s in std],
+                                               config, self.workers))
         except ParameterMismatchError as err:
             raise PredictorMismatchError(
                 f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
@@ -271,8 +275,8 @@ class LosslessContext:
             for index, (mean, std) in zip(indices, predictions):
                 for b, row in enumerate(block.rows):
                     blobs.append(row.blobs[index])
-                    means.append(compact(mean[b].T))
-                    stds.append(compact(std[b].T) * scale_factor(row.scales[index]))
+                    means.append(mean[b].T)
+                    stds.append(std[b].T * scale_factor(row.scales[index]))
             try:
                 out = decode_streams(blobs, means, stds, config, self.workers)
             except ParameterMismatchError as err:
@@ -369,7 +373,8 @@ def encode_streams(xs: list[torch.Tensor], means: list[torch.Tensor], stds: list
 
 def decode_streams(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
                    workers: int = 1) -> list[torch.Tensor]:
-    """Inverse of `encode_streams`."""
+    """Inverse of `encode_streams`. The ``ans`` coder fingerprints mean and std as given, so they must come
+    in the shapes the encoder had (broadcast views of ``[head_dim, tokens]``, as `encode_block` passes)."""
     if config.coder != "lanes":
         return [decode(b, m, s, config=config, workers=workers) for b, m, s in zip(blobs, means, stds)]
     return list(decode_batch(blobs, _stacked(means), _stacked(stds), config, threads=workers))
