@@ -116,10 +116,10 @@ def element_param(mb, sb, zero_key, exp_offset, truncated, is_fp16, radius, tlut
 
 @_jit
 def params_kernel(mean_bits, std_bits, zero_key, exp_offset, truncated, is_fp16, mean_steps, radius, tlut,
-                  tid, cp, cn, sg):
-    """`element_param` over equal-length uint32 arrays, into preallocated outputs (``mean_steps`` is in
-    ``tlut``; kept in the signature so that callers state it)."""
-    for i in range(mean_bits.size):
+                  tid, cp, cn, sg, lo, hi):
+    """`element_param` over elements ``lo..hi-1`` of equal-length uint32 arrays, into preallocated outputs
+    (``mean_steps`` is in ``tlut``; kept in the signature so that callers state it)."""
+    for i in range(lo, hi):
         t, a, b, s = element_param(np.int64(mean_bits[i]), np.int64(std_bits[i]), zero_key, exp_offset,
                                    truncated, is_fp16, radius, tlut)
         tid[i] = t

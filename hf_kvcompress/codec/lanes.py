@@ -142,6 +142,9 @@ class Stats(NamedTuple):
     fps: np.ndarray  # uint32 [N]
 
 
+_PARALLEL_PARAMS = 1 << 15  # below this many compact elements a second thread costs more than it saves
+
+
 @functools.lru_cache(maxsize=64)
 def _pidx(shape: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
     """Flat compact index of every element of a stream of ``shape`` (empty when they coincide)."""
@@ -170,9 +173,10 @@ def _as_rows(arr: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | None, std32: np.ndarray | None,
-                  sigma_bits: np.ndarray | None, fmt: Format, mean_steps: int) -> Stats:
+                  sigma_bits: np.ndarray | None, fmt: Format, mean_steps: int, threads: int = 1) -> Stats:
     """Compact params for N streams of ``shape``; ``mean32`` / ``std32``: checked float32 arrays of ndim
-    ``1 + len(shape)`` (leading dim N or 1); ``sigma_bits``: uint32 [N] per-stream std when std is None."""
+    ``1 + len(shape)`` (leading dim N or 1); ``sigma_bits``: uint32 [N] per-stream std when std is None.
+    Per-element statistics are turned into params on ``threads`` threads."""
     mb, mshape, mrows = _as_rows(mean32)
     sb, sshape, srows = _as_rows(std32)
     fps = np.empty(n_streams, dtype=np.uint32)
@@ -193,8 +197,9 @@ def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | N
     cp = np.empty(k, dtype=np.int32)
     cn = np.empty(k, dtype=np.int32)
     sg = np.empty(k, dtype=np.int8)
-    jit.params_kernel(mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
-                      lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg)
+    _run(jit.params_kernel, (mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
+                             lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg), k,
+         threads if k >= _PARALLEL_PARAMS else 1)
     c = math.prod(cshape)
     p_row = (np.arange(n_streams, dtype=np.int64) * c) if rows > 1 else np.zeros(n_streams, dtype=np.int64)
     return Stats(tid, cp, cn, sg, _pidx(tuple(shape), cshape), p_row, fps)
@@ -319,7 +324,7 @@ def encode_batch_impl(x: torch.Tensor, mean, std, cfg: CodecConfig, threads: int
     if std32 is None:
         sigma = _stream_sigma_codes(bits, mean32, fmt, n_streams, shape)
         sigma_bits = sigma_bits_of_code(sigma).astype(np.uint32)
-    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps)
+    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads)
     tab = lane_tables()
     pcum, _ = phat_tables(cfg.marginal_or_default, fmt)
     ll = lanes_for(m)
@@ -382,8 +387,8 @@ def _check_threads(threads: int | None) -> int:
 
 
 def _run(kernel, args: tuple, n_streams: int, threads: int) -> None:
-    """``kernel(*args, s_lo, s_hi)`` over all streams: one call, or one per thread on contiguous shares
-    (the kernels release the GIL)."""
+    """``kernel(*args, s_lo, s_hi)`` over all streams (or elements): one call, or one per thread on
+    contiguous shares (the kernels release the GIL)."""
     nt = min(threads, n_streams)
     if nt <= 1:
         kernel(*args, 0, n_streams)
@@ -449,7 +454,7 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     sigma_bits = None
     if std32 is None:
         sigma_bits = sigma_bits_of_code(np.array([h.sigma for h in heads], dtype=np.int64)).astype(np.uint32)
-    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps)
+    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads)
     bad = [i for i, h in enumerate(heads) if h.fp != int(st.fps[i])]
     if bad:
         raise ParameterMismatchError(

@@ -27,7 +27,7 @@ def _jit_params(mean: np.ndarray, std: np.ndarray, fmt, steps: int):
     out = (np.empty(mb.size, np.uint16), np.empty(mb.size, np.int32), np.empty(mb.size, np.int32),
            np.empty(mb.size, np.int8))
     L.jit.params_kernel(mb, sb, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, steps,
-                        L.lane_tables().radius, L.t_lut(steps), *out)
+                        L.lane_tables().radius, L.t_lut(steps), *out, 0, mb.size)
     return out
 
 
