@@ -444,6 +444,18 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
             raise CorruptStreamError(f"stream was encoded without a {name}; pass {name}=None to decode")
     xshape = (n_streams, *shape)
     m = math.prod(shape)
+    nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
+    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
+    data = np.array([h.data_start for h in heads], dtype=np.int64)
+    wbytes = sizes - data - nraw
+    if (wbytes < 0).any() or (wbytes % 4).any():
+        i = int(np.flatnonzero((wbytes < 0) | (wbytes % 4 != 0))[0])
+        raise _corrupt(f"stream {i}: payload of {int(sizes[i] - data[i])} bytes does not fit its raw bits")
+    # before allocating: each element carries at least the information of a valid escape flag, so a
+    # stream of w words cannot hold more than 32 w / that many elements (a corrupt shape fails here)
+    cap = 32 * (int(wbytes.min()) // 4 + 1) / -math.log2(1.0 - min(cfg.escape) / 65536.0)
+    if m > 2 * cap:
+        raise _corrupt(f"{m} elements cannot fit in {int(wbytes.min())} bytes of words (truncated shape field?)")
     try:
         mean32 = _check_batch_stat(mean, "mean", xshape, False)
         std32 = _check_batch_stat(std, "std", xshape, True)
@@ -461,13 +473,6 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
             f"the mean or std passed to decode differs from the one used to encode (fingerprint mismatch in "
             f"stream {bad[0]}); decoding would produce garbage"
         )
-    nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
-    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
-    data = np.array([h.data_start for h in heads], dtype=np.int64)
-    wbytes = sizes - data - nraw
-    if (wbytes < 0).any() or (wbytes % 4).any():
-        i = int(np.flatnonzero((wbytes < 0) | (wbytes % 4 != 0))[0])
-        raise _corrupt(f"stream {i}: payload of {int(sizes[i] - data[i])} bytes does not fit its raw bits")
     # one buffer, each stream's words 4-byte aligned (pads before each blob), read as u32 and as bytes
     parts = []
     wstart = np.empty(n_streams, dtype=np.int64)

@@ -337,3 +337,15 @@ def test_header_fields_are_guarded(batch):
             except CorruptStreamError:
                 continue
             assert_bit_exact(y, x[0])
+
+
+def test_huge_shape_claim_refused_before_allocating():
+    """A resealed header claiming 2^50 elements fails on the words-per-element bound, not in allocation."""
+    b = codec.encode(torch.zeros(1000, dtype=torch.bfloat16), 0.0, 0.0, LANES)
+    assert_bit_exact(codec.decode(b, 0.0, 0.0, config=LANES), torch.zeros(1000, dtype=torch.bfloat16))
+    n0 = len(L._varint(1000))
+    bad = reseal(b[:5] + L._varint(1 << 50) + b[5 + n0 :])
+    with pytest.raises(CorruptStreamError, match="cannot fit"):
+        codec.decode(bad, 0.0, 0.0, config=LANES)
+    big = torch.zeros(1 << 20, dtype=torch.bfloat16)  # the bound leaves room for legitimately tiny streams
+    assert_bit_exact(codec.decode(codec.encode(big, 0.0, 0.0, LANES), 0.0, 0.0, config=LANES), big)
