@@ -275,6 +275,17 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a
         checks[s] = combine_check(h, h2)
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _refill(x, pos, last, buf32):
+    """Decoder renormalisation: below 2^31 the state takes the next word. Past the stream's last word
+    nothing is read and ``pos`` moves beyond ``last + 1``, which the caller reports."""
+    if x < np.uint64(RANS_L):
+        if pos > last:
+            return x, last + 2
+        return (x << np.uint64(32)) | np.uint64(buf32[pos]), pos + 1
+    return x, pos
+
+
 @_jit
 def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_row, tid_a, cp_a, cn_a, sg_a,
                    cum, coff, size_a, half_a, lut, pcum, plut, esc_freq, zero_key, pattern_bits, raw_bits,
@@ -317,12 +328,7 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
             q = x >> np.uint64(PREC)
             valid = slot < fv
             x = fv * q + slot if valid else fe * q + slot - fv
-            if x < lo_bound:
-                if pos > last:
-                    code = ERR_WORDS_SHORT
-                    break
-                x = (x << np.uint64(32)) | np.uint64(buf32[pos])
-                pos += 1
+            x, pos = _refill(x, pos, last, buf32)
             slot_i = np.int64(x & np.uint64(MASK))
             if valid:
                 pi = base + (i if ident else pidx[i])
@@ -340,13 +346,11 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                 f = np.int64(pcum[sym + 1]) - start
                 key = sym + z if sym < z else (2 * z - 1) - sym
             x = np.uint64(f) * (x >> np.uint64(PREC)) + np.uint64(slot_i - start)
-            if x < lo_bound:
-                if pos > last:
-                    code = ERR_WORDS_SHORT
-                    break
-                x = (x << np.uint64(32)) | np.uint64(buf32[pos])
-                pos += 1
+            x, pos = _refill(x, pos, last, buf32)
             state[lane] = x
+            if pos > last + 1:
+                code = ERR_WORDS_SHORT
+                break
             if key < 0 or key >= n_pat:
                 code = ERR_KEY
                 break

@@ -34,6 +34,7 @@ import torch
 
 from . import jit
 from .broadcast import SIGMA_CODE_MAX, SIGMA_CODE_MIN, sigma_bits_of_code
+from .compact import varint_bytes
 from .config import CodecConfig
 from .errors import CorruptStreamError, ParameterMismatchError
 from .inputs import check_stat
@@ -215,21 +216,12 @@ def _check_batch_stat(value, name: str, xshape: tuple[int, ...], is_std: bool) -
 # --------------------------------------------------------------------------------------- header
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
 def _head(fmt: Format, shape: tuple[int, ...], has_mean: bool, has_std: bool, lanes_log2: int,
           sigma: int | None, digest: int, fp: int, check: int) -> bytes:
     flags = fmt.code | has_mean << 2 | has_std << 3 | lanes_log2 << 4
     head = bytearray(MAGIC + bytes([flags, len(shape)]))
     for d in shape:
-        head += _varint(d)
+        head += varint_bytes(d)
     if sigma is not None:
         head += struct.pack("<H", sigma)
     head += struct.pack("<III", digest, fp, check)
