@@ -47,10 +47,10 @@ from .windows import GAUSS_BIAS, residual_codes
 
 MAGIC = LANES_MAGIC
 MAX_NDIM = 32
-MAX_LANES_LOG2 = 7
 # lanes per stream: 8 interleaved states keep a core's pipeline busy (decode speed flat from 8 to 32 lanes,
 # docs/codec.md 12.3) while the 8-byte final state per lane costs ~0.02 bit/scalar on a 16k-element stream
 LANES_LOG2 = 3
+MAX_LANES_LOG2 = 6  # the decoder keeps a round's escape flags in one 64-bit mask
 _MAX_VARINT = 9
 
 
@@ -253,7 +253,7 @@ def parse_header(buf: bytes, verify: bool = True) -> Parsed:
         raise CorruptStreamError("not a hf_kvcompress lanes codec stream (bad magic bytes)")
     flags, ndim = buf[3], buf[4]
     code, has_mean, has_std, ll = flags & 3, flags >> 2 & 1, flags >> 3 & 1, flags >> 4 & 7
-    if flags >> 7 or code not in FORMATS_BY_CODE:
+    if flags >> 7 or code not in FORMATS_BY_CODE or ll > MAX_LANES_LOG2:
         raise _corrupt(f"bad flags byte {flags:#04x}")
     if ndim > MAX_NDIM:
         raise _corrupt(f"bad ndim {ndim}")
