@@ -51,7 +51,7 @@ def is_compact(blob) -> bool:
     return bytes(blob[:3]) == MAGIC
 
 
-def _varint(v: int) -> bytes:
+def varint_bytes(v: int) -> bytes:
     out = bytearray()
     while v >= 0x80:
         out.append((v & 0x7F) | 0x80)
@@ -68,8 +68,8 @@ def write_compact(h: Header, entries, payloads: list[bytes]) -> bytes:
     flags = h.fmt.code | h.has_mean << 2 | h.has_std << 3 | WINDOW_MODES.index(h.config.window) << 4
     head = bytearray(MAGIC + bytes([VERSION, flags, len(h.shape)]))
     for d in h.shape:
-        head += _varint(d)
-    head += _varint(h.n_windows) + _varint(_zigzag(h.g_spread))
+        head += varint_bytes(d)
+    head += varint_bytes(h.n_windows) + varint_bytes(_zigzag(h.g_spread))
     head += struct.pack("<I", h.data_crc) + config_digest(h.config)
     if h.has_mean:
         head += h.mean_fp

@@ -34,6 +34,7 @@ import torch
 
 from . import jit
 from .broadcast import SIGMA_CODE_MAX, SIGMA_CODE_MIN, sigma_bits_of_code
+from .compact import varint_bytes
 from .config import CodecConfig
 from .errors import CorruptStreamError, ParameterMismatchError
 from .inputs import check_stat
@@ -46,10 +47,10 @@ from .windows import GAUSS_BIAS, residual_codes
 
 MAGIC = LANES_MAGIC
 MAX_NDIM = 32
-MAX_LANES_LOG2 = 7
 # lanes per stream: 8 interleaved states keep a core's pipeline busy (decode speed flat from 8 to 32 lanes,
 # docs/codec.md 12.3) while the 8-byte final state per lane costs ~0.02 bit/scalar on a 16k-element stream
 LANES_LOG2 = 3
+MAX_LANES_LOG2 = 6  # the decoder keeps a round's escape flags in one 64-bit mask
 _MAX_VARINT = 9
 
 
@@ -142,6 +143,9 @@ class Stats(NamedTuple):
     fps: np.ndarray  # uint32 [N]
 
 
+_PARALLEL_PARAMS = 1 << 15  # below this many compact elements a second thread costs more than it saves
+
+
 @functools.lru_cache(maxsize=64)
 def _pidx(shape: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
     """Flat compact index of every element of a stream of ``shape`` (empty when they coincide)."""
@@ -170,9 +174,10 @@ def _as_rows(arr: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | None, std32: np.ndarray | None,
-                  sigma_bits: np.ndarray | None, fmt: Format, mean_steps: int) -> Stats:
+                  sigma_bits: np.ndarray | None, fmt: Format, mean_steps: int, threads: int = 1) -> Stats:
     """Compact params for N streams of ``shape``; ``mean32`` / ``std32``: checked float32 arrays of ndim
-    ``1 + len(shape)`` (leading dim N or 1); ``sigma_bits``: uint32 [N] per-stream std when std is None."""
+    ``1 + len(shape)`` (leading dim N or 1); ``sigma_bits``: uint32 [N] per-stream std when std is None.
+    Per-element statistics are turned into params on ``threads`` threads."""
     mb, mshape, mrows = _as_rows(mean32)
     sb, sshape, srows = _as_rows(std32)
     fps = np.empty(n_streams, dtype=np.uint32)
@@ -193,8 +198,9 @@ def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | N
     cp = np.empty(k, dtype=np.int32)
     cn = np.empty(k, dtype=np.int32)
     sg = np.empty(k, dtype=np.int8)
-    jit.params_kernel(mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
-                      lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg)
+    _run(jit.params_kernel, (mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
+                             lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg), k,
+         threads if k >= _PARALLEL_PARAMS else 1)
     c = math.prod(cshape)
     p_row = (np.arange(n_streams, dtype=np.int64) * c) if rows > 1 else np.zeros(n_streams, dtype=np.int64)
     return Stats(tid, cp, cn, sg, _pidx(tuple(shape), cshape), p_row, fps)
@@ -210,21 +216,12 @@ def _check_batch_stat(value, name: str, xshape: tuple[int, ...], is_std: bool) -
 # --------------------------------------------------------------------------------------- header
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
 def _head(fmt: Format, shape: tuple[int, ...], has_mean: bool, has_std: bool, lanes_log2: int,
           sigma: int | None, digest: int, fp: int, check: int) -> bytes:
     flags = fmt.code | has_mean << 2 | has_std << 3 | lanes_log2 << 4
     head = bytearray(MAGIC + bytes([flags, len(shape)]))
     for d in shape:
-        head += _varint(d)
+        head += varint_bytes(d)
     if sigma is not None:
         head += struct.pack("<H", sigma)
     head += struct.pack("<III", digest, fp, check)
@@ -256,7 +253,7 @@ def parse_header(buf: bytes, verify: bool = True) -> Parsed:
         raise CorruptStreamError("not a hf_kvcompress lanes codec stream (bad magic bytes)")
     flags, ndim = buf[3], buf[4]
     code, has_mean, has_std, ll = flags & 3, flags >> 2 & 1, flags >> 3 & 1, flags >> 4 & 7
-    if flags >> 7 or code not in FORMATS_BY_CODE:
+    if flags >> 7 or code not in FORMATS_BY_CODE or ll > MAX_LANES_LOG2:
         raise _corrupt(f"bad flags byte {flags:#04x}")
     if ndim > MAX_NDIM:
         raise _corrupt(f"bad ndim {ndim}")
@@ -319,7 +316,7 @@ def encode_batch_impl(x: torch.Tensor, mean, std, cfg: CodecConfig, threads: int
     if std32 is None:
         sigma = _stream_sigma_codes(bits, mean32, fmt, n_streams, shape)
         sigma_bits = sigma_bits_of_code(sigma).astype(np.uint32)
-    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps)
+    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads)
     tab = lane_tables()
     pcum, _ = phat_tables(cfg.marginal_or_default, fmt)
     ll = lanes_for(m)
@@ -382,8 +379,8 @@ def _check_threads(threads: int | None) -> int:
 
 
 def _run(kernel, args: tuple, n_streams: int, threads: int) -> None:
-    """``kernel(*args, s_lo, s_hi)`` over all streams: one call, or one per thread on contiguous shares
-    (the kernels release the GIL)."""
+    """``kernel(*args, s_lo, s_hi)`` over all streams (or elements): one call, or one per thread on
+    contiguous shares (the kernels release the GIL)."""
     nt = min(threads, n_streams)
     if nt <= 1:
         kernel(*args, 0, n_streams)
@@ -439,6 +436,18 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
             raise CorruptStreamError(f"stream was encoded without a {name}; pass {name}=None to decode")
     xshape = (n_streams, *shape)
     m = math.prod(shape)
+    nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
+    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
+    data = np.array([h.data_start for h in heads], dtype=np.int64)
+    wbytes = sizes - data - nraw
+    if (wbytes < 0).any() or (wbytes % 4).any():
+        i = int(np.flatnonzero((wbytes < 0) | (wbytes % 4 != 0))[0])
+        raise _corrupt(f"stream {i}: payload of {int(sizes[i] - data[i])} bytes does not fit its raw bits")
+    # before allocating: each element carries at least the information of a valid escape flag, so a
+    # stream of w words cannot hold more than 32 w / that many elements (a corrupt shape fails here)
+    cap = 32 * (int(wbytes.min()) // 4 + 1) / -math.log2(1.0 - min(cfg.escape) / 65536.0)
+    if m > 2 * cap:
+        raise _corrupt(f"{m} elements cannot fit in {int(wbytes.min())} bytes of words (truncated shape field?)")
     try:
         mean32 = _check_batch_stat(mean, "mean", xshape, False)
         std32 = _check_batch_stat(std, "std", xshape, True)
@@ -449,20 +458,13 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     sigma_bits = None
     if std32 is None:
         sigma_bits = sigma_bits_of_code(np.array([h.sigma for h in heads], dtype=np.int64)).astype(np.uint32)
-    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps)
+    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads)
     bad = [i for i, h in enumerate(heads) if h.fp != int(st.fps[i])]
     if bad:
         raise ParameterMismatchError(
             f"the mean or std passed to decode differs from the one used to encode (fingerprint mismatch in "
             f"stream {bad[0]}); decoding would produce garbage"
         )
-    nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
-    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
-    data = np.array([h.data_start for h in heads], dtype=np.int64)
-    wbytes = sizes - data - nraw
-    if (wbytes < 0).any() or (wbytes % 4).any():
-        i = int(np.flatnonzero((wbytes < 0) | (wbytes % 4 != 0))[0])
-        raise _corrupt(f"stream {i}: payload of {int(sizes[i] - data[i])} bytes does not fit its raw bits")
     # one buffer, each stream's words 4-byte aligned (pads before each blob), read as u32 and as bytes
     parts = []
     wstart = np.empty(n_streams, dtype=np.int64)

@@ -131,3 +131,36 @@ def _reseal_lanes(blob: bytes) -> bytes:
     at = h.data_start - 4
     struct.pack_into("<I", b, at, zlib.crc32(b[:at]))
     return bytes(b)
+
+
+def pattern_sample(dtype: torch.dtype) -> np.ndarray:
+    """Every 16-bit pattern (bf16, fp16), or 2^16 random float32 patterns plus the special ones."""
+    if dtype == torch.float32:
+        rng = np.random.default_rng(1)
+        return np.concatenate([rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.int64),
+                               special_patterns(dtype)])
+    return np.arange(1 << 16)
+
+
+def params_inputs(triples) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, std) float32 from hypothesis triples (mean, free std, ratio): half the stds near
+    |mean| / ratio, the W / N boundary of the per-element model."""
+    mean = np.array([t[0] for t in triples], dtype=np.float32)
+    free = np.abs(np.array([t[1] for t in triples], dtype=np.float32))
+    ratio = np.array([t[2] for t in triples], dtype=np.float32)
+    with np.errstate(all="ignore"):
+        tied = np.where(ratio > 0, np.abs(mean) / ratio, free).astype(np.float32)
+    std = np.where(np.arange(mean.size) % 2 == 0, free, tied)
+    return mean, np.where(np.isfinite(std), std, 1.0).astype(np.float32)
+
+
+def params_bulk(n: int = 200_000, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, std) float32 over the whole finite range, half the stds tied to the mean."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(all="ignore"):  # overflows become inf, replaced below
+        mean = (rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
+        std = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
+        tied = (np.abs(mean) / rng.uniform(0.01, 20, n)).astype(np.float32)
+    std = np.where(rng.random(n) < 0.5, std, tied)
+    mean = np.where(np.isfinite(mean), mean, 0).astype(np.float32)
+    return mean, np.where(np.isfinite(std), std, 1).astype(np.float32)

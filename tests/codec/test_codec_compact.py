@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from codec_testutil import DTYPES, assert_bit_exact, realistic
+from codec_testutil import DTYPES, assert_bit_exact, params_bulk, params_inputs, realistic
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,13 +151,7 @@ _finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 @given(st.lists(st.tuples(_finite32, _finite32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64),
        st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
 def test_fast_params_equal_reference(triples, fmt, steps):
-    mean = np.array([t[0] for t in triples], dtype=np.float32)
-    free = np.abs(np.array([t[1] for t in triples], dtype=np.float32))
-    ratio = np.array([t[2] for t in triples], dtype=np.float32)
-    with np.errstate(all="ignore"):  # half the stds near |mean| / ratio: the W / N boundary
-        tied = np.where(ratio > 0, np.abs(mean) / ratio, free).astype(np.float32)
-    std = np.where(np.arange(mean.size) % 2 == 0, free, tied)
-    std = np.where(np.isfinite(std), std, 1.0).astype(np.float32)
+    mean, std = params_inputs(triples)
     a = element_params(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
     b = element_params_reference(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
     for u, v in zip(a, b):
@@ -165,14 +159,7 @@ def test_fast_params_equal_reference(triples, fmt, steps):
 
 
 def test_fast_params_equal_reference_bulk():
-    rng = np.random.default_rng(5)
-    n = 200_000
-    with np.errstate(all="ignore"):  # overflows become inf, replaced below
-        mean = (rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
-        std = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
-        tied = (np.abs(mean) / rng.uniform(0.01, 20, n)).astype(np.float32)
-    std = np.where(rng.random(n) < 0.5, std, tied)
-    mean, std = np.where(np.isfinite(mean), mean, 0).astype(np.float32), np.where(np.isfinite(std), std, 1).astype(np.float32)
+    mean, std = params_bulk()
     for fmt in (BF16, FP16, FP32):
         for steps in (8, 4):
             a = element_params(mean.view(np.uint32), std.view(np.uint32), fmt, steps)

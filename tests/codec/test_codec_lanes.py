@@ -8,7 +8,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from codec_testutil import DTYPES, assert_bit_exact, from_patterns, realistic, reseal, special_patterns
+from codec_testutil import (
+    DTYPES,
+    assert_bit_exact,
+    from_patterns,
+    params_bulk,
+    params_inputs,
+    pattern_sample,
+    realistic,
+    reseal,
+    special_patterns,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +37,7 @@ def _jit_params(mean: np.ndarray, std: np.ndarray, fmt, steps: int):
     out = (np.empty(mb.size, np.uint16), np.empty(mb.size, np.int32), np.empty(mb.size, np.int32),
            np.empty(mb.size, np.int8))
     L.jit.params_kernel(mb, sb, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, steps,
-                        L.lane_tables().radius, L.t_lut(steps), *out)
+                        L.lane_tables().radius, L.t_lut(steps), *out, 0, mb.size)
     return out
 
 
@@ -61,26 +71,12 @@ _finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 @given(st.lists(st.tuples(_finite32, _finite32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64),
        st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
 def test_jit_params_equal_reference(triples, fmt, steps):
-    mean = np.array([t[0] for t in triples], dtype=np.float32)
-    free = np.abs(np.array([t[1] for t in triples], dtype=np.float32))
-    ratio = np.array([t[2] for t in triples], dtype=np.float32)
-    with np.errstate(all="ignore"):  # half the stds near |mean| / ratio: the W / N boundary
-        tied = np.where(ratio > 0, np.abs(mean) / ratio, free).astype(np.float32)
-    std = np.where(np.arange(mean.size) % 2 == 0, free, tied)
-    std = np.where(np.isfinite(std), std, 1.0).astype(np.float32)
+    mean, std = params_inputs(triples)
     _assert_params_equal(mean, std, fmt, steps)
 
 
 def test_jit_params_equal_reference_bulk():
-    rng = np.random.default_rng(5)
-    n = 200_000
-    with np.errstate(all="ignore"):  # overflows become inf, replaced below
-        mean = (rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
-        std = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-44, 38, n)).astype(np.float32)
-        tied = (np.abs(mean) / rng.uniform(0.01, 20, n)).astype(np.float32)
-    std = np.where(rng.random(n) < 0.5, std, tied)
-    mean = np.where(np.isfinite(mean), mean, 0).astype(np.float32)
-    std = np.where(np.isfinite(std), std, 1).astype(np.float32)
+    mean, std = params_bulk()
     for fmt in (BF16, FP16, FP32):
         for steps in (8, 4, 2):
             _assert_params_equal(mean, std, fmt, steps)
@@ -113,12 +109,7 @@ def _stats(kind: str, x: torch.Tensor, seed: int = 0):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_pattern_round_trips(dtype):
     """All 2^16 bf16 / fp16 patterns (a wide sample of float32 ones), special values, several stats."""
-    rng = np.random.default_rng(1)
-    if dtype == torch.float32:
-        pats = np.concatenate([rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.int64),
-                               special_patterns(dtype)])
-    else:
-        pats = np.arange(1 << 16)
+    pats = pattern_sample(dtype)
     x = from_patterns(pats, dtype)
     for mean, std in ((None, None), (torch.tensor(0.3), torch.tensor(2.0)), (1e4, 0.0), (-2.5, 1e-3),
                       (torch.randn(x.shape), torch.rand(x.shape) * 10)):
@@ -337,3 +328,15 @@ def test_header_fields_are_guarded(batch):
             except CorruptStreamError:
                 continue
             assert_bit_exact(y, x[0])
+
+
+def test_huge_shape_claim_refused_before_allocating():
+    """A resealed header claiming 2^50 elements fails on the words-per-element bound, not in allocation."""
+    b = codec.encode(torch.zeros(1000, dtype=torch.bfloat16), 0.0, 0.0, LANES)
+    assert_bit_exact(codec.decode(b, 0.0, 0.0, config=LANES), torch.zeros(1000, dtype=torch.bfloat16))
+    n0 = len(L.varint_bytes(1000))
+    bad = reseal(b[:5] + L.varint_bytes(1 << 50) + b[5 + n0 :])
+    with pytest.raises(CorruptStreamError, match="cannot fit"):
+        codec.decode(bad, 0.0, 0.0, config=LANES)
+    big = torch.zeros(1 << 20, dtype=torch.bfloat16)  # the bound leaves room for legitimately tiny streams
+    assert_bit_exact(codec.decode(codec.encode(big, 0.0, 0.0, LANES), 0.0, 0.0, config=LANES), big)

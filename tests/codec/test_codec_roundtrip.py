@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from codec_testutil import DTYPES, assert_bit_exact, from_patterns, realistic, special_patterns
+from codec_testutil import (
+    DTYPES,
+    assert_bit_exact,
+    from_patterns,
+    pattern_sample,
+    realistic,
+    special_patterns,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,12 +97,7 @@ def test_round_trip_bit_exact(case, data):
 @pytest.mark.parametrize("mode", MODES)
 def test_every_pattern_round_trips(dtype, mode):
     """All 2^16 patterns (bf16, fp16) or a wide sample of float32 patterns, with and without stats."""
-    rng = np.random.default_rng(1)
-    if dtype == torch.float32:
-        pats = np.concatenate([rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.int64),
-                               special_patterns(dtype)])
-    else:
-        pats = np.arange(1 << 16)
+    pats = pattern_sample(dtype)
     x = from_patterns(pats, dtype).reshape(-1, 64) if pats.size % 64 == 0 else from_patterns(pats, dtype)
     cfg = CodecConfig(window=mode, short_tokens=0)
     for mean, std in ((None, None), (torch.tensor(0.3), torch.tensor(2.0)), (1e4, 0.0), (-2.5, 1e-3)):
