@@ -6,8 +6,9 @@ teacher-forced decode steps (DynamicCache's greedy tokens) and must give bit-ide
 configuration: the median seconds per decode step (wall clock, and this thread's CPU time, which other
 processes on a shared machine do not inflate) and their ratios to DynamicCache's in the same run, the
 block decodes per step, bytes held (an independent walk of the cache's tensors and bytes, and
-``stats()['held_bytes']``), their ratio to DynamicCache's, bits per scalar of the sealed part, and peak
-RSS growth over the steps (cache and transients) against DynamicCache's.
+``stats()['held_bytes']``), their ratio to DynamicCache's, bits per scalar of the sealed part, and the peak
+RSS during the decode steps above the RSS before the cache was built (cache and step transients; the
+building's own peak is recorded in the JSON) against DynamicCache's.
 
     python eval/bench_generate.py [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
         [--predictors generic,none,context] [--calibration-tokens 2048] [--out results/generate]
@@ -59,20 +60,25 @@ def run_steps(model, cache, tokens: torch.Tensor) -> tuple[list[float], list[flo
 
 def measure(model, name: str, make_cache, prefix, tokens, reference_logits) -> tuple[dict, list]:
     gc.collect()
-    with PeakMemory() as peak:
+    with PeakMemory() as build:
         cache = make_cache()
         t0 = time.perf_counter()
         fill(cache, prefix)
         fill_seconds = time.perf_counter() - t0
-        decodes0 = cache.lossless.decodes if isinstance(cache, CompressedCache) and cache.lossless else 0
+    decodes0 = cache.lossless.decodes if isinstance(cache, CompressedCache) and cache.lossless else 0
+    with PeakMemory() as steps:  # resets the high-water mark: the steps' own peak, cache included
         times, cpu, logits = run_steps(model, cache, tokens)
+    growth = None
+    if build.start is not None and steps.start is not None and steps.peak_bytes is not None:
+        growth = steps.start * 1024 + steps.peak_bytes - build.start * 1024  # above the RSS before the cache
     row = {
         "config": name,
         "step_s": statistics.median(times),
         "step_cpu_s": statistics.median(cpu),
         "steps": len(times),
         "fill_s": fill_seconds,
-        "peak_rss_growth": peak.peak_bytes,
+        "fill_peak_rss_growth": build.peak_bytes,
+        "peak_rss_growth": growth,
         "walk_bytes": walk_held_bytes(cache, skip=[getattr(cache, "model_config", None),
                                                    getattr(cache, "calibration", None),
                                                    getattr(getattr(cache, "lossless", None), "predictor", None)]),

@@ -155,7 +155,8 @@ class LosslessContext:
                     # channel-major: a channel's elements share its sigma, so the coder switches tables less
                     xs.append(x[b].T)
                     means.append(mean[b].T)
-                    stds.append(std[b].T * scale_factor(scale))
+                    # scaled before broadcasting, so per-channel statistics stay [head_dim, 1] for the coder
+                    stds.append(compact(std[b].T).mul(scale_factor(scale)).expand(dim, tokens))
             blobs = encode_streams(xs, means, stds, config, self.workers)
             for i, blob in enumerate(blobs):
                 rows[i % batch].blobs.append(blob)
@@ -276,7 +277,7 @@ class LosslessContext:
                 for b, row in enumerate(block.rows):
                     blobs.append(row.blobs[index])
                     means.append(mean[b].T)
-                    stds.append(std[b].T * scale_factor(row.scales[index]))
+                    stds.append(compact(std[b].T).mul(scale_factor(row.scales[index])).expand(block.dim, block.tokens))
             try:
                 out = decode_streams(blobs, means, stds, config, self.workers)
             except ParameterMismatchError as err:
