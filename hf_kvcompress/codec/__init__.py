@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .config import CodecConfig
-from .decoder import decode_impl, decode_range_impl
+from .decoder import decode_impl, decode_range_impl, stream_info_impl
 from .encoder import encode_impl
 from .errors import CorruptStreamError, ParameterMismatchError
 from .marginal import Marginal
@@ -26,6 +26,7 @@ __all__ = [
     "decode_range",
     "encode",
     "encode_with_stats",
+    "stream_info",
 ]
 
 
@@ -75,3 +76,12 @@ def decode_range(
     (causal mode: all windows up to ``stop``, since boundaries are found serially). ``config`` and
     ``marginal`` as for `decode`."""
     return decode_range_impl(blob, start, stop, mean, std, marginal, config)
+
+
+def stream_info(
+    blob: bytes, *, config: CodecConfig | None = None, marginal: Marginal | None = None
+) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape ``blob`` decodes to, from its checked header and window table (the payload is
+    not decoded): lets a container check a stream against what it expects before allocating for it.
+    ``config`` and ``marginal`` as for `decode`; raises `CorruptStreamError` like `decode`."""
+    return stream_info_impl(blob, marginal, config)

@@ -185,6 +185,14 @@ class Decoder:
         return bits_to_tensor(bits, self.fmt, shape)
 
 
+def stream_info_impl(blob, marginal, config: CodecConfig | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
+    marginal = _check_marginal_config(marginal, config)
+    h = read_compact(blob, config)[0] if is_compact(blob) else read_stream(blob, marginal)[0]
+    return h.fmt.dtype, h.shape
+
+
 def _check_marginal_config(marginal, config) -> Marginal | None:
     """The marginal to parse a full stream with: ``marginal=`` or the one in ``config=`` (not two)."""
     if marginal is not None and not isinstance(marginal, Marginal):
