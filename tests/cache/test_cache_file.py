@@ -208,6 +208,7 @@ def test_other_versions_are_refused_with_what_to_do(tmp_path):
         CompressedCache.load(tmp_path / "missing.kvc")
 
 
+@pytest.mark.slow
 def test_fuzz_damaged_files(tmp_path):
     """Random damage of every kind, sealed or not: 0 silent wrong loads."""
     data = original()[0]
@@ -269,3 +270,12 @@ def test_another_model_is_refused_naming_the_mismatch(tmp_path, other, named):
     # a calibration of another model passed to load is a CacheFileError too
     with pytest.raises(CacheFileError, match=named):
         CompressedCache.load(path, model=other(), calibration=calibration)
+
+
+def test_calibration_file_with_nested_json_is_refused(tmp_path):
+    model = tiny_model(MODEL, torch.bfloat16)
+    Calibration.fit(model, None, ids=random_ids(1, 128, seed=9), tokens=128, chunk=128, predictors=("none",),
+                    progress=False).save(tmp_path)
+    (tmp_path / "calibration.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CalibrationError, match="not a calibration file"):
+        Calibration.load(tmp_path, model)
