@@ -243,6 +243,8 @@ def _load(path: Path, model, calibration, config, progress) -> CompressedCache:
         ) from err
     except CorruptStreamError as err:
         raise CacheFileError(f"a stream does not decode: {err}") from err
+    except ValueError as err:  # e.g. a calibration that lacks a layer the file holds
+        raise CacheFileError(f"cannot decode: {err}") from err
     if target.kv_layers()[0].rows != rows:
         raise CacheFileError(f"decoded {target.kv_layers()[0].rows} batch rows, the header says {rows}")
     target.token_ids = token_ids
@@ -263,7 +265,11 @@ def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
 
 
 def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
-    """With a model attached, the file must hold one entry per KV layer of the model, in its K/V shape."""
+    """With a model attached, the file must hold one entry per KV layer of the model, in its K/V shape;
+    with a calibration, no more layers than it has fitted."""
+    fitted = target.calibration.meta["model"]["layers"] if target.calibration is not None else None
+    if fitted is not None and header["kv_layers"] > fitted:
+        raise CacheFileError(f"holds {header['kv_layers']} KV layers, the calibration covers {fitted}")
     expected = len(target.kv_layers())
     if target.model_config is None or expected == 0:
         return

@@ -240,6 +240,34 @@ def test_fuzz_damaged_files(tmp_path):
 # ---------------------------------------------------------------------- model identity
 
 
+@functools.cache
+def fitted() -> Calibration:
+    return Calibration.fit(tiny_model(MODEL, torch.bfloat16), None, ids=random_ids(1, 256, seed=9), tokens=256,
+                           chunk=128, predictors=("context",), progress=False)
+
+
+def test_layers_beyond_the_calibration_are_refused(tmp_path):
+    """A file saved without a model, with a consistently forged extra layer: the calibration bounds it."""
+    cache = CompressedCache(CONFIG, calibration=fitted())
+    k, v = torch.randn(1, 2, 40, 16).bfloat16(), torch.randn(1, 2, 40, 16).bfloat16()
+    for layer in range(2):
+        cache.update(k, v, layer)
+    header, payload = split(cache.save(tmp_path / "x.kvc").read_bytes())
+    extra = copy.deepcopy(header["layers"][1])
+    first = extra["blocks"][0]["rows"][0]["streams"][0][0]
+    for block in extra["blocks"]:
+        for row in block["rows"]:
+            for stream in row["streams"]:
+                stream[0] += len(payload) - first
+    header["layers"].append({**extra, "layer": 2})
+    header.update(kv_layers=3, payload_bytes=2 * len(payload) - first)
+    (tmp_path / "y.kvc").write_bytes(seal(header, payload + payload[first:]))
+    with pytest.raises(CacheFileError, match="the calibration covers 2"):
+        CompressedCache.load(tmp_path / "y.kvc", calibration=fitted())
+    loaded = CompressedCache.load(tmp_path / "x.kvc", calibration=fitted())
+    assert same_bits(loaded.layers[1].keys, k) and same_bits(loaded.layers[1].values, v)
+
+
 def _last_layer_changed() -> torch.nn.Module:
     """The tiny model with only its last decoder layer's weights changed (as by fine-tuning it)."""
     model = fresh_tiny_model(MODEL, torch.bfloat16)
@@ -255,9 +283,7 @@ def _last_layer_changed() -> torch.nn.Module:
                                               (lambda: tiny_model("llama-mqa", torch.bfloat16),
                                                "num_key_value_heads")])
 def test_another_model_is_refused_naming_the_mismatch(tmp_path, other, named):
-    model = tiny_model(MODEL, torch.bfloat16)
-    calibration = Calibration.fit(model, None, ids=random_ids(1, 256, seed=9), tokens=256, chunk=128,
-                                  predictors=("context",), progress=False)
+    calibration = fitted()
     calibration.save(tmp_path / "cal")
     with pytest.raises(CalibrationError, match=named):
         Calibration.load(tmp_path / "cal", other())
