@@ -104,6 +104,8 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     bar.close()
 
     keys0 = kv[0][0]
+    if token_ids is not None and tuple(token_ids.shape) != (keys0.shape[0], keys0.shape[2]):
+        token_ids = None  # ids of other rows or tokens than the cache holds (recorded partly): not the cache's
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -150,7 +152,7 @@ def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibr
 def read_header(path: str | Path) -> dict[str, Any]:
     """The checked JSON header of a saved cache (stream offsets and sizes, predictor, fingerprints)."""
     try:
-        return _read(Path(path))[0].header
+        return _read(Path(path)).header
     except CacheFileError as err:
         raise CacheFileError(f"{path}: {err}") from err.__cause__
 

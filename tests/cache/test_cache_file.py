@@ -18,7 +18,7 @@ from cache_file_util import DIGEST, byte_classes, reseal, seal, split
 from helpers import fresh_tiny_model, random_ids, tiny_model
 
 from hf_kvcompress import CompressedCache, CompressionConfig
-from hf_kvcompress.cache.persist import LEGACY_MAGIC, CacheFileError
+from hf_kvcompress.cache.persist import LEGACY_MAGIC, CacheFileError, read_header, stream_bytes
 from hf_kvcompress.calibration import Calibration, CalibrationError
 
 MODEL = "llama-gqa"
@@ -66,8 +66,17 @@ def outcome(data: bytes, tmp_path, *, token_ids: bool = True) -> str:
 
 
 def test_intact_file_loads_exactly(tmp_path):
-    assert outcome(original()[0], tmp_path) == "exact"
-    assert set(byte_classes(original()[0])) >= {"magic", "header", "side", "checksum", "streams L1 @32"}
+    data = original()[0]
+    assert outcome(data, tmp_path) == "exact"
+    assert set(byte_classes(data)) >= {"magic", "header", "side", "checksum", "streams L1 @32"}
+    header = read_header(tmp_path / "case.kvc")
+    assert header == split(data)[0] and header["tokens"] == 40
+    per_layer = stream_bytes(header)
+    assert sum(p["k"] + p["v"] + p["side"] for p in per_layer) == header["payload_bytes"] + sum(
+        len(row["scales"]) for entry in header["layers"] for block in entry["blocks"] for row in block["rows"])
+    (tmp_path / "case.kvc").write_bytes(data[:-1])
+    with pytest.raises(CacheFileError, match="checksum"):
+        read_header(tmp_path / "case.kvc")
 
 
 def test_single_bit_flips_in_every_byte_class_are_refused(tmp_path):
