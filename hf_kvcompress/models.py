@@ -198,7 +198,7 @@ def _tensor_sample(name: str, tensor: torch.Tensor) -> bytes:
         return head + b"no data"
     flat = tensor.detach().reshape(-1)
     if flat.numel() > SAMPLES_PER_TENSOR:
-        index = torch.linspace(0, flat.numel() - 1, SAMPLES_PER_TENSOR, dtype=torch.float64).round().long()
+        index = torch.arange(SAMPLES_PER_TENSOR, dtype=torch.int64) * (flat.numel() - 1) // (SAMPLES_PER_TENSOR - 1)
         flat = flat.index_select(0, index.to(flat.device))
     raw = flat.contiguous().cpu()
     if raw.dtype == torch.bool:
