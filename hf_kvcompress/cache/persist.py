@@ -267,8 +267,9 @@ def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
 
 
 def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
-    """With a model attached, the file must hold one entry per KV layer of the model, in its K/V shape;
-    with a calibration, no more layers than it has fitted."""
+    """With a model attached, the file must hold one entry per KV layer of the model, in its K/V shape, and
+    token ids from its vocabulary (a model-running predictor reruns it on them); with a calibration, no more
+    layers than it has fitted."""
     fitted = target.calibration.meta["model"]["layers"] if target.calibration is not None else None
     if fitted is not None and header["kv_layers"] > fitted:
         raise CacheFileError(f"holds {header['kv_layers']} KV layers, the calibration covers {fitted}")
@@ -286,6 +287,9 @@ def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
         raise CacheFileError(f"holds {header['kv_heads']} KV heads per layer, the model has {heads}")
     if dim is not None and header["head_dim"] != dim:
         raise CacheFileError(f"holds head_dim {header['head_dim']}, the model has {dim}")
+    vocab = getattr(text, "vocab_size", None)
+    if vocab and header["token_ids"] is not None and max(max(row) for row in header["token_ids"]) >= vocab:
+        raise CacheFileError(f"holds token ids beyond the model's vocabulary of {vocab}")
 
 
 def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predictor) -> None:

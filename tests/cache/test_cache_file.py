@@ -165,6 +165,7 @@ def _edits():
         "token_ids short": lambda h: h["token_ids"][0].pop(),
         "token_ids string": lambda h: h.update(token_ids="0"),
         "token id negative": lambda h: h["token_ids"][0].__setitem__(0, -1),
+        "token id beyond the vocabulary": lambda h: h["token_ids"][0].__setitem__(3, 128),
         "predictor unknown": lambda h: h["predictor"].update(name="bogus"),
         "predictor probe": lambda h: h["predictor"].update(name="probe"),
         "model identity malformed": lambda h: h["model"].pop("groups"),
