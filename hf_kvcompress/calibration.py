@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .codec import Marginal
-from .models import model_fingerprint
+from .models import ModelIdentity, model_identity
 from .predictors.base import BlockInputs, LayerValues
 from .predictors.context import CalibratedLinearPredictor, ContextPredictor, NoPredictor
 from .predictors.linear import SURPRISE_RANGE, FeatureBuilder, StreamHead
@@ -31,7 +31,7 @@ from .predictors.rope import RopeFrame
 from .predictors.runner import build_twin, run_decoder
 
 FORMAT = "hf_kvcompress.calibration"
-VERSION = 2  # 2: two layers below as features, per-feature ridge
+VERSION = 3  # 2: two layers below as features, per-feature ridge; 3: model identity (all weights sampled)
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
@@ -99,14 +99,17 @@ class Calibration:
     # ------------------------------------------------------------------ checks
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """Raise `CalibrationError` unless ``model`` is the model this calibration was fitted on."""
-        got = model_fingerprint(model)
-        want = self.fingerprint
-        if got != want:
+        """Raise `CalibrationError` naming what differs unless ``model`` is the model this calibration was
+        fitted on (same weights, dtype and architecture config; see `model_identity`)."""
+        try:
+            want = ModelIdentity.from_dict(self.meta["model"]["identity"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CalibrationError(f"calibration records no valid model identity ({err}); recalibrate") from err
+        problem = want.mismatch(model_identity(model))
+        if problem is not None:
             raise CalibrationError(
-                f"calibration was fitted on model {self.meta['model'].get('name')!r} "
-                f"({self.meta['model']['dtype']}, fingerprint {want}), but this model's fingerprint is {got} "
-                f"({str(model.dtype).replace('torch.', '')}): calibrate this model first"
+                f"calibration was fitted on another model than this one ({self.meta['model'].get('name')!r}, "
+                f"fingerprint {want.fingerprint}): {problem}; calibrate this model first"
             )
 
     # ------------------------------------------------------------------ files
@@ -129,8 +132,8 @@ class Calibration:
             raise CalibrationError(f"no calibration in {str(path)!r} (expected {META_FILE} and {TENSORS_FILE})")
         try:
             meta = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CalibrationError(f"{meta_path}: not a calibration file ({err})") from err
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise CalibrationError(f"{meta_path}: not a calibration file ({type(err).__name__}: {err})") from err
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CalibrationError(f"{meta_path}: not an hf_kvcompress calibration")
         if meta.get("version") != VERSION:
@@ -223,13 +226,15 @@ class Calibration:
                                                   "extras": list(recipe.extras)}}
 
         config = model.config.to_dict()
+        identity = model_identity(model)
         kv_heads = chunks[0].kv[0][0].shape[1]
         meta = {
             "format": FORMAT,
             "version": VERSION,
             "model": {
                 "name": getattr(model.config, "_name_or_path", None) or config.get("model_type"),
-                "fingerprint": model_fingerprint(model),
+                "fingerprint": identity.fingerprint,
+                "identity": identity.to_dict(),
                 "dtype": str(model.dtype).replace("torch.", ""),
                 "layers": n_layers,
                 "kv_heads": kv_heads,

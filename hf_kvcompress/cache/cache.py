@@ -14,7 +14,7 @@ from ..config import CompressionConfig
 from .layer import CompressedLayer
 from .lossless import sealed_raw_bytes
 from .pool import storage_bytes
-from .storage import RawStorage, Storage
+from .storage import RawStorage, Storage, row_index
 
 if TYPE_CHECKING:
     from ..calibration import Calibration
@@ -152,8 +152,9 @@ class CompressedCache(Cache):
         self._blocks_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_token_rows(beam_idx)
+        index = row_index(beam_idx, self._rows(), masks=False)
+        super().reorder_cache(index)
+        self._select_token_rows(index)
         self._blocks_changed()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -163,8 +164,9 @@ class CompressedCache(Cache):
         self._blocks_changed()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._select_token_rows(indices)
+        index = row_index(indices, self._rows())
+        super().batch_select_indices(index)
+        self._select_token_rows(index)
         self._blocks_changed()
 
     def _blocks_changed(self) -> None:
@@ -181,12 +183,16 @@ class CompressedCache(Cache):
         if self.lossless is not None:
             self.lossless.forget()
 
-    def _select_token_rows(self, indices: torch.Tensor) -> None:
+    def _rows(self) -> int | None:
+        """Batch rows held (layers first, else the recorded token ids), None when nothing is held."""
+        for layer in self.kv_layers():
+            if layer.is_initialized:
+                return layer.rows
+        return None if self.token_ids is None else self.token_ids.shape[0]
+
+    def _select_token_rows(self, index: torch.Tensor) -> None:
         if self.token_ids is not None:
-            index = torch.as_tensor(indices).cpu()
-            if index.dtype == torch.bool:
-                index = index.nonzero().flatten()
-            self.token_ids = self.token_ids.index_select(0, index.long())
+            self.token_ids = self.token_ids.index_select(0, index)
 
     # ------------------------------------------------------------------ save / load
 

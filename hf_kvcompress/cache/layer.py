@@ -6,7 +6,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .pool import owned, storage_bytes
-from .storage import Block, Storage, tensor_nbytes
+from .storage import Block, Storage, row_index, tensor_nbytes
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -135,19 +135,16 @@ class CompressedLayer(CacheLayerMixin):
         self.seen_tokens -= remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx)
+        if self.is_initialized:
+            self._select_rows(row_index(beam_idx, self.rows, masks=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             self._select_rows(torch.arange(self.rows).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.is_initialized:
-            return
-        index = torch.as_tensor(indices)
-        if index.dtype == torch.bool:
-            index = index.nonzero().flatten()
-        self._select_rows(index)
+        if self.is_initialized:
+            self._select_rows(row_index(indices, self.rows))
 
     def offload(self) -> None:
         if self.is_initialized:
@@ -252,9 +249,7 @@ class CompressedLayer(CacheLayerMixin):
     def _select_rows(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        index = indices.to(device=self.residual_keys.device, dtype=torch.long)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.rows):
-            raise IndexError(f"batch indices {index.tolist()} out of range for a batch of {self.rows}")
+        index = row_index(indices, self.rows).to(self.residual_keys.device)
         self.blocks = [block.select_rows(index) for block in self.blocks]
         self.residual_keys = self.residual_keys.index_select(0, index)
         self.residual_values = self.residual_values.index_select(0, index)

@@ -1,9 +1,15 @@
 """One-file save / load of a lossless cache: the prefix-cache use (store a prompt's KV once, reload later).
 
-File layout: ``MAGIC`` (8 bytes), header length (u32, little endian), a UTF-8 JSON header, then the
-payload (every stream and side tensor, at the offsets the header lists). The header carries the token ids,
-the config, the predictor, the model and calibration fingerprints, the library version, what the predictor
-needs to reproduce (threads, CPU) and a SHA-256 of the payload. Nothing is unpickled.
+File layout (format version 2): ``MAGIC`` (8 bytes), the format version (u32, little endian), the header
+length (u32), a UTF-8 JSON header, the payload (every stream and side tensor, at the offsets the header
+lists, in order, without gaps), then a SHA-256 of everything before it. The header carries the token ids,
+the config, the predictor, the model identity and calibration checksum, the library version and what the
+predictor needs to reproduce (threads, CPU). Nothing is unpickled.
+
+`load_cache` trusts nothing it has not checked: the SHA-256 over the whole file first, then every header
+field against the others and against the payload (block order and sizes, stream and side-data extents,
+each stream's declared dtype and shape) before anything is allocated or decoded. Version-1 files (whose
+header was not checksummed) are refused with a request to re-save them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import hashlib
 import json
 import platform
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,20 +26,27 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..codec import CorruptStreamError, stream_info
+from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
-from .coded import CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
+from .coded import SCALE_MAX, SCALE_MIN, CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
 from .storage import Block
 
 if TYPE_CHECKING:
+    from ..models import ModelIdentity
     from .cache import CompressedCache
 
-MAGIC = b"HFKVCACH"
+MAGIC = b"\x89HFKVC\r\n"
+LEGACY_MAGIC = b"HFKVCACH"  # format version 1: SHA-256 over the payload only
 FORMAT = "hf_kvcompress.cache"
-VERSION = 1
+VERSION = 2
+_PREFIX = struct.Struct("<8sII")  # magic, version, header length
+_DIGEST = 32  # trailing SHA-256
 MAX_HEADER = 1 << 30
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_MIN_STREAM_ENTRY = 8  # bytes per window-table entry: a stream of n bytes holds at most n / 8 windows
 
 
 class CacheFileError(ValueError):
@@ -55,7 +69,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
                progress: bool = False) -> Path:
     """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
     ``save_predictor``)."""
-    from ..models import model_fingerprint
+    from ..models import model_identity
 
     layers = cache.kv_layers()
     if not layers or layers[0].seen_tokens == 0:
@@ -91,15 +105,18 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     bar.close()
 
     keys0 = kv[0][0]
+    if token_ids is not None and tuple(token_ids.shape) != (keys0.shape[0], keys0.shape[2]):
+        token_ids = None  # ids of other rows or tokens than the cache holds (recorded partly): not the cache's
     header = {
         "format": FORMAT,
         "version": VERSION,
         "library_version": __version__,
         "config": cache.config.to_dict(),
         "predictor": {"name": name, "probe_layer": k},
-        "model_fingerprint": model_fingerprint(cache.model) if cache.model is not None else None,
+        "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
         "calibration_sha256": cache.calibration.meta["tensors_sha256"] if cache.calibration is not None else None,
         "dtype": str(keys0.dtype).replace("torch.", ""),
+        "kv_layers": len(kv),
         "rows": keys0.shape[0],
         "kv_heads": keys0.shape[1],
         "head_dim": keys0.shape[3],
@@ -107,99 +124,38 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         "token_ids": token_ids.tolist() if token_ids is not None else None,
         "reproducibility": reproducibility(),
         "layers": layer_entries,
-        "payload_sha256": hashlib.sha256(payload).hexdigest(),
         "payload_bytes": len(payload),
     }
     blob = json.dumps(header, separators=(",", ":")).encode()
+    head = _PREFIX.pack(MAGIC, VERSION, len(blob))
+    digest = hashlib.sha256(head)
+    digest.update(blob)
+    digest.update(payload)
     target = Path(path)
     with open(target, "wb") as out:
-        out.write(MAGIC)
-        out.write(struct.pack("<I", len(blob)))
+        out.write(head)
         out.write(blob)
         out.write(payload)
+        out.write(digest.digest())
     return target
 
 
 def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibration=None,
                config: CompressionConfig | None = None, progress: bool = False) -> CompressedCache:
-    """Rebuild a saved cache: bit-identical keys and values, held per ``config`` (default: the saved one)."""
-    from ..models import model_fingerprint
-    from .cache import CompressedCache
-
-    header, payload = _read(Path(path))
-    saved_config = CompressionConfig.from_dict(_with_saved_defaults(header["config"]))
-    target = CompressedCache(config or saved_config, model=model, calibration=calibration)
-    if header["library_version"] != __version__:
-        raise CacheFileError(
-            f"{path}: saved by hf_kvcompress {header['library_version']}, this is {__version__}; re-save it"
-        )
-    if header["model_fingerprint"] is not None:
-        if model is None:
-            raise CacheFileError(f"{path}: this cache was saved from a model; pass model=... to load it")
-        got = model_fingerprint(model)
-        if got != header["model_fingerprint"]:
-            raise CacheFileError(
-                f"{path}: saved from model {header['model_fingerprint']}, but the model given is {got}"
-            )
-    want_cal = header["calibration_sha256"]
-    have_cal = target.calibration.meta["tensors_sha256"] if target.calibration is not None else None
-    if want_cal != have_cal:
-        raise CacheFileError(
-            f"{path}: saved with calibration {want_cal or 'none'}, loading with {have_cal or 'none'}; "
-            "pass the calibration it was saved with"
-        )
-    name, k = header["predictor"]["name"], header["predictor"]["probe_layer"]
-    predictor = make_predictor(name, calibration=target.calibration, model=model, probe_layer=k)
-    dtype = DTYPES.get(header["dtype"])
-    if dtype is None:
-        raise CacheFileError(f"{path}: unknown dtype {header['dtype']!r}")
-    context, blocks = _coding_context(target, saved_config.lossless, predictor)
-    token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
-    if not predictor.practical_in_generation:
-        if token_ids is None:
-            raise CacheFileError(f"{path}: the {name} predictor needs token ids, which this file lacks")
-        context.extras_source = predictor.model_extras(token_ids)
-
-    rows, heads, dim = header["rows"], header["kv_heads"], header["head_dim"]
+    """Rebuild a saved cache: bit-identical keys and values, held per ``config`` (default: the saved one).
+    Every failure is a `CacheFileError` that says what is wrong."""
     try:
-        for entry in tqdm(header["layers"], desc=f"loading ({name})", disable=not progress, leave=False):
-            layer = entry["layer"]
-            for b in entry["blocks"]:
-                coded_rows = [_read_row(row, payload, heads) for row in b["rows"]]
-                if len(coded_rows) != rows:
-                    raise CacheFileError(f"{path}: block at layer {layer} has {len(coded_rows)} rows, not {rows}")
-                blocks[(layer, b["start"])] = CodedBlock(context, layer, b["start"], b["tokens"], coded_rows,
-                                                         heads, dim, dtype, torch.device("cpu"))
-            keys, values = [], []
-            for b in entry["blocks"]:
-                decoded = context.decoded(blocks[(layer, b["start"])])
-                keys.append(decoded.keys)
-                values.append(decoded.values)
-            device = _layer_device(model, layer)
-            target.update(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device), layer)
-    except PredictorMismatchError as err:
-        saved = header["reproducibility"]
-        raise CacheFileError(
-            f"{path}: the '{name}' predictor does not reproduce here (saved with {saved}, loading with "
-            f"{reproducibility()}): {err}"
-        ) from err
-    except (KeyError, TypeError, IndexError) as err:
-        raise CacheFileError(f"{path}: malformed header ({type(err).__name__}: {err})") from err
-    target.token_ids = token_ids
-    return target
-
-
-def _with_saved_defaults(config: Any) -> Any:
-    """A saved config with the defaults of the version that wrote it: files written before the lanes coder
-    existed hold ``ans`` streams and say nothing of the coder."""
-    if isinstance(config, dict) and isinstance(config.get("lossless"), dict) and "coder" not in config["lossless"]:
-        return {**config, "lossless": {**config["lossless"], "coder": "ans"}}
-    return config
+        return _load(Path(path), model, calibration, config, progress)
+    except CacheFileError as err:
+        raise CacheFileError(f"{path}: {err}") from err.__cause__
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
     """The checked JSON header of a saved cache (stream offsets and sizes, predictor, fingerprints)."""
-    return _read(Path(path))[0]
+    try:
+        return _read(Path(path)).header
+    except CacheFileError as err:
+        raise CacheFileError(f"{path}: {err}") from err.__cause__
 
 
 def stream_bytes(header: dict[str, Any]) -> list[dict[str, int]]:
@@ -216,6 +172,314 @@ def stream_bytes(header: dict[str, Any]) -> list[dict[str, int]]:
                 side += len(row["scales"]) + sum(info["bytes"] for info in row["side"].values())
         per_layer.append({"layer": entry["layer"], "k": k, "v": v, "side": side})
     return per_layer
+
+
+# ---------------------------------------------------------------------- loading
+
+
+@dataclass
+class _Saved:
+    """A file whose checksum and header structure have been verified (see `_check_header`)."""
+
+    header: dict[str, Any]
+    payload: bytes
+    config: CompressionConfig
+    dtype: torch.dtype
+    model: ModelIdentity | None
+
+
+def _load(path: Path, model, calibration, config, progress) -> CompressedCache:
+    from .cache import CompressedCache
+
+    saved = _read(path)
+    header = saved.header
+    if header["library_version"] != __version__:
+        raise CacheFileError(f"saved by hf_kvcompress {header['library_version']}, this is {__version__}; re-save it")
+    _check_model(saved, model)
+    try:
+        target = CompressedCache(config or saved.config, model=model, calibration=calibration)
+    except (ValueError, TypeError) as err:  # CalibrationError included: a calibration for another model
+        raise CacheFileError(f"cannot build the cache to load into: {err}") from err
+    _check_layers(header, target)
+    want_cal = header["calibration_sha256"]
+    have_cal = target.calibration.meta["tensors_sha256"] if target.calibration is not None else None
+    if want_cal != have_cal:
+        raise CacheFileError(
+            f"saved with calibration {want_cal or 'none'}, loading with {have_cal or 'none'}; "
+            "pass the calibration it was saved with"
+        )
+    name, k = header["predictor"]["name"], header["predictor"]["probe_layer"]
+    try:
+        predictor = make_predictor(name, calibration=target.calibration, model=model, probe_layer=k)
+    except (ValueError, TypeError) as err:
+        raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
+    context, blocks = _coding_context(target, saved.config.lossless, predictor)
+    token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
+    if not predictor.practical_in_generation:
+        if token_ids is None:
+            raise CacheFileError(f"the {name} predictor needs token ids, which this file lacks")
+        context.extras_source = predictor.model_extras(token_ids)
+
+    rows, heads, dim = header["rows"], header["kv_heads"], header["head_dim"]
+    for entry in header["layers"]:  # every block checked before any is decoded (or allocated for)
+        layer = entry["layer"]
+        for b in entry["blocks"]:
+            coded = [_read_row(row, saved.payload) for row in b["rows"]]
+            block = CodedBlock(context, layer, b["start"], b["tokens"], coded, heads, dim, saved.dtype,
+                               torch.device("cpu"))
+            _check_block(block, context, predictor)
+            blocks[(layer, b["start"])] = block
+    try:
+        for entry in tqdm(header["layers"], desc=f"loading ({name})", disable=not progress, leave=False):
+            layer = entry["layer"]
+            keys, values = [], []
+            for b in entry["blocks"]:
+                decoded = context.decoded(blocks[(layer, b["start"])])
+                keys.append(decoded.keys)
+                values.append(decoded.values)
+            device = _layer_device(model, layer)
+            target.update(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device), layer)
+    except PredictorMismatchError as err:
+        raise CacheFileError(
+            f"the '{name}' predictor does not reproduce here (saved with {header['reproducibility']}, loading "
+            f"with {reproducibility()}), or the file was edited and its checksum recomputed: {err}"
+        ) from err
+    except CorruptStreamError as err:
+        raise CacheFileError(f"a stream does not decode: {err}") from err
+    except ValueError as err:  # e.g. a calibration that lacks a layer the file holds
+        raise CacheFileError(f"cannot decode: {err}") from err
+    if target.kv_layers()[0].rows != rows:
+        raise CacheFileError(f"decoded {target.kv_layers()[0].rows} batch rows, the header says {rows}")
+    target.token_ids = token_ids
+    return target
+
+
+def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
+    """Refuse another model (naming what differs) before anything is built or decoded."""
+    from ..models import model_identity
+
+    if saved.model is None:
+        return
+    if model is None:
+        raise CacheFileError("this cache was saved from a model; pass model=... to load it")
+    problem = saved.model.mismatch(model_identity(model))
+    if problem is not None:
+        raise CacheFileError(f"saved from model {saved.model.fingerprint}, not the model given: {problem}")
+
+
+def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
+    """With a model attached, the file must hold one entry per KV layer of the model, in its K/V shape, and
+    token ids from its vocabulary (a model-running predictor reruns it on them); with a calibration, no more
+    layers than it has fitted."""
+    fitted = target.calibration.meta["model"]["layers"] if target.calibration is not None else None
+    if fitted is not None and header["kv_layers"] > fitted:
+        raise CacheFileError(f"holds {header['kv_layers']} KV layers, the calibration covers {fitted}")
+    expected = len(target.kv_layers())
+    if target.model_config is None or expected == 0:
+        return
+    if header["kv_layers"] != expected:
+        raise CacheFileError(f"holds {header['kv_layers']} KV layers, the model has {expected}")
+    text = target.model_config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    dim = getattr(text, "head_dim", None)
+    if dim is None and heads is not None and getattr(text, "hidden_size", None):
+        dim = text.hidden_size // text.num_attention_heads
+    if heads is not None and header["kv_heads"] != heads:
+        raise CacheFileError(f"holds {header['kv_heads']} KV heads per layer, the model has {heads}")
+    if dim is not None and header["head_dim"] != dim:
+        raise CacheFileError(f"holds head_dim {header['head_dim']}, the model has {dim}")
+    vocab = getattr(text, "vocab_size", None)
+    if vocab and header["token_ids"] is not None and max(max(row) for row in header["token_ids"]) >= vocab:
+        raise CacheFileError(f"holds token ids beyond the model's vocabulary of {vocab}")
+
+
+def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predictor) -> None:
+    """Each stream must declare the block's dtype and channel-major shape; side data must be what the
+    predictor sends for such a block (names, per-row shapes, dtypes)."""
+    where = f"layer {block.layer}, block at token {block.start}"
+    config = context.codec_for(block.layer)
+    for r, row in enumerate(block.rows):
+        for s, blob in enumerate(row.blobs):
+            try:
+                dtype, shape = stream_info(blob, config=config)
+            except (CorruptStreamError, TypeError) as err:
+                raise CacheFileError(f"{where}, row {r}, stream {s}: {err}") from err
+            if dtype != block.dtype or shape != (block.dim, block.tokens):
+                raise CacheFileError(
+                    f"{where}, row {r}, stream {s}: holds {dtype} {list(shape)}, the header says "
+                    f"{block.dtype} {[block.dim, block.tokens]}"
+                )
+    probe = torch.zeros(1, block.heads, block.tokens, block.dim, dtype=block.dtype)
+    expected = {name: (t.dtype, tuple(t.shape[1:])) for name, t in predictor.side_data(block.layer, probe, probe).items()}
+    for r, row in enumerate(block.rows):
+        got = {name: (t.dtype, tuple(t.shape)) for name, t in row.side.items()}
+        if got != expected:
+            raise CacheFileError(f"{where}, row {r}: side data {got}, the '{predictor.name}' predictor needs {expected}")
+
+
+def _read(path: Path) -> _Saved:
+    """Read the file; verify magic, version and the SHA-256 over everything; parse and check the header."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CacheFileError(f"cannot read the file: {err}") from err
+    if data[:8] == LEGACY_MAGIC:
+        raise CacheFileError(
+            "cache file format version 1 (saved by an earlier hf_kvcompress; its header is not checksummed): "
+            f"this library reads version {VERSION} only; re-save the cache"
+        )
+    if not data.startswith(MAGIC) and not MAGIC.startswith(data):
+        raise CacheFileError("not an hf_kvcompress cache file (bad magic)")
+    if len(data) < _PREFIX.size + _DIGEST:
+        raise CacheFileError(f"truncated: {len(data)} bytes")
+    _magic, version, size = _PREFIX.unpack_from(data, 0)
+    if version != VERSION:
+        raise CacheFileError(f"cache format version {version}, this library reads {VERSION} (or the file is damaged)")
+    if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
+        raise CacheFileError("checksum mismatch: the file is truncated or corrupt")
+    end = _PREFIX.size + size
+    if size > MAX_HEADER or end > len(data) - _DIGEST:
+        raise CacheFileError(f"header of {size} bytes does not fit a file of {len(data)}")
+    try:
+        header = json.loads(data[_PREFIX.size : end].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CacheFileError(f"corrupt header ({type(err).__name__}: {err})") from err
+    return _check_header(header, data[end : len(data) - _DIGEST])
+
+
+def _check_header(header: object, payload: bytes) -> _Saved:
+    """Every header field, against the others and the payload: nothing later trusts an unchecked value."""
+    from ..models import ModelIdentity
+
+    h = _dict(header, "header", {"format", "version", "library_version", "config", "predictor", "model",
+                                 "calibration_sha256", "dtype", "kv_layers", "rows", "kv_heads", "head_dim",
+                                 "tokens", "token_ids", "reproducibility", "layers", "payload_bytes"})
+    if h["format"] != FORMAT or h["version"] != VERSION:
+        raise CacheFileError(f"header names format {h['format']!r} version {h['version']!r}, not {FORMAT!r} {VERSION}")
+    for key in ("library_version",):
+        _str(h[key], key)
+    try:
+        config = CompressionConfig.from_dict(h["config"])
+        model = None if h["model"] is None else ModelIdentity.from_dict(h["model"])
+    except (ValueError, TypeError) as err:
+        raise CacheFileError(f"bad header field: {err}") from err
+    predictor = _dict(h["predictor"], "predictor", {"name", "probe_layer"})
+    _str(predictor["name"], "predictor.name")
+    if predictor["probe_layer"] is not None:
+        _int(predictor["probe_layer"], "predictor.probe_layer", 0)
+    if h["calibration_sha256"] is not None:
+        _str(h["calibration_sha256"], "calibration_sha256")
+    if h["dtype"] not in DTYPES:
+        raise CacheFileError(f"unknown dtype {h['dtype']!r}")
+    _dict(h["reproducibility"], "reproducibility", None)
+    n_layers, rows = _int(h["kv_layers"], "kv_layers", 1), _int(h["rows"], "rows", 1)
+    heads, tokens = _int(h["kv_heads"], "kv_heads", 1), _int(h["tokens"], "tokens", 1)
+    dim = _int(h["head_dim"], "head_dim", 1)
+    if _int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
+        raise CacheFileError(f"the header claims {h['payload_bytes']} payload bytes, the file holds {len(payload)}")
+    ids = h["token_ids"]
+    if ids is not None and (not isinstance(ids, list) or len(ids) != rows
+                            or any(not isinstance(r, list) or len(r) != tokens for r in ids)):
+        raise CacheFileError(f"token_ids must be {rows} rows of {tokens} ids")
+    if ids is not None:
+        for r in ids:
+            for t in r:
+                _int(t, "token id", 0, 1 << 62)
+    layers = h["layers"]
+    if not isinstance(layers, list) or len(layers) != n_layers:
+        raise CacheFileError(f"layers: expected a list of {n_layers} layers, got "
+                             f"{len(layers) if isinstance(layers, list) else type(layers).__name__}")
+    cursor = [0]  # streams and side tensors tile the payload in order: no gaps, overlaps or reuse
+    for index, entry in enumerate(layers):
+        entry = _dict(entry, f"layer {index}", {"layer", "blocks"})
+        if entry["layer"] != index:
+            raise CacheFileError(f"layer entry {index} is labelled {entry['layer']!r} (layers out of order?)")
+        blocks = entry["blocks"]
+        if not isinstance(blocks, list) or not blocks:
+            raise CacheFileError(f"layer {index} has no blocks")
+        start = 0
+        for b, block in enumerate(blocks):
+            where = f"layer {index}, block {b}"
+            block = _dict(block, where, {"start", "tokens", "rows"})
+            if block["start"] != start:
+                raise CacheFileError(f"{where} starts at token {block['start']!r}, expected {start} "
+                                     "(blocks missing, duplicated or out of order?)")
+            count = _int(block["tokens"], f"{where} tokens", 1, config.block_tokens)
+            if count != config.block_tokens and start + count != tokens:
+                raise CacheFileError(f"{where} holds {count} tokens; only the last block may hold fewer than "
+                                     f"block_tokens={config.block_tokens}")
+            if not isinstance(block["rows"], list) or len(block["rows"]) != rows:
+                raise CacheFileError(f"{where} must hold {rows} rows")
+            for r, row in enumerate(block["rows"]):
+                _check_row(row, f"{where}, row {r}", heads, count * dim, cursor)
+            start += count
+        if start != tokens:
+            raise CacheFileError(f"layer {index} holds {start} tokens, the header says {tokens}")
+    if cursor[0] != len(payload):
+        raise CacheFileError(f"the header accounts for {cursor[0]} of the {len(payload)} payload bytes")
+    return _Saved(h, payload, config, DTYPES[h["dtype"]], model)
+
+
+def _check_row(row: object, where: str, heads: int, elements: int, cursor: list[int]) -> None:
+    row = _dict(row, where, {"scales", "streams", "side"})
+    streams, scales = row["streams"], row["scales"]
+    if not isinstance(streams, list) or len(streams) != 2 * heads:
+        raise CacheFileError(f"{where} must hold {2 * heads} streams")
+    if not isinstance(scales, list) or len(scales) != 2 * heads:
+        raise CacheFileError(f"{where} must hold {2 * heads} std scales")
+    for scale in scales:
+        _int(scale, f"{where} std scale", SCALE_MIN, SCALE_MAX)
+    for s, stream in enumerate(streams):
+        if not isinstance(stream, list) or len(stream) != 2:
+            raise CacheFileError(f"{where}, stream {s}: expected [offset, length]")
+        length = _extent(stream[0], stream[1], f"{where}, stream {s}", cursor)
+        # a stream of n bytes lists at most n / 8 windows of at most MAX_WINDOW elements (the codec's bound):
+        # refuses a block claiming more tokens than its streams can hold before anything is allocated
+        if elements > MAX_WINDOW * (length // _MIN_STREAM_ENTRY):
+            raise CacheFileError(f"{where}, stream {s}: {length} bytes cannot hold the {elements} elements claimed")
+    side = _dict(row["side"], f"{where} side", None)
+    for name, info in side.items():
+        info = _dict(info, f"{where} side {name!r}", {"dtype", "shape", "offset", "bytes"})
+        if info["dtype"] not in DTYPES:
+            raise CacheFileError(f"{where} side {name!r}: unknown dtype {info['dtype']!r}")
+        shape = info["shape"]
+        if not isinstance(shape, list) or len(shape) > 8:
+            raise CacheFileError(f"{where} side {name!r}: bad shape {shape!r}")
+        count = 1
+        for n in shape:
+            count *= _int(n, f"{where} side {name!r} shape", 0, 1 << 40)
+        length = _extent(info["offset"], info["bytes"], f"{where} side {name!r}", cursor)
+        if count * DTYPES[info["dtype"]].itemsize != length:
+            raise CacheFileError(f"{where} side {name!r}: {length} bytes do not hold shape {shape}")
+
+
+def _extent(offset: object, length: object, where: str, cursor: list[int]) -> int:
+    """Check that [offset, offset + length) is the next piece of the payload; advance the cursor."""
+    if _int(offset, f"{where} offset", 0) != cursor[0]:
+        raise CacheFileError(f"{where} starts at payload byte {offset}, expected {cursor[0]} (overlap or gap)")
+    cursor[0] += _int(length, f"{where} length", 0)
+    return length  # type: ignore[return-value]
+
+
+def _dict(value: object, what: str, keys: set[str] | None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CacheFileError(f"{what} must be a JSON object, got {type(value).__name__}")
+    if keys is not None and set(value) != keys:
+        missing, extra = sorted(keys - set(value)), sorted(set(value) - keys)
+        raise CacheFileError(f"{what}: missing fields {missing}, unknown fields {extra}")
+    return value
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise CacheFileError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise CacheFileError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------- helpers
@@ -257,56 +521,16 @@ def _write_row(row: CodedRow, payload: bytearray) -> dict[str, Any]:
     return {"scales": list(row.scales), "streams": streams, "side": side}
 
 
-def _read_row(entry: dict[str, Any], payload: bytes, heads: int) -> CodedRow:
-    streams = entry["streams"]
-    if len(streams) != 2 * heads or len(entry["scales"]) != 2 * heads:
-        raise CacheFileError(f"a block row has {len(streams)} streams, expected {2 * heads}")
-    blobs = [bytes(_slice(payload, offset, length)) for offset, length in streams]
+def _read_row(entry: dict[str, Any], payload: bytes) -> CodedRow:
+    """A row of a checked header (`_check_row`): its streams and side tensors, copied out of the payload."""
+    view = memoryview(payload)
+    blobs = [bytes(view[offset : offset + length]) for offset, length in entry["streams"]]
     side = {}
     for name, info in entry["side"].items():
-        dtype = DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CacheFileError(f"side tensor {name!r} has unknown dtype {info['dtype']!r}")
-        raw = _slice(payload, info["offset"], info["bytes"])
-        count = 1
-        for n in info["shape"]:
-            count *= int(n)
-        if count * torch.tensor([], dtype=dtype).element_size() != len(raw):
-            raise CacheFileError(f"side tensor {name!r}: {len(raw)} bytes do not hold shape {info['shape']}")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        side[name] = flat.view(dtype).reshape(info["shape"]).clone()
-    return CodedRow(blobs, [int(s) for s in entry["scales"]], side)
-
-
-def _slice(payload: bytes, offset: int, length: int) -> memoryview:
-    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0 \
-            or offset + length > len(payload):
-        raise CacheFileError(f"a stream [{offset}, +{length}) lies outside the {len(payload)}-byte payload")
-    return memoryview(payload)[offset : offset + length]
-
-
-def _read(path: Path) -> tuple[dict[str, Any], bytes]:
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise CacheFileError(f"cannot read {path}: {err}") from err
-    if len(data) < 12 or data[:8] != MAGIC:
-        raise CacheFileError(f"{path}: not an hf_kvcompress cache file (bad magic)")
-    (size,) = struct.unpack_from("<I", data, 8)
-    if size > MAX_HEADER or 12 + size > len(data):
-        raise CacheFileError(f"{path}: truncated (header of {size} bytes, file of {len(data)})")
-    try:
-        header = json.loads(data[12 : 12 + size].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CacheFileError(f"{path}: corrupt header ({err})") from err
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: not an hf_kvcompress cache file")
-    if header.get("version") != VERSION:
-        raise CacheFileError(f"{path}: cache format version {header.get('version')}, this library reads {VERSION}")
-    payload = data[12 + size :]
-    if len(payload) != header.get("payload_bytes") or hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-        raise CacheFileError(f"{path}: payload is truncated or corrupt (size or SHA-256 mismatch)")
-    return header, payload
+        raw = bytearray(view[info["offset"] : info["offset"] + info["bytes"]])
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        side[name] = flat.view(DTYPES[info["dtype"]]).reshape(info["shape"]).clone()
+    return CodedRow(blobs, list(entry["scales"]), side)
 
 
 def _layer_device(model: torch.nn.Module | None, layer: int) -> torch.device:

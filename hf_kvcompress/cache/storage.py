@@ -88,3 +88,26 @@ class RawStorage(Storage):
 
 def tensor_nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def row_index(indices: object, rows: int | None, *, masks: bool = True) -> torch.Tensor:
+    """Batch rows to keep, as a long CPU index, so K/V, blocks and token ids all select the same rows.
+
+    Integers are rows in order (repeats allowed); a bool mask (``masks=True``, one entry per row) keeps
+    its True rows, as ``DynamicCache.batch_select_indices`` does. ``rows=None``: no range check (nothing held).
+    """
+    index = torch.as_tensor(indices).detach().cpu()
+    if index.ndim != 1:
+        raise ValueError(f"batch indices must be 1-D, got shape {tuple(index.shape)}")
+    if index.dtype == torch.bool:
+        if not masks:
+            raise TypeError("reorder_cache needs integer beam indices, got a bool mask (as DynamicCache refuses)")
+        if rows is not None and index.numel() != rows:
+            raise IndexError(f"a bool mask of {index.numel()} entries does not fit a batch of {rows} rows")
+        return index.nonzero().flatten()
+    if index.is_floating_point() or index.is_complex():
+        raise TypeError(f"batch indices must be integers or a bool mask, got dtype {index.dtype}")
+    index = index.long()
+    if rows is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
+        raise IndexError(f"batch indices {index.tolist()} out of range for a batch of {rows}")
+    return index

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .config import CodecConfig
-from .decoder import decode_impl, decode_range_impl
+from .decoder import decode_impl, decode_range_impl, stream_info_impl
 from .encoder import encode_impl
 from .errors import CorruptStreamError, ParameterMismatchError
 from .inputs import check_config
@@ -32,6 +32,7 @@ __all__ = [
     "encode",
     "encode_batch",
     "encode_with_stats",
+    "stream_info",
 ]
 
 
@@ -163,3 +164,16 @@ def _lanes_config(config: CodecConfig | None, marginal: Marginal | None) -> Code
     import dataclasses
 
     return dataclasses.replace(config, marginal=marginal)
+
+
+def stream_info(
+    blob: bytes, *, config: CodecConfig | None = None, marginal: Marginal | None = None
+) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape ``blob`` decodes to, from its checked header and window table (the payload is
+    not decoded): lets a container check a stream against what it expects before allocating for it.
+    ``config`` and ``marginal`` as for `decode`; raises `CorruptStreamError` like `decode`."""
+    if _is_lanes(blob):
+        from .lanes import stream_info_one
+
+        return stream_info_one(blob, _lanes_config(config, marginal))
+    return stream_info_impl(blob, marginal, config)

@@ -31,7 +31,7 @@ from .stream import MAX_NDIM, Header, check_window_count, entry_dtype, parse_win
 from .symbols import FORMATS_BY_CODE
 
 MAGIC = b"\x89Kc"
-VERSION = 1
+VERSION = 2  # 2: window CRCs bound to their stream and index (plan.window_seed)
 _MAX_VARINT = 9  # bytes: 63 bits
 _MAX_G = 1 << 31
 
@@ -162,5 +162,5 @@ def read_compact(blob, config: CodecConfig | None):
     tables = bytes.fromhex(get_tables().sha256)
     marginal = bytes.fromhex(config.marginal_or_default.sha256)
     header = Header(FORMATS_BY_CODE[dtype_code], shape, numel, bool(has_mean), bool(has_std), config, n_windows,
-                    g_spread, data_crc, tables, marginal, mean_fp, std_fp, compact=True)
+                    g_spread, data_crc, tables, marginal, mean_fp, std_fp, compact=True, version=version)
     return header, entries, offsets, buf

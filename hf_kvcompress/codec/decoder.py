@@ -10,7 +10,7 @@ from .coder import decode_chunk
 from .compact import is_compact, read_compact
 from .config import CodecConfig
 from .errors import CorruptStreamError, ParameterMismatchError
-from .inputs import check_stat, fingerprint, fingerprint8
+from .inputs import check_has_data, check_stat, fingerprint, fingerprint8
 from .marginal import Marginal
 from .model import get_tables
 from .parallel import fork_available, run_jobs, run_jobs_forked
@@ -72,6 +72,8 @@ class Decoder:
             return None
         if not isinstance(value, (torch.Tensor, np.ndarray, int, float)) or isinstance(value, bool):
             raise TypeError(f"codec: {name} must be a torch.Tensor or a number, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor):
+            check_has_data(value, name)  # a clear error, not a fingerprint mismatch
         try:
             arr = check_stat(value, name, self.h.shape, name == "std")
         except ValueError:
@@ -103,7 +105,7 @@ class Decoder:
         tiers = [self.cfg.tier_of_length(int(x)) for x in lengths]
         keys, raw = decode_chunk(buf, offsets[w0 : w1 + 1], p, lengths, self.models, tiers, self.timings)
         bits = join_bits(keys, raw, self.fmt)
-        crcs = window_crcs_of(buf, offsets[w0 : w1 + 1], bits, lengths, self.fmt)
+        crcs = window_crcs_of(buf, offsets[w0 : w1 + 1], bits, lengths, self.fmt, self.h.version, self.h.data_crc, w0)
         bad = np.flatnonzero(crcs != self.entries["crc"][w0:w1])
         if bad.size:
             raise CorruptStreamError(f"corrupt codec stream: checksum mismatch in window {w0 + int(bad[0])}")
@@ -170,6 +172,13 @@ class Decoder:
         return out[:stop]
 
     def decode_range(self, start: int, stop: int) -> np.ndarray:
+        if self.h.version < 2:
+            # version-1 window CRCs are not bound to their stream: only the data CRC over everything catches
+            # a window spliced in from another stream, so check it (decoding every window)
+            bits = self.decode_all()
+            if data_crc(bits, self.fmt) != self.h.data_crc:
+                raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
+            return bits[start:stop]
         if self.lengths is None:
             return self.decode_causal(stop)[start:stop]
         cum = np.concatenate([[0], np.cumsum(self.lengths)])
@@ -183,6 +192,14 @@ class Decoder:
 
     def tensor(self, bits: np.ndarray, shape) -> torch.Tensor:
         return bits_to_tensor(bits, self.fmt, shape)
+
+
+def stream_info_impl(blob, marginal, config: CodecConfig | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
+    marginal = _check_marginal_config(marginal, config)
+    h = read_compact(blob, config)[0] if is_compact(blob) else read_stream(blob, marginal)[0]
+    return h.fmt.dtype, h.shape
 
 
 def _check_marginal_config(marginal, config) -> Marginal | None:
@@ -240,7 +257,7 @@ def _decode_on_device(d: Decoder, mean, std, device) -> torch.Tensor:
     bits_t = decode_on_device(d, mean, std, device)
     mask = 0xFFFFFFFF if d.fmt.dtype == torch.float32 else 0xFFFF
     bits = bits_t.cpu().numpy().astype(np.int64) & mask  # checksums on the host (see device.py)
-    crcs = window_crcs_of(d.buf, d.offsets, bits, d.lengths, d.fmt)
+    crcs = window_crcs_of(d.buf, d.offsets, bits, d.lengths, d.fmt, d.h.version, d.h.data_crc)
     bad = np.flatnonzero(crcs != d.entries["crc"])
     if bad.size:
         raise CorruptStreamError(f"corrupt codec stream: checksum mismatch in window {int(bad[0])}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,14 +16,15 @@ from .plan import (
     chunks_of,
     data_crc,
     global_spread,
-    le_bits,
     models_for,
     planned_lengths,
     residual_codes,
+    window_crc,
+    window_seed,
     window_sigma_bits,
     window_sigma_codes,
 )
-from .stream import MAX_NDIM, Header, entry_dtype, write_stream
+from .stream import MAX_NDIM, VERSION, Header, entry_dtype, write_stream
 from .symbols import split_bits, tensor_bits
 
 
@@ -96,8 +96,9 @@ def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, 
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     entries = np.zeros(lengths.size, dtype=entry_dtype(cfg.window, std32 is not None))
     entries["nbytes"] = [len(p) for p in payloads]
-    entries["crc"] = [zlib.crc32(le_bits(bits[a:b], fmt), zlib.crc32(p))
-                      for p, a, b in zip(payloads, starts.tolist(), (starts + lengths).tolist())]
+    stream_crc = data_crc(bits, fmt)
+    entries["crc"] = [window_crc(p, bits[a:b], fmt, window_seed(VERSION, stream_crc, w))
+                      for w, (p, a, b) in enumerate(zip(payloads, starts.tolist(), (starts + lengths).tolist()))]
     if cfg.window == "metadata":
         entries["len1"] = lengths - 1
     if sigma is not None:
@@ -105,7 +106,7 @@ def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, 
     compact = cfg.header == "compact"
     fp = fingerprint8 if compact else fingerprint
     header = Header(
-        fmt, shape, n, mean32 is not None, std32 is not None, cfg, int(lengths.size), g, data_crc(bits, fmt),
+        fmt, shape, n, mean32 is not None, std32 is not None, cfg, int(lengths.size), g, stream_crc,
         bytes.fromhex(get_tables().sha256), bytes.fromhex(cfg.marginal_or_default.sha256),
         fp(mean32, b"mean"), fp(std32, b"std"), compact,
     )

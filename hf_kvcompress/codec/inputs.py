@@ -17,7 +17,14 @@ _NO_FP = bytes(16)
 def check_x(x: object) -> tuple[torch.Tensor, Format]:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"codec: x must be a torch.Tensor, got {type(x).__name__}")
+    check_has_data(x, "x")
     return x, format_of(x.dtype)
+
+
+def check_has_data(t: torch.Tensor, name: str) -> None:
+    """Meta tensors (and fake ones) have a shape but no values to code or to predict with."""
+    if t.device.type == "meta":
+        raise ValueError(f"codec: {name} is on the meta device: it has no values (load the weights first)")
 
 
 def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
@@ -31,6 +38,7 @@ def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -
     elif isinstance(value, np.ndarray):
         t = torch.from_numpy(np.ascontiguousarray(value))
     elif isinstance(value, torch.Tensor):
+        check_has_data(value, name)
         t = value
     else:
         raise TypeError(f"codec: {name} must be a torch.Tensor or a number, got {type(value).__name__}")

@@ -37,7 +37,7 @@ from .broadcast import SIGMA_CODE_MAX, SIGMA_CODE_MIN, sigma_bits_of_code
 from .compact import varint_bytes
 from .config import CodecConfig
 from .errors import CorruptStreamError, ParameterMismatchError
-from .inputs import check_stat
+from .inputs import check_config, check_stat
 from .marginal import Marginal
 from .model import get_tables
 from .params import t_lut
@@ -574,3 +574,17 @@ def decode_range_one(blob, start: int, stop: int, mean, std, config: CodecConfig
     if not 0 <= start <= stop <= n:
         raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
     return decode_batch_impl([blob], m, s, config)[0].reshape(-1)[start:stop].clone()
+
+
+def stream_info_one(blob, config: CodecConfig | None) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of a lanes stream from its checked header, verified against ``config``'s digest
+    (the payload is not decoded)."""
+    if config is None:
+        raise CorruptStreamError("a lanes codec stream does not carry its CodecConfig; pass config=")
+    head = parse_header(bytes(blob))
+    if head.digest != lanes_digest(check_config(config)):
+        raise CorruptStreamError(
+            "lanes codec stream was written with other codec tables, marginal or CodecConfig than the config "
+            "passed (digest mismatch)"
+        )
+    return head.fmt.dtype, head.shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import struct
 import zlib
 
 import numpy as np
@@ -120,15 +121,26 @@ def data_crc(bits: np.ndarray, fmt: Format) -> int:
     return zlib.crc32(le_bits(bits, fmt))
 
 
-def window_crcs_of(buf, offsets: np.ndarray, bits: np.ndarray, lengths: np.ndarray, fmt: Format) -> np.ndarray:
-    """CRC32 of each window's payload followed by its decoded bits (so a payload that decodes to other
-    values is caught even if its bytes were re-checksummed)."""
-    raw = le_bits(bits, fmt)
-    width = 4 if fmt.dtype == torch.float32 else 2
+def window_seed(version: int, stream_crc: int, w: int) -> int:
+    """Start value of window ``w``'s CRC. From format version 2 on it is bound to the stream (its data CRC)
+    and the window's index, so a window spliced in from another stream or position fails even where only
+    that window is decoded (`decode_range`); version 1 started every window at 0."""
+    return zlib.crc32(struct.pack("<IQ", stream_crc, w)) if version >= 2 else 0
+
+
+def window_crc(payload, bits: np.ndarray, fmt: Format, seed: int) -> int:
+    """CRC32 of a window's payload followed by its decoded bits (so a payload that decodes to other values
+    is caught even if its bytes were re-checksummed), started at ``seed`` (`window_seed`)."""
+    return zlib.crc32(le_bits(bits, fmt), zlib.crc32(payload, seed))
+
+
+def window_crcs_of(buf, offsets: np.ndarray, bits: np.ndarray, lengths: np.ndarray, fmt: Format, version: int,
+                   stream_crc: int, first: int = 0) -> np.ndarray:
+    """`window_crc` of windows ``first, first + 1, ...`` whose payloads lie at ``offsets`` in ``buf``."""
     out = np.empty(lengths.size, dtype=np.uint32)
     pos = 0
     for w, m in enumerate(lengths.tolist()):
         lo, hi = int(offsets[w]), int(offsets[w + 1])
-        out[w] = zlib.crc32(raw[pos * width : (pos + m) * width], zlib.crc32(buf[lo:hi]))
+        out[w] = window_crc(buf[lo:hi], bits[pos : pos + m], fmt, window_seed(version, stream_crc, first + w))
         pos += m
     return out

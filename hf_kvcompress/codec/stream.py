@@ -30,7 +30,7 @@ from .symbols import FORMATS_BY_CODE, Format
 
 MAGIC = b"\x89KVCdc\r\n"
 LANES_MAGIC = b"\x89KL"  # the lanes layout (lanes.py); here so that dispatch need not import numba
-VERSION = 1
+VERSION = 2  # 2: window CRCs bound to their stream and index (plan.window_seed)
 _PREFIX = struct.Struct("<8sHHI")
 _BODY = struct.Struct("<BBBBBBHQIiIQ32s32s16s16s")
 _MAX_BODY = 1 << 20
@@ -53,6 +53,7 @@ class Header:
     mean_fp: bytes
     std_fp: bytes
     compact: bool = False  # which layout carried it (decides the fingerprint function)
+    version: int = VERSION  # format version it was read from (decides the window CRC seeds)
 
 
 def entry_dtype(mode: str, has_std: bool) -> np.dtype:
@@ -157,8 +158,8 @@ def read_stream(blob: bytes | bytearray | memoryview, marginal: Marginal | None)
         config = CodecConfig.from_dict(cfg_dict, marginal=use)
     except CorruptStreamError:
         raise
-    except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as err:
-        raise _corrupt(f"bad config: {err}") from None
+    except (ValueError, TypeError, UnicodeDecodeError, AttributeError, RecursionError) as err:
+        raise _corrupt(f"bad config: {type(err).__name__}: {err}") from None
     if WINDOW_MODES.index(config.window) != mode_i:
         raise _corrupt("window mode in header and config disagree")
     prod = 1
@@ -181,6 +182,6 @@ def read_stream(blob: bytes | bytearray | memoryview, marginal: Marginal | None)
         raise _corrupt(f"payload length {payload_len} does not match the window table")
     header = Header(
         FORMATS_BY_CODE[dtype_code], tuple(int(d) for d in shape), numel, bool(has_mean), bool(has_std), config,
-        n_windows, g_spread, data_crc, tables_sha, marg_sha, mean_fp, std_fp,
+        n_windows, g_spread, data_crc, tables_sha, marg_sha, mean_fp, std_fp, version=version,
     )
     return header, entries, offsets, buf

@@ -175,3 +175,36 @@ def test_stats_report_sizes():
     assert stats["bits_per_scalar"] == 32.0
     assert stats["compression_ratio"] == 1.0
     assert stats["tokens"] == 30
+
+
+@pytest.mark.parametrize("mode", EXACT_MODES)
+def test_row_selection_is_consistent_across_kv_blocks_and_token_ids(mode):
+    """Indices and bool masks select the same rows of K/V (sealed blocks and residual) and token ids, as
+    DynamicCache does; a bool mask to reorder_cache (which DynamicCache refuses) or of the wrong length
+    is refused and leaves the cache as it was."""
+    model = tiny_model("llama-gqa")
+    ids = random_ids(3, 21, seed=3)
+    cache, reference = CompressedCache(small_blocks(mode), model=model), DynamicCache()
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(ids, cache=reference)
+    assert cache.layers[0].blocks
+
+    def same(rows):
+        for layer, ref in zip(cache.kv_layers(), reference.layers):
+            assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+        assert torch.equal(cache.token_ids, ids[rows])
+
+    for bad, error in [(torch.tensor([True, False, True]), TypeError), (torch.tensor([0, 3]), IndexError)]:
+        with pytest.raises(error):
+            cache.reorder_cache(bad)
+    with pytest.raises(IndexError, match="bool mask of 2 entries"):
+        cache.batch_select_indices(torch.tensor([True, False]))
+    same([0, 1, 2])
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    reference.reorder_cache(torch.tensor([2, 0, 0]))
+    same([2, 0, 0])
+    mask = torch.tensor([False, True, True])
+    cache.batch_select_indices(mask)
+    reference.batch_select_indices(mask)
+    same([0, 0])

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
-import json
-import struct
 
 import pytest
 import torch
+from cache_file_util import seal, split
 from helpers import random_ids, tiny_model
 from transformers import DynamicCache
 
@@ -135,13 +134,10 @@ def test_refuses_another_or_missing_calibration(saved, tmp_path):
 
 def test_refuses_another_library_version(saved, tmp_path):
     path, model = saved
-    data = path.read_bytes()
-    (size,) = struct.unpack_from("<I", data, 8)
-    header = json.loads(data[12 : 12 + size])
+    header, payload = split(path.read_bytes())
     header["library_version"] = "0.0.1"
-    blob = json.dumps(header).encode()
     bad = tmp_path / "old.kvc"
-    bad.write_bytes(data[:8] + struct.pack("<I", len(blob)) + blob + data[12 + size :])
+    bad.write_bytes(seal(header, payload))
     with pytest.raises(CacheFileError, match=r"saved by hf_kvcompress 0\.0\.1"):
         CompressedCache.load(bad, model=model, calibration=calibration())
 

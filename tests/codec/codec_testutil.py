@@ -164,3 +164,46 @@ def params_bulk(n: int = 200_000, seed: int = 5) -> tuple[np.ndarray, np.ndarray
     std = np.where(rng.random(n) < 0.5, std, tied)
     mean = np.where(np.isfinite(mean), mean, 0).astype(np.float32)
     return mean, np.where(np.isfinite(std), std, 1).astype(np.float32)
+
+
+def rebuild(blob: bytes, mean, std, config, *, entries=None, payloads=None, version: int | None = None) -> bytes:
+    """Re-serialise a parsed stream with other window-table entries, payloads or format version, every
+    framing CRC (header, table) recomputed and the window CRCs taken as given: what a splice looks like."""
+    from hf_kvcompress.codec.compact import write_compact
+    from hf_kvcompress.codec.decoder import Decoder
+    from hf_kvcompress.codec.stream import write_stream
+
+    d = Decoder(blob, mean, std, None, config)
+    table = d.entries.copy() if entries is None else entries
+    pieces = payloads if payloads is not None else window_payloads(d)
+    out = bytearray((write_compact if d.h.compact else write_stream)(d.h, table, pieces))
+    if version is not None:
+        if d.h.compact:
+            out[3] = version
+            end = len(out) - sum(len(p) for p in pieces) - 4
+            struct.pack_into("<I", out, end, zlib.crc32(out[:end]))
+        else:
+            struct.pack_into("<H", out, 8, version)
+            head_end = _PREFIX.size + struct.unpack_from("<I", out, 12)[0]
+            struct.pack_into("<I", out, head_end, zlib.crc32(out[:head_end]))
+    return bytes(out)
+
+
+def window_payloads(d) -> list[bytes]:
+    """The payload bytes of each window of a parsed stream (`Decoder`)."""
+    return [bytes(d.buf[int(a) : int(b)]) for a, b in zip(d.offsets[:-1], d.offsets[1:])]
+
+
+def as_version1(blob: bytes, x: torch.Tensor, mean, std, config) -> bytes:
+    """``blob`` (a current stream of ``x``) written as format version 1: window CRCs started at 0."""
+    from hf_kvcompress.codec.decoder import Decoder
+    from hf_kvcompress.codec.plan import window_crc
+    from hf_kvcompress.codec.symbols import tensor_bits
+
+    d = Decoder(blob, mean, std, None, config)
+    bits = tensor_bits(x)
+    table = d.entries.copy()
+    starts = np.concatenate([[0], np.cumsum(d.lengths)])
+    for w, payload in enumerate(window_payloads(d)):
+        table["crc"][w] = window_crc(payload, bits[starts[w] : starts[w + 1]], d.fmt, 0)
+    return rebuild(blob, mean, std, config, entries=table, version=1)

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from codec_testutil import DTYPES, assert_bit_exact, params_bulk, params_inputs, realistic
+from codec_testutil import DTYPES, as_version1, assert_bit_exact, params_bulk, params_inputs, realistic
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,13 +97,20 @@ def test_compact_with_marginal_in_config():
 
 
 def test_default_stream_bytes_are_stable():
-    """The full layout of the default config is unchanged by the compact / mean_steps additions: this
-    digest is of a stream written before them."""
+    """The full layout of the default config is unchanged by the compact / mean_steps additions, and
+    format version 2 differs from version 1 only in its version field and window CRC seeds: written back
+    as version 1, a stream has the digest of one written before all three (and still decodes)."""
     x, mean, std = realistic((1, 2, 64, 64), seed=11)
-    assert hashlib.sha256(codec.encode(x, mean, std)).hexdigest() == STABLE_SHA256
+    blob = codec.encode(x, mean, std)
+    assert hashlib.sha256(blob).hexdigest() == STABLE_SHA256
+    old = as_version1(blob, x, mean, std, None)
+    assert hashlib.sha256(old).hexdigest() == STABLE_SHA256_V1
+    assert_bit_exact(codec.decode(old, mean, std), x)
+    assert_bit_exact(codec.decode_range(old, 10, 300, mean, std), x.reshape(-1)[10:300])
 
 
-STABLE_SHA256 = "c3189767e84fa44561e312b5ffeffad9fc1774a175c8210164c376bd68a25a45"
+STABLE_SHA256 = "b97b4e2a864478721865cf66450a70ac243282b3ee16cfdc1456186c5219e592"
+STABLE_SHA256_V1 = "c3189767e84fa44561e312b5ffeffad9fc1774a175c8210164c376bd68a25a45"
 
 
 @pytest.mark.parametrize("steps", [8, 4, 2])

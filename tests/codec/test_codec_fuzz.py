@@ -1,19 +1,22 @@
 """Fuzz: thousands of bit flips, truncations and resealed (CRC-valid) corruptions of real streams. Every
-case must decode bit-exactly or raise CorruptStreamError, each within a time bound."""
+case must decode bit-exactly or raise CorruptStreamError, each within a time bound. Resealed headers too:
+nested config JSON, other shapes, windows spliced in from another stream or position (`decode_range`)."""
 
 from __future__ import annotations
 
 import os
+import struct
 import time
 import zlib
 
 import numpy as np
 import pytest
 import torch
-from codec_testutil import assert_bit_exact, realistic, reseal
+from codec_testutil import as_version1, assert_bit_exact, realistic, rebuild, reseal, window_payloads
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
+from hf_kvcompress.codec.stream import _BODY, _PREFIX, MAGIC
 
 TIME_BOUND_S = 2.0  # per case; a clean decode of these streams takes a few milliseconds
 
@@ -44,6 +47,9 @@ def _streams():
 
 
 STREAMS = _streams()
+#: the constriction (`ans`) layouts: their header and window-table forgeries below; lanes streams have their own
+#: (one window, no table) in test_codec_lanes.py
+ANS_STREAMS = [s for s in STREAMS if s[4].coder == "ans"]
 
 
 def _check(blob, x, mean, std, cfg, rng):
@@ -121,3 +127,124 @@ def test_fuzz_random_inputs_never_crash():
         cfg = CodecConfig(coder="lanes") if prefix == 3 else CodecConfig(header="compact")
         with pytest.raises(CorruptStreamError):
             codec.decode(blob, config=cfg if rng.random() < 0.8 else None)
+
+
+# ------------------------------------------------------------------ resealed headers: every CRC recomputed
+
+
+def _with_config_json(blob: bytes, cfg_json: bytes) -> bytes:
+    """A full-layout stream whose config JSON is replaced, lengths and header CRC fixed up."""
+    _magic, version, reserved, body_len = _PREFIX.unpack_from(blob, 0)
+    head_end = _PREFIX.size + body_len
+    ndim = blob[_PREFIX.size + 1]
+    cfg_at = _PREFIX.size + _BODY.size + 8 * ndim
+    old_len = struct.unpack_from("<I", blob, cfg_at)[0]
+    body = blob[_PREFIX.size : cfg_at] + struct.pack("<I", len(cfg_json)) + cfg_json
+    head = _PREFIX.pack(MAGIC, version, reserved, len(body)) + body
+    assert cfg_at + 4 + old_len == head_end
+    return head + struct.pack("<I", zlib.crc32(head)) + blob[head_end + 4 :]
+
+
+@pytest.mark.parametrize("cfg_json", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"0" + b"}" * 50_000,
+                                      b"[]", b"null", b'{"window":{"window":{}}}', b"\xff"])
+def test_resealed_config_json_is_refused(cfg_json):
+    x, offset, scale = realistic((1, 1, 16, 64), seed=8)
+    blob = codec.encode(x, offset, scale, CodecConfig(fixed_window=512))
+    with pytest.raises(CorruptStreamError, match="config"):
+        codec.decode(_with_config_json(blob, cfg_json), offset, scale)
+
+
+SHAPE_EDITS = {
+    "permuted": lambda s: s[::-1],
+    "leading 1": lambda s: (1, *s),
+    "dim doubled": lambda s: (*s[:-1], 2 * s[-1]),
+    "dim halved": lambda s: (*s[:-1], s[-1] // 2),
+    "zero": lambda s: (*s[:-1], 0),
+    "flat": lambda s: (int(np.prod(s)),),
+    "huge": lambda s: (*s[:-1], 1 << 40),
+}
+
+
+@pytest.mark.parametrize(("name", "x", "mean", "std", "cfg"), ANS_STREAMS, ids=[s[0] for s in ANS_STREAMS])
+def test_resealed_shapes(name, x, mean, std, cfg):
+    """A header resealed with another shape: refused, or (no mean/std to pin the shape) the same bits in
+    the shape claimed. Never other values."""
+    from dataclasses import replace
+
+    from hf_kvcompress.codec.decoder import Decoder
+
+    blob = codec.encode(x, mean, std, cfg)
+    header = Decoder(blob, mean, std, None, cfg).h
+    config = cfg if cfg.header == "compact" else None
+    for edit, change in SHAPE_EDITS.items():
+        forged = _with_header(blob, mean, std, cfg, replace(header, shape=tuple(change(header.shape))))
+        try:
+            out = codec.decode(forged, mean, std, config=config)
+        except CorruptStreamError:
+            continue
+        assert mean is None and std is None, f"{edit}: decoded despite stats pinning the shape"
+        assert_bit_exact(out.reshape(-1), x.reshape(-1))
+
+
+def _with_header(blob, mean, std, cfg, header) -> bytes:
+    """``blob`` re-serialised under ``header`` (every CRC but the window CRCs recomputed)."""
+    from hf_kvcompress.codec.compact import write_compact
+    from hf_kvcompress.codec.decoder import Decoder
+    from hf_kvcompress.codec.stream import write_stream
+
+    d = Decoder(blob, mean, std, None, cfg)
+    return (write_compact if d.h.compact else write_stream)(header, d.entries.copy(), window_payloads(d))
+
+
+SPLICEABLE = [s for s in ANS_STREAMS if s[4].window == "fixed" and s[1].numel() > s[4].fixed_window]
+
+
+@pytest.mark.parametrize(("name", "x", "mean", "std", "cfg"), SPLICEABLE, ids=[s[0] for s in SPLICEABLE])
+@pytest.mark.parametrize("version", [2, 1])
+def test_window_splices_are_refused_by_decode_range(name, x, mean, std, cfg, version):
+    """A window (table entry and payload) taken from a sibling stream with the same mean/std, or from
+    another position of the same stream, framing CRCs recomputed: `decode_range` over it refuses it, as
+    `decode` does; ranges that avoid it decode exactly."""
+    from hf_kvcompress.codec.decoder import Decoder
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    sibling = (x.float() + torch.randn(x.shape, generator=g) * x.float().std() * 0.1).to(x.dtype)
+    blobs = [codec.encode(t, mean, std, cfg) for t in (x, sibling)]
+    if version == 1:
+        blobs = [as_version1(b, t, mean, std, cfg) for b, t in zip(blobs, (x, sibling))]
+    a, b = (Decoder(blob, mean, std, None, cfg) for blob in blobs)
+    full = cfg.fixed_window
+    n = x.numel()
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + version)
+    config = cfg if cfg.header == "compact" else None
+    full_windows = np.flatnonzero(a.lengths == full)
+    for _ in range(6):
+        w = int(rng.choice(full_windows))
+        others = full_windows[full_windows != w]
+        donor, source = (b, w) if rng.random() < 0.5 or not others.size else (a, int(rng.choice(others)))
+        entries, payloads = a.entries.copy(), window_payloads(a)
+        entries[w] = donor.entries[source]
+        payloads[w] = window_payloads(donor)[source]
+        forged = rebuild(blobs[0], mean, std, cfg, entries=entries, payloads=payloads, version=version)
+        if donor is a and payloads[w] == window_payloads(a)[w]:
+            continue  # two identical windows: nothing was changed
+        with pytest.raises(CorruptStreamError):
+            codec.decode(forged, mean, std, config=config)
+        lo = w * full + int(rng.integers(0, full))
+        with pytest.raises(CorruptStreamError):
+            codec.decode_range(forged, lo, min(n, lo + int(rng.integers(1, 2 * full))), mean, std, config=config)
+        if version == 2 and w + 1 < a.lengths.size:  # a range after the splice is unaffected
+            start = (w + 1) * full
+            assert_bit_exact(codec.decode_range(forged, start, n, mean, std, config=config), x.reshape(-1)[start:])
+
+
+def test_meta_tensors_are_a_clear_error():
+    x = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        codec.encode(x)
+    real = torch.randn(4, 8).bfloat16()
+    with pytest.raises(ValueError, match="meta device"):
+        codec.encode(real, torch.empty(4, 8, device="meta"), 1.0)
+    blob = codec.encode(real, torch.zeros(4, 8), 1.0)
+    with pytest.raises(ValueError, match="meta device"):
+        codec.decode(blob, torch.empty(4, 8, device="meta"), 1.0)
