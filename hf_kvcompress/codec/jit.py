@@ -363,16 +363,7 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                 if key < 0 or key >= n_pat:
                     code = ERR_KEY
                     break
-                pat = key - z if key >= z else (2 * z - 1) - key
-                if raw_bits == 16:
-                    a = r0 + 2 * i
-                    v = (pat << 16) | np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8)
-                elif raw_bits == 3:
-                    a = r0 + 3 * (i >> 3)
-                    wd = np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8) | (np.int64(buf8[a + 2]) << 16)
-                    v = (pat << 3) | ((wd >> (3 * (i & 7))) & 7)
-                else:
-                    v = pat
+                v = _value(key, i, z, r0, buf8, raw_bits)
                 h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
                 out[s, i] = v
             if code != OK:
@@ -388,10 +379,51 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                     if state[k] != lo_bound:
                         code = ERR_STATE
                         break
-        if code == OK:
-            h = np.uint64(0xCBF29CE484222325)
-            for k in range(w0, w0 + nw):
-                h = (h ^ np.uint64(buf32[k])) * np.uint64(_FNV)
-            if combine_check(h, h2) != checks[s]:
-                code = ERR_HASH
+        if code == OK and _stream_check(buf32, w0, nw, h2) != checks[s]:
+            code = ERR_HASH
+        err[s] = code
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _value(key, i, z, r0, buf8, raw_bits):
+    """Full bit pattern of element ``i``: the key's coded pattern joined with its raw low bits."""
+    pat = key - z if key >= z else (2 * z - 1) - key
+    if raw_bits == 16:
+        a = r0 + 2 * i
+        return (pat << 16) | np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8)
+    if raw_bits == 3:
+        a = r0 + 3 * (i >> 3)
+        wd = np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8) | (np.int64(buf8[a + 2]) << 16)
+        return (pat << 3) | ((wd >> (3 * (i & 7))) & 7)
+    return pat
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _stream_check(buf32, w0, nw, h_values):
+    h = np.uint64(0xCBF29CE484222325)
+    for k in range(w0, w0 + nw):
+        h = (h ^ np.uint64(buf32[k])) * np.uint64(_FNV)
+    return combine_check(h, h_values)
+
+
+@_jit
+def finish_streams(keys, buf8, buf32, wstart, wcount, rstart, n, pattern_bits, raw_bits, zero_key, checks, out,
+                   err, s_lo, s_hi):
+    """For keys decoded elsewhere (the Triton decoder): join the raw low bits into ``out[s, :n]`` and verify
+    the stream checks, setting ``err[s]`` like `decode_streams`."""
+    z = np.int64(zero_key)
+    n_pat = np.int64(1) << pattern_bits
+    for s in range(s_lo, s_hi):
+        h2 = np.uint64(0x84222325CBF29CE4)
+        code = OK
+        for i in range(n):
+            key = np.int64(keys[s, i])
+            if key < 0 or key >= n_pat:
+                code = ERR_KEY
+                break
+            v = _value(key, i, z, rstart[s], buf8, raw_bits)
+            h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
+            out[s, i] = v
+        if code == OK and _stream_check(buf32, wstart[s], wcount[s], h2) != checks[s]:
+            code = ERR_HASH
         err[s] = code
