@@ -2,8 +2,8 @@
 
 Everything here is integer arithmetic on arrays prepared by `lanes.py`; nothing allocates Python objects in
 the loops, so the kernels release the GIL and run on several threads at once (one call per thread, each
-over a range of streams). `element_param` is `params.element_params_reference` element by element (tested
-equal); the coder is rANS with a 64-bit state and 32-bit words (state in ``[2^31, 2^63)``), precision 24 bits
+over a range of streams). `element_param` is `params.element_params` element by element (tested equal to
+`params.element_params_reference`); the coder is rANS with a 64-bit state and 32-bit words (state in ``[2^31, 2^63)``), precision 24 bits
 (the tables' own), one state per lane, element ``i`` in lane ``i % lanes``, one shared word stream.
 See docs/codec.md section 12.
 """

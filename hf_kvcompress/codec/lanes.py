@@ -1,8 +1,8 @@
 """The lanes stream format: batch encode / decode of many streams through the compiled kernels (`jit.py`).
 
-Each stream is one window coded in element order by interleaved rANS (element ``i`` in lane
-``i % lanes``) with the codec's own tables at their full 24-bit precision, so rates match the ``ans``
-coder. Layout (little-endian; varint = unsigned LEB128, at most 9 bytes):
+Each stream is one window coded by interleaved rANS (element ``i`` in lane ``i % lanes``; per round of
+``lanes`` elements their escape flags, then their symbols: `jit.encode_streams`) with the codec's own
+tables at their full 24-bit precision, so rates match the ``ans`` coder. Layout (little-endian; varint = unsigned LEB128, at most 9 bytes):
 
     magic "\\x89KL"[3]
     flags:u8   bits 0-1 dtype code, 2 has_mean, 3 has_std, 4-6 log2(lanes), 7 zero

@@ -26,6 +26,18 @@ def _add(a, b):
     return a + b
 
 
+@triton.jit
+def _refill(x, live, pos, last, bad, words_ptr):
+    """Lanes whose state fell below 2^31 take the next words, in lane order: positions by prefix sum.
+    A read past the stream's last word is flagged in ``bad``."""
+    need = live & (x < (1 << 31))
+    at = pos + tl.associative_scan(need.to(tl.int64), 0, _add) - need.to(tl.int64)
+    w = tl.load(words_ptr + tl.minimum(at, last), mask=need, other=0).to(tl.uint64)
+    x = tl.where(need, (x << 32) | w, x)
+    bad = bad | (need & (at > last)).to(tl.int32)
+    return x, pos + tl.reduce(need.to(tl.int64), 0, _add), bad
+
+
 # Only core `tl` operations and functions of this module: the library's own jitted helpers (tl.sum,
 # tl.cumsum, tl.zeros, tl.cdiv) are decorated when triton is imported, which under the interpreter may be
 # before TRITON_INTERPRET is set (the tests set it late).
@@ -53,12 +65,7 @@ def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr
         q = x >> 24
         valid = slot < fv
         x = tl.where(live, tl.where(valid, fv * q + slot, fe * q + slot - fv), x)
-        need = live & (x < (1 << 31))
-        at = pos + tl.associative_scan(need.to(tl.int64), 0, _add) - need.to(tl.int64)
-        w = tl.load(words_ptr + tl.minimum(at, last), mask=need, other=0).to(tl.uint64)
-        x = tl.where(need, (x << 32) | w, x)
-        bad = bad | (need & (at > last)).to(tl.int32)
-        pos = pos + tl.reduce(need.to(tl.int64), 0, _add)
+        x, pos, bad = _refill(x, live, pos, last, bad, words_ptr)
         # then their symbols (escaped ones under p_hat, stored after the tables as table ESC_TABLE)
         slot = (x & mask24).to(tl.int64)
         t = tl.where(valid, tl.load(tid_ptr + s * n + i, mask=live, other=0).to(tl.int64), ESC_TABLE)
@@ -77,12 +84,7 @@ def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr
         start = tl.load(cum_ptr + c0 + sym).to(tl.int64)
         f = tl.load(cum_ptr + c0 + sym + 1).to(tl.int64) - start
         x = tl.where(live, f.to(tl.uint64) * (x >> 24) + (slot - start).to(tl.uint64), x)
-        need = live & (x < (1 << 31))
-        at = pos + tl.associative_scan(need.to(tl.int64), 0, _add) - need.to(tl.int64)
-        w = tl.load(words_ptr + tl.minimum(at, last), mask=need, other=0).to(tl.uint64)
-        x = tl.where(need, (x << 32) | w, x)
-        bad = bad | (need & (at > last)).to(tl.int32)
-        pos = pos + tl.reduce(need.to(tl.int64), 0, _add)
+        x, pos, bad = _refill(x, live, pos, last, bad, words_ptr)
         # keys
         size = tl.load(size_ptr + t)
         half = tl.load(half_ptr + t)
