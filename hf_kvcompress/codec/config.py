@@ -75,7 +75,7 @@ class CodecConfig:
             the config) or ``"compact"`` (a short digest of tables, marginal and config; ``decode`` then
             needs ``config=`` and checks the digest). Ignored by ``coder="lanes"``, which has its own layout.
         coder: ``"ans"`` (constriction, windows grouped by table id; the layouts above) or ``"lanes"``
-            (compiled interleaved rANS over the whole stream as one window, element order, ~24-byte header;
+            (compiled interleaved rANS over the whole stream as one window, ~24-byte header;
             `encode_batch` / `decode_batch`; ``decode`` needs ``config=``; only ``window="fixed"``, and
             ``fixed_window`` has no effect). docs/codec.md section 12.
     """

@@ -2,8 +2,8 @@
 
 Everything here is integer arithmetic on arrays prepared by `lanes.py`; nothing allocates Python objects in
 the loops, so the kernels release the GIL and run on several threads at once (one call per thread, each
-over a range of streams). `element_param` is `params.element_params_reference` element by element (tested
-equal); the coder is rANS with a 64-bit state and 32-bit words (state in ``[2^31, 2^63)``), precision 24 bits
+over a range of streams). `element_param` is `params.element_params` element by element (tested equal to
+`params.element_params_reference`); the coder is rANS with a 64-bit state and 32-bit words (state in ``[2^31, 2^63)``), precision 24 bits
 (the tables' own), one state per lane, element ``i`` in lane ``i % lanes``, one shared word stream.
 See docs/codec.md section 12.
 """
@@ -200,17 +200,6 @@ def _find(cum, c0, lut, l0, slot):
     return lo
 
 
-@nb.njit(cache=True, nogil=True, inline="always")
-def _put(x, f, start, words, s, pos):
-    """Encoder step: renormalise (emit the low word while the state would leave [2^31, 2^63)), then code
-    the symbol of frequency ``f`` at ``start``. Words grow downwards from ``pos``."""
-    if x >= (f << np.uint64(63 - PREC)):
-        pos -= 1
-        words[s, pos] = np.uint32(x & np.uint64(0xFFFFFFFF))
-        x >>= np.uint64(32)
-    return ((x // f) << np.uint64(PREC)) + (x % f) + start, pos
-
-
 @_jit
 def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a, sg_a,
                    cum, coff, size_a, half_a, pcum, esc_freq, zero_key, words, nwords, checks, s_lo, s_hi):
@@ -226,7 +215,6 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a
     lanes = 1 << lanes_log2
     cap = words.shape[1]
     state = np.empty(lanes, dtype=np.uint64)
-    valid_l = np.empty(lanes, dtype=np.bool_)
     z = zero_key
     fe = np.uint64(esc_freq)
     fv = np.uint64(TOTAL - esc_freq)
@@ -239,32 +227,38 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a
         for r in range((n + lanes - 1) // lanes - 1, -1, -1):
             i0 = r * lanes
             i1 = min(n, i0 + lanes)
-            for i in range(i1 - 1, i0 - 1, -1):  # symbols (decoded second, so coded first)
-                pat = np.int64(bits[s, i]) >> raw_bits
-                key = pat + z if pat < z else (2 * z - 1) - pat
-                pi = base + (i if ident else pidx[i])
-                t = np.int64(tid_a[pi])
-                size = np.int64(size_a[t])
-                half = np.int64(half_a[t])
-                cpv = np.int64(cp_a[pi])
-                cnv = np.int64(cn_a[pi])
-                s0 = key - (cpv if key >= z else cnv)
-                valid = (s0 >= 0) and (s0 < size) and ((key < cnv + half) or (key >= cpv + half))
-                if valid:
-                    sym = s0 if sg_a[pi] > 0 else size - 1 - s0
-                    c0 = coff[t]
-                    start = np.uint64(cum[c0 + sym])
-                    f = np.uint64(cum[c0 + sym + 1]) - start
-                else:
-                    start = np.uint64(pcum[pat])
-                    f = np.uint64(pcum[pat + 1]) - start
-                valid_l[i - i0] = valid
-                state[i - i0], pos = _put(state[i - i0], f, start, words, s, pos)
-            for i in range(i1 - 1, i0 - 1, -1):  # escape flags: valid [0, TOTAL - fe), escaped [TOTAL - fe, TOTAL)
-                if valid_l[i - i0]:
-                    state[i - i0], pos = _put(state[i - i0], fv, np.uint64(0), words, s, pos)
-                else:
-                    state[i - i0], pos = _put(state[i - i0], fe, fv, words, s, pos)
+            escaped = np.uint64(0)  # bit k: lane k's element escaped
+            for phase in range(2):  # the symbols (decoded second, so coded first), then the escape flags
+                for i in range(i1 - 1, i0 - 1, -1):
+                    if phase == 1:  # flag: valid [0, TOTAL - fe), escaped [TOTAL - fe, TOTAL)
+                        esc = (escaped >> np.uint64(i - i0)) & np.uint64(1)
+                        f = fe if esc else fv
+                        start = fv if esc else np.uint64(0)
+                    else:
+                        pat = np.int64(bits[s, i]) >> raw_bits
+                        key = pat + z if pat < z else (2 * z - 1) - pat
+                        pi = base + (i if ident else pidx[i])
+                        t = np.int64(tid_a[pi])
+                        size = np.int64(size_a[t])
+                        half = np.int64(half_a[t])
+                        cpv = np.int64(cp_a[pi])
+                        cnv = np.int64(cn_a[pi])
+                        s0 = key - (cpv if key >= z else cnv)
+                        if (s0 >= 0) and (s0 < size) and ((key < cnv + half) or (key >= cpv + half)):
+                            sym = s0 if sg_a[pi] > 0 else size - 1 - s0
+                            c0 = coff[t]
+                            start = np.uint64(cum[c0 + sym])
+                            f = np.uint64(cum[c0 + sym + 1]) - start
+                        else:
+                            escaped |= np.uint64(1) << np.uint64(i - i0)
+                            start = np.uint64(pcum[pat])
+                            f = np.uint64(pcum[pat + 1]) - start
+                    x = state[i - i0]
+                    if x >= (f << np.uint64(63 - PREC)):  # renormalise: emit the low word
+                        pos -= 1
+                        words[s, pos] = np.uint32(x & np.uint64(0xFFFFFFFF))
+                        x >>= np.uint64(32)
+                    state[i - i0] = ((x // f) << np.uint64(PREC)) + (x % f) + start
         for k in range(lanes - 1, -1, -1):
             pos -= 1
             words[s, pos] = np.uint32(state[k] >> np.uint64(32))
@@ -363,16 +357,7 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                 if key < 0 or key >= n_pat:
                     code = ERR_KEY
                     break
-                pat = key - z if key >= z else (2 * z - 1) - key
-                if raw_bits == 16:
-                    a = r0 + 2 * i
-                    v = (pat << 16) | np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8)
-                elif raw_bits == 3:
-                    a = r0 + 3 * (i >> 3)
-                    wd = np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8) | (np.int64(buf8[a + 2]) << 16)
-                    v = (pat << 3) | ((wd >> (3 * (i & 7))) & 7)
-                else:
-                    v = pat
+                v = _value(key, i, z, r0, buf8, raw_bits)
                 h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
                 out[s, i] = v
             if code != OK:
@@ -388,10 +373,51 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                     if state[k] != lo_bound:
                         code = ERR_STATE
                         break
-        if code == OK:
-            h = np.uint64(0xCBF29CE484222325)
-            for k in range(w0, w0 + nw):
-                h = (h ^ np.uint64(buf32[k])) * np.uint64(_FNV)
-            if combine_check(h, h2) != checks[s]:
-                code = ERR_HASH
+        if code == OK and _stream_check(buf32, w0, nw, h2) != checks[s]:
+            code = ERR_HASH
+        err[s] = code
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _value(key, i, z, r0, buf8, raw_bits):
+    """Full bit pattern of element ``i``: the key's coded pattern joined with its raw low bits."""
+    pat = key - z if key >= z else (2 * z - 1) - key
+    if raw_bits == 16:
+        a = r0 + 2 * i
+        return (pat << 16) | np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8)
+    if raw_bits == 3:
+        a = r0 + 3 * (i >> 3)
+        wd = np.int64(buf8[a]) | (np.int64(buf8[a + 1]) << 8) | (np.int64(buf8[a + 2]) << 16)
+        return (pat << 3) | ((wd >> (3 * (i & 7))) & 7)
+    return pat
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _stream_check(buf32, w0, nw, h_values):
+    h = np.uint64(0xCBF29CE484222325)
+    for k in range(w0, w0 + nw):
+        h = (h ^ np.uint64(buf32[k])) * np.uint64(_FNV)
+    return combine_check(h, h_values)
+
+
+@_jit
+def finish_streams(keys, buf8, buf32, wstart, wcount, rstart, n, pattern_bits, raw_bits, zero_key, checks, out,
+                   err, s_lo, s_hi):
+    """For keys decoded elsewhere (the Triton decoder): join the raw low bits into ``out[s, :n]`` and verify
+    the stream checks, setting ``err[s]`` like `decode_streams`."""
+    z = np.int64(zero_key)
+    n_pat = np.int64(1) << pattern_bits
+    for s in range(s_lo, s_hi):
+        h2 = np.uint64(0x84222325CBF29CE4)
+        code = OK
+        for i in range(n):
+            key = np.int64(keys[s, i])
+            if key < 0 or key >= n_pat:
+                code = ERR_KEY
+                break
+            v = _value(key, i, z, rstart[s], buf8, raw_bits)
+            h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
+            out[s, i] = v
+        if code == OK and _stream_check(buf32, wstart[s], wcount[s], h2) != checks[s]:
+            code = ERR_HASH
         err[s] = code

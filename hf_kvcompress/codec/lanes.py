@@ -1,8 +1,8 @@
 """The lanes stream format: batch encode / decode of many streams through the compiled kernels (`jit.py`).
 
-Each stream is one window coded in element order by interleaved rANS (element ``i`` in lane
-``i % lanes``) with the codec's own tables at their full 24-bit precision, so rates match the ``ans``
-coder. Layout (little-endian; varint = unsigned LEB128, at most 9 bytes):
+Each stream is one window coded by interleaved rANS (element ``i`` in lane ``i % lanes``; per round of
+``lanes`` elements their escape flags, then their symbols: `jit.encode_streams`) with the codec's own
+tables at their full 24-bit precision, so rates match the ``ans`` coder. Layout (little-endian; varint = unsigned LEB128, at most 9 bytes):
 
     magic "\\x89KL"[3]
     flags:u8   bits 0-1 dtype code, 2 has_mean, 3 has_std, 4-6 log2(lanes), 7 zero
@@ -402,12 +402,27 @@ _ERRORS = {
 }
 
 
-def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
-                      threads: int | None = None) -> torch.Tensor:
+class Batch(NamedTuple):
+    """Parsed, verified streams of one `decode_batch` call, laid out for the kernels."""
+
+    fmt: Format
+    shape: tuple[int, ...]
+    m: int  # elements per stream
+    st: Stats
+    buf8: np.ndarray  # every blob, each stream's words 4-byte aligned
+    buf32: np.ndarray  # the same bytes as little-endian u32
+    wstart: np.ndarray  # int64 [N]: first word of each stream in buf32
+    wcount: np.ndarray  # int64 [N]
+    rstart: np.ndarray  # int64 [N]: first raw byte in buf8
+    lanes_log2: np.ndarray  # int64 [N]
+    checks: np.ndarray  # uint32 [N]
+
+
+def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int) -> Batch:
+    """Parse and verify N streams and their statistics (everything but the entropy decoding)."""
     if isinstance(blobs, (bytes, bytearray, memoryview)) or not hasattr(blobs, "__len__"):
         raise TypeError(f"codec.decode_batch: blobs must be a sequence of bytes, got {type(blobs).__name__}")
     n_streams = len(blobs)
-    threads = _check_threads(threads)
     if n_streams == 0:
         raise ValueError("codec.decode_batch: no streams given (the output shape would be unknown)")
     heads = []
@@ -483,6 +498,16 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     wstart //= 4
     lanes = np.array([h.lanes_log2 for h in heads], dtype=np.int64)
     checks = np.array([h.check for h in heads], dtype=np.uint32)
+    return Batch(fmt, shape, m, st, buf8, buf32, wstart, wcount, rstart, lanes, checks)
+
+
+def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
+                      threads: int | None = None) -> torch.Tensor:
+    threads = _check_threads(threads)
+    bt = prepare_decode(blobs, mean, std, cfg, threads)
+    fmt, m, st = bt.fmt, bt.m, bt.st
+    n_streams = bt.wstart.size
+    xshape = (n_streams, *bt.shape)
     np_dtype = np.uint32 if fmt.dtype == torch.float32 else np.uint16
     if out is None:
         out = torch.empty(xshape, dtype=fmt.dtype)
@@ -496,14 +521,19 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     err = np.zeros(n_streams, dtype=np.int32)
     tab = lane_tables()
     pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
-    args = (buf8, buf32, wstart, wcount, rstart, m, lanes, st.pidx, st.p_row, st.tid, st.cp, st.cn, st.sg, tab.cum,
-            tab.coff, tab.size, tab.half, tab.lut, pcum, plut, _escape_freq(cfg, m), fmt.zero_key,
-            fmt.pattern_bits, fmt.raw_bits, checks, ov, err)
+    args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.p_row, st.tid, st.cp,
+            st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut, _escape_freq(cfg, m),
+            fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, ov, err)
     _run(jit.decode_streams, args, n_streams, threads)
+    raise_errors(err)
+    return out
+
+
+def raise_errors(err: np.ndarray) -> None:
+    """`CorruptStreamError` naming the first stream whose kernel error code is not 0."""
     if err.any():
         i = int(np.flatnonzero(err)[0])
         raise _corrupt(f"stream {i}: {_ERRORS.get(int(err[i]), 'decode failed')}")
-    return out
 
 
 # --------------------------------------------------------------------------------------- single streams

@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 from hf_kvcompress.codec.compact import MAGIC as COMPACT_MAGIC
 from hf_kvcompress.codec.stream import _BODY, _PREFIX, LANES_MAGIC
@@ -140,6 +141,11 @@ def pattern_sample(dtype: torch.dtype) -> np.ndarray:
         return np.concatenate([rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.int64),
                                special_patterns(dtype)])
     return np.arange(1 << 16)
+
+
+_FINITE32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+# (mean, free std, |mean| / std ratio) triples for `params_inputs`
+PARAM_TRIPLES = st.lists(st.tuples(_FINITE32, _FINITE32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64)
 
 
 def params_inputs(triples) -> tuple[np.ndarray, np.ndarray]:

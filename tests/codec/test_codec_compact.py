@@ -7,7 +7,15 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from codec_testutil import DTYPES, as_version1, assert_bit_exact, params_bulk, params_inputs, realistic
+from codec_testutil import (
+    DTYPES,
+    PARAM_TRIPLES,
+    as_version1,
+    assert_bit_exact,
+    params_bulk,
+    params_inputs,
+    realistic,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,12 +159,8 @@ def test_fast_params_equal_reference_on_edges(fmt, steps):
         assert np.array_equal(np.asarray(u, np.int64), np.asarray(v, np.int64))
 
 
-_finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_finite32, _finite32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64),
-       st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
+@given(PARAM_TRIPLES, st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
 def test_fast_params_equal_reference(triples, fmt, steps):
     mean, std = params_inputs(triples)
     a = element_params(mean.view(np.uint32), std.view(np.uint32), fmt, steps)

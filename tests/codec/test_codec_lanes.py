@@ -10,6 +10,7 @@ import pytest
 import torch
 from codec_testutil import (
     DTYPES,
+    PARAM_TRIPLES,
     assert_bit_exact,
     from_patterns,
     params_bulk,
@@ -64,12 +65,8 @@ def test_jit_params_equal_reference_on_edges(fmt, steps):
     _assert_params_equal(mean.reshape(-1), std.reshape(-1), fmt, steps)
 
 
-_finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_finite32, _finite32, st.floats(0.0, 20.0, width=32)), min_size=1, max_size=64),
-       st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
+@given(PARAM_TRIPLES, st.sampled_from([BF16, FP16, FP32]), st.sampled_from([8, 4, 2]))
 def test_jit_params_equal_reference(triples, fmt, steps):
     mean, std = params_inputs(triples)
     _assert_params_equal(mean, std, fmt, steps)
