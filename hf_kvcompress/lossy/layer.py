@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
 
 from ..cache.layer import CompressedLayer
 from ..cache.storage import Block, RawStorage, tensor_nbytes
-from .attention import attach, set_active, take_active
+from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
 from .blocks import LossyBlock, block_bias
 from .budget import budget_bytes, token_bytes
 from .methods import METHODS
@@ -55,7 +56,8 @@ class LossyLayer(CompressedLayer):
         self.model = getattr(cache, "model", None)
         self.attached = self.model is not None
         if self.attached:
-            attach(self.model)
+            # the model gets its attention implementation back once every lossy layer using it is released
+            weakref.finalize(self, release, weakref.ref(self.model), acquire(self.model))
         self.inv_freq = _rope_inv_freq(self.model)
         self.pending = False
         self.since_summary = 0
@@ -77,6 +79,18 @@ class LossyLayer(CompressedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new tokens; return every held entry followed by the new ones (the summary, when due, changes only
         what later forwards see)."""
+        if self.attached and not is_attached(self.model):
+            raise RuntimeError(
+                f"lossy layer {self.layer_idx}: the model no longer runs the lossy attention function "
+                f"(its attention is {self.model.config._attn_implementation!r}, not {ATTENTION_NAME!r}: detach() was "
+                "called); build a new CompressedCache with model=... to compress again"
+            )
+        if not self.attached and key_states.shape[0] > 1:
+            raise ValueError(
+                f"lossy layer {self.layer_idx}: a batch of {key_states.shape[0]} rows without a model: the cache cannot "
+                "see the attention mask, so padding would be kept (and taken as attention sinks) like real tokens. "
+                "Build the cache with CompressedCache(config, model=model), or run one row at a time."
+            )
         keys, values = self._append(key_states, value_states)
         count = key_states.shape[-2]
         if self.residual_valid is not None:
@@ -85,7 +99,11 @@ class LossyLayer(CompressedLayer):
         self.since_summary += count
         self._new_valid = None
         self._expected_kv = keys.shape[-2]
-        if self.held_bytes() > self.budget_bytes() and (count > 1 or self.since_summary >= self.lossy.interval):
+        if (
+            self.compresses
+            and self.held_bytes() > self.budget_bytes()
+            and (count > 1 or self.since_summary >= self.lossy.interval)
+        ):
             self.pending = True
         if self.attached:
             set_active(self.layer_idx, self)
@@ -110,11 +128,13 @@ class LossyLayer(CompressedLayer):
         return key.shape[-2] == self._expected_kv and query.shape[0] == self.rows
 
     def attention_mask(
-        self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None
+        self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None, *, additive: bool = False
     ) -> torch.Tensor | None:
         """The mask for this layer's attention: biases (fitted weights, ``-inf`` for padding) on the held entries,
-        the model's causal/padding mask on the new ones. ``mask`` is transformers' mask for the *first* layer; only
-        its last ``q`` columns (the new tokens, whose positions do not depend on what a layer holds) are used."""
+        the model's causal/padding mask on the new ones. ``mask`` is transformers' sdpa-style mask (None or bool)
+        for the *first* layer; only its last ``q`` columns (the new tokens, whose positions do not depend on what a
+        layer holds) are used. ``additive``: always return a float mask to add to the logits (eager attention),
+        never ``None`` or a bool mask."""
         b, heads, q, _ = query.shape
         held = kv_length - q
         if mask is not None:
@@ -126,10 +146,14 @@ class LossyLayer(CompressedLayer):
             new = None
         held_bias = self._held_bias(held)
         model_mask_fits = mask.shape[-1] == kv_length if mask is not None else (q == 1 or held == 0)
-        if held_bias is None and model_mask_fits:
+        if held_bias is None and model_mask_fits and not additive:
             return mask  # nothing to add: the model's own mask (or sdpa's causal shortcut) is right
         if new is None:
             new = torch.ones(q, q, dtype=torch.bool, device=query.device).tril(diagonal=0)[None, None]
+        # a query that may see nothing (left padding) would spread its attention evenly over every column, later
+        # tokens included: let it see itself only, so no output depends on a later token
+        eye = torch.eye(q, dtype=torch.bool, device=query.device)
+        new = new | (~new.any(dim=-1, keepdim=True) & eye)
         low = torch.finfo(query.dtype).min
         new_part = torch.where(new, 0.0, low).to(query.dtype).expand(b, heads, q, q)
         if held_bias is None:
@@ -152,12 +176,18 @@ class LossyLayer(CompressedLayer):
                     self.rows, self.residual_length, dtype=torch.bool, device=self.residual_keys.device
                 )
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
-        self.query_buffer.add(query, self.seen_tokens - count, self._new_valid)
+        if self.compresses:
+            self.query_buffer.add(query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
         if self.pending:
             self.summarize()
 
     # ------------------------------------------------------------------ budget
+
+    @property
+    def compresses(self) -> bool:
+        """False at a float budget of 1.0: the whole cache fits, nothing is ever summarised (and no queries kept)."""
+        return not (isinstance(self.lossy.budget, float) and self.lossy.budget >= 1.0)
 
     @property
     def token_bytes(self) -> int:
