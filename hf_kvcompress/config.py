@@ -117,7 +117,10 @@ class LossyConfig(_JsonConfig):
         error_tolerance: relative attention-output error that picks the smallest sufficient SVD rank.
         interval: new tokens between two summaries.
         sinks: initial tokens that are always kept exact.
-        reference_queries: how many recent queries per layer (per query head) are kept to score and fit summaries.
+        reference_queries: how many recent queries per layer (per query head) a summary is scored and fitted on
+            (those of the forward that triggers it, used in place, plus the kept ones).
+        kept_queries: how many queries per layer (per query head) are kept between summaries for the next fit
+            (at most ``interval``; int8, counted in the held bytes and reserved in the budget).
         selection: the summary's stage 1: ``"mass"`` (keep the most attended entries) or ``"entropy"`` (the seed's
             criterion: entries above ``entropy_threshold`` are compressible, the lowest-entropy ones are kept).
         fit_bias: fit a per-entry logit bias (Attention Matching) for summary entries; needs a model attached.
@@ -134,6 +137,7 @@ class LossyConfig(_JsonConfig):
     interval: int = 256
     sinks: int = 4
     reference_queries: int = 1024
+    kept_queries: int = 64
     selection: str = "mass"
     fit_bias: bool = True
     ridge: float = 1e-3
@@ -156,6 +160,7 @@ class LossyConfig(_JsonConfig):
         _check_int(owner, "interval", self.interval, minimum=1)
         _check_int(owner, "sinks", self.sinks, minimum=0)
         _check_int(owner, "reference_queries", self.reference_queries, minimum=1)
+        _check_int(owner, "kept_queries", self.kept_queries, minimum=0)
         _check_choice(owner, "selection", self.selection, self.SELECTIONS)
         if not isinstance(self.fit_bias, bool):
             _fail(owner, "fit_bias", f"must be a bool, got {type(self.fit_bias).__name__} {self.fit_bias!r}")

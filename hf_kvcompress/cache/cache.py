@@ -225,6 +225,8 @@ class CompressedCache(Cache):
             "entries": sum(s["entries"] for s in per_layer),
             "raw_bytes": raw,
             "stored_bytes": stored,
+            # every byte the layers hold (lossy layers add their kept queries; layers without the key: stored)
+            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in per_layer),
             "bits_per_scalar": 8.0 * stored / scalars if scalars else 0.0,
             "compression_ratio": raw / stored if stored else 1.0,
             "dtype": ",".join(sorted(dtypes)) or None,

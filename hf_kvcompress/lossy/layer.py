@@ -14,7 +14,7 @@ from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active
 from .blocks import LossyBlock, block_bias
 from .budget import budget_bytes, token_bytes
 from .methods import METHODS
-from .queries import QueryBuffer, group_by_kv_head, proxy_queries, reposition
+from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
 from .region import FitContext, Region
 
 NEG_INF = float("-inf")
@@ -42,8 +42,11 @@ class LossyLayer(CompressedLayer):
             )
         config = cache.config
         self.lossy = config.lossy
-        # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer
-        self.query_buffer = QueryBuffer(self.lossy.reference_queries)
+        model = getattr(cache, "model", None)
+        keeps_queries = model is not None and self.lossy.method in QUERY_METHODS and not _full_budget(self.lossy)
+        # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer.
+        # Between summaries only the queries the next fit can use are kept (a summary forgets them)
+        self.query_buffer = QueryBuffer(min(self.lossy.kept_queries, self.lossy.interval) if keeps_queries else 0)
         self.residual_valid: torch.Tensor | None = None
         self.sink_block: LossyBlock | None = None
         super().__init__(
@@ -53,12 +56,12 @@ class LossyLayer(CompressedLayer):
             layer_idx=layer_idx,
         )
         self.method = METHODS[self.lossy.method]
-        self.model = getattr(cache, "model", None)
+        self.model = model
+        self.q_heads = 0 if model is None else model.config.get_text_config(decoder=True).num_attention_heads
         self.attached = self.model is not None
         if self.attached:
             # the model gets its attention implementation back once every lossy layer using it is released
             weakref.finalize(self, release, weakref.ref(self.model), acquire(self.model))
-        self.inv_freq = _rope_inv_freq(self.model)
         self.pending = False
         self.since_summary = 0
         self.summary_seconds: list[float] = []
@@ -176,18 +179,19 @@ class LossyLayer(CompressedLayer):
                     self.rows, self.residual_length, dtype=torch.bool, device=self.residual_keys.device
                 )
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
-        if self.compresses:
-            self.query_buffer.add(query, self.seen_tokens - count, self._new_valid)
+        current = (query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
         if self.pending:
-            self.summarize()
+            self.summarize(current)  # this forward's queries are used where they are, never kept
+        else:
+            self.query_buffer.add(*current)
 
     # ------------------------------------------------------------------ budget
 
     @property
     def compresses(self) -> bool:
         """False at a float budget of 1.0: the whole cache fits, nothing is ever summarised (and no queries kept)."""
-        return not (isinstance(self.lossy.budget, float) and self.lossy.budget >= 1.0)
+        return not _full_budget(self.lossy)
 
     @property
     def token_bytes(self) -> int:
@@ -199,22 +203,35 @@ class LossyLayer(CompressedLayer):
         return budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
 
     def held_bytes(self) -> int:
-        """Bytes per batch row held now: blocks with their side data, residual and its padding mask."""
+        """Bytes per batch row held now: everything in `total_held_bytes`, spread over the rows."""
+        return self.total_held_bytes() // max(self.rows, 1)
+
+    def total_held_bytes(self) -> int:
+        """Every byte this layer holds: blocks with their side data, residual and its padding mask, the kept
+        queries."""
         total = sum(block.nbytes() for block in self.blocks)
         total += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
-        total += tensor_nbytes(self.residual_valid)
-        return total // max(self.rows, 1)
+        total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes()
+        return total
+
+    def query_reserve(self) -> int:
+        """Bytes per row kept free after a summary for the queries the layer keeps until the next one."""
+        if self.query_buffer.capacity <= 0 or not self.is_initialized:
+            return 0
+        return self.query_buffer.capacity * query_bytes(self.q_heads, self.residual_keys.shape[-1], self.rows)
 
     # ------------------------------------------------------------------ the summary
 
     @torch.no_grad()
-    def summarize(self) -> None:
-        """Shrink this layer to its budget now: sinks and the recent window stay exact, the method replaces the
-        rest. Records the wall time in ``summary_seconds``."""
+    def summarize(self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None = None) -> None:
+        """Shrink this layer to its budget now (less the room its kept queries will take until the next summary):
+        sinks and the recent window stay exact, the method replaces the rest. ``current``: the queries of the
+        forward in progress (``(queries, first_position, valid)``), fitted on with the kept ones and then
+        forgotten with them. Records the wall time in ``summary_seconds``."""
         start = time.perf_counter()
         self.pending = False
         self.since_summary = 0
-        budget = self.budget_bytes()
+        budget = max(0, self.budget_bytes() - self.query_reserve())
         per_token = self.token_bytes
         if self.sink_block is None:
             self._make_sink_block(budget // per_token)
@@ -227,7 +244,7 @@ class LossyLayer(CompressedLayer):
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
         if self.lossy.method in QUERY_METHODS:
-            queries, weight = self._reference_queries()
+            queries, weight = self._reference_queries(current)
         else:  # streaming and plain SVD never look at queries
             queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
         ctx = FitContext(
@@ -245,12 +262,13 @@ class LossyLayer(CompressedLayer):
         self.blocks = ([self.sink_block] if self.sink_block is not None else []) + made
         self.block_starts = [0] * len(self.blocks)
         keep = self.residual_length - window
-        self.residual_keys = self.residual_keys[..., keep:, :].contiguous()
-        self.residual_values = self.residual_values[..., keep:, :].contiguous()
+        self.residual_keys = _owned(self.residual_keys[..., keep:, :])
+        self.residual_values = _owned(self.residual_values[..., keep:, :])
         if self.residual_valid is not None:
-            self.residual_valid = self.residual_valid[:, keep:].contiguous()
+            self.residual_valid = _owned(self.residual_valid[:, keep:])
             if bool(self.residual_valid.all()):
                 self.residual_valid = None
+        self.query_buffer.clear()
         self.summary_seconds.append(time.perf_counter() - start)
 
     def _make_sink_block(self, max_tokens: int) -> None:
@@ -306,12 +324,13 @@ class LossyLayer(CompressedLayer):
             bias.insert(0, self._bias_of(self.sink_block))
         return torch.cat(keys, dim=-2), torch.cat(values, dim=-2), torch.cat(bias, dim=-1)
 
-    def _reference_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_queries(
+        self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([b, h, m, d] float32, [b, h, m])``: queries (moved to future positions) and their weights."""
         heads = self.residual_keys.shape[1]
-        buffer = self.query_buffer
-        if self.attached and len(buffer):
-            queries, positions, valid = buffer.queries.float(), buffer.positions, buffer.valid
+        if self.attached and (current is not None or len(self.query_buffer)):
+            queries, positions, valid = self.query_buffer.read(current, self.lossy.reference_queries)
         else:
             # no model: the most recent keys stand in for queries
             queries = proxy_queries(self.residual_keys, self.lossy.reference_queries).float()
@@ -319,7 +338,8 @@ class LossyLayer(CompressedLayer):
             positions = torch.arange(self.seen_tokens - count, self.seen_tokens, device=queries.device)
             valid = self._residual_live()[:, -count:]
         queries = reposition(
-            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon, inv_freq=self.inv_freq
+            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
+            inv_freq=_rope_inv_freq(self.model),
         )
         grouped = group_by_kv_head(queries, heads)
         groups = grouped.shape[-2] // valid.shape[-1]
@@ -360,8 +380,8 @@ class LossyLayer(CompressedLayer):
         out["summaries"] = len(self.summary_seconds)
         out["summary_seconds"] = float(sum(self.summary_seconds))
         out["last_summary_seconds"] = self.summary_seconds[-1] if self.summary_seconds else 0.0
-        # the reference-query buffer is the compressor's workspace (fixed size, independent of context length)
         out["query_bytes"] = self.query_buffer.nbytes()
+        out["held_bytes"] = self.total_held_bytes() if self.is_initialized else 0
         return out
 
     def reset(self) -> None:
@@ -374,8 +394,11 @@ class LossyLayer(CompressedLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
+        if not self.is_initialized:
+            return
+        self.residual_keys, self.residual_values = _owned(self.residual_keys), _owned(self.residual_values)
         if self.residual_valid is not None:
-            self.residual_valid = self.residual_valid[:, : self.residual_length]
+            self.residual_valid = _owned(self.residual_valid[:, : self.residual_length])
         self.query_buffer.drop_after(self.seen_tokens)
 
     def _select_rows(self, indices: torch.Tensor) -> None:
@@ -402,6 +425,18 @@ class LossyLayer(CompressedLayer):
         super()._replace(tensor, which)
         self.residual_valid = None
         self.sink_block = None
+
+
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in storage of its own size: a slice (even a contiguous one) would pin the whole buffer it views."""
+    if x.untyped_storage().nbytes() == tensor_nbytes(x):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _full_budget(config) -> bool:
+    """A float budget of 1.0: everything fits, nothing to summarise."""
+    return isinstance(config.budget, float) and config.budget >= 1.0
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
