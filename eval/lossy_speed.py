@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         runs = [prefill(model, ids, make) for _ in range(args.repeat)]
         seconds, cache = min(runs, key=lambda r: r[0])
         stats = cache.stats()
+        if "held_bytes" not in stats:  # a version before issue 12 (comparison runs): K/V plus the query buffers
+            stats["held_bytes"] = stats["stored_bytes"] + sum(s.get("query_bytes", 0) for s in stats["per_layer"])
         summary_s = sum(s["summary_seconds"] for s in stats["per_layer"])
         print(f"{method:<10} {seconds:>9.2f} {seconds / full_s:>9.2f} {summary_s:>9.2f} "
               f"{stats['held_bytes'] / 1e6:>8.2f} {stats['held_bytes'] / full_bytes:>9.3f}")

@@ -136,8 +136,8 @@ class LossyConfig(_JsonConfig):
     error_tolerance: float = 0.05
     interval: int = 256
     sinks: int = 4
-    reference_queries: int = 1024
-    kept_queries: int = 64
+    reference_queries: int = 256
+    kept_queries: int = 16
     selection: str = "mass"
     fit_bias: bool = True
     ridge: float = 1e-3
