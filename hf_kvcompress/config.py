@@ -128,6 +128,8 @@ class LossyConfig(_JsonConfig):
             least squares, solved with ``gelsd``).
         query_horizon: reference queries are moved (RoPE-rotated) to positions spread over this many tokens after
             the summary, where the queries that will read it sit; 0 keeps their own positions.
+        entry_format: how the entries a method keeps are stored: ``"model"`` (the cache dtype), ``"int8"`` or
+            ``"fp8"`` (8-bit codes with a float16 scale per vector; sinks and the recent window stay exact).
     """
 
     method: str = "summary"
@@ -142,9 +144,11 @@ class LossyConfig(_JsonConfig):
     fit_bias: bool = True
     ridge: float = 1e-3
     query_horizon: int = 512
+    entry_format: str = "model"
 
     METHODS: ClassVar[tuple[str, ...]] = ("summary", "topk", "streaming", "svd")
     SELECTIONS: ClassVar[tuple[str, ...]] = ("mass", "entropy")
+    ENTRY_FORMATS: ClassVar[tuple[str, ...]] = ("model", "int8", "fp8")
 
     def __post_init__(self) -> None:
         owner = "LossyConfig"
@@ -166,6 +170,7 @@ class LossyConfig(_JsonConfig):
             _fail(owner, "fit_bias", f"must be a bool, got {type(self.fit_bias).__name__} {self.fit_bias!r}")
         _check_float(owner, "ridge", self.ridge, low=0.0, high=1e6)
         _check_int(owner, "query_horizon", self.query_horizon, minimum=0)
+        _check_choice(owner, "entry_format", self.entry_format, self.ENTRY_FORMATS)
 
 
 @dataclass(frozen=True)

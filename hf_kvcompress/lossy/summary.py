@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.storage import Block
-from .blocks import LossyBlock
+from .blocks import kept_block
 from .budget import entry_bytes
 from .entropy import top_entries
 from .matching import Fit, Kernel, fit_row, row, row_context
@@ -32,7 +32,8 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     elem = region.keys.element_size()
     use_bias = ctx.attached and cfg.fit_bias
     store_bias = use_bias or not bool(region.live.all())
-    count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias))
+    fmt = cfg.entry_format
+    count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias, fmt=fmt))
     if count <= 0:
         return []
     # the kernel and the selection scores of each row are computed once and shared by every fit below
@@ -48,7 +49,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     rank = smallest_rank(worst, cfg.error_tolerance)
     # more entries than the plain count only where layers may differ in length (a model attached)
     if rank < d and ctx.attached:
-        per_entry = entry_bytes(h, d, elem, with_bias=store_bias, value_rank=rank)
+        per_entry = entry_bytes(h, d, elem, with_bias=store_bias, value_rank=rank, fmt=fmt)
         more = min(n, (budget - h * rank * d * elem) // per_entry)
         if more > count:
             fits = []
@@ -57,10 +58,11 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
                 fits.append((index, fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge)))
             keys, values, bias = _stack(region, fits)
             factors = _factors(values, rank, region.values.dtype)
-            return [LossyBlock(keys, factors, _stored_bias(bias, keys.dtype, store_bias), tokens=region.tokens)]
+            bias = _stored_bias(bias, keys.dtype, store_bias)
+            return [kept_block(keys, factors, bias, tokens=region.tokens, fmt=fmt)]
     keys, values, bias = _stack(region, fits)
     values = values.to(region.values.dtype)
-    return [LossyBlock(keys, values, _stored_bias(bias, keys.dtype, store_bias), tokens=region.tokens)]
+    return [kept_block(keys, values, _stored_bias(bias, keys.dtype, store_bias), tokens=region.tokens, fmt=fmt)]
 
 
 def selection_score(kernel: Kernel, region: Region, cfg) -> torch.Tensor:
