@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-QUANT_MAX = 127  # symmetric int8
+from .packed import Packed, pack
 
 
 def query_bytes(q_heads: int, head_dim: int, rows: int) -> int:
@@ -50,7 +50,8 @@ class QueryBuffer:
         if self.capacity <= 0:
             return
         q, pos, ok = _tail(queries.detach(), first_position, valid, self.capacity)
-        codes, scales = quantize(q)
+        packed = pack(q, "int8")
+        codes, scales = packed.codes, packed.scales
         if self.codes is None or self.codes.shape[:2] != codes.shape[:2]:
             self.codes, self.scales, self.positions, self.valid = codes, scales, pos, ok
             return
@@ -69,7 +70,7 @@ class QueryBuffer:
         ``limit`` of them."""
         parts = []
         if self.codes is not None:
-            parts.append((dequantize(self.codes, self.scales), self.positions, self.valid))
+            parts.append((Packed(self.codes, self.scales, torch.float32).unpack(), self.positions, self.valid))
         if current is not None:
             q, pos, ok = _tail(current[0].detach(), current[1], current[2], limit)
             parts.append((q.float(), pos, ok))
@@ -124,20 +125,6 @@ def _tail(
         else valid[:, -kept:].to(q.device).clone()
     )
     return q, pos, ok
-
-
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per vector (last dim) with a float16 scale; the codes are made with the rounded scale, so
-    `dequantize` gives back exactly what they encode."""
-    x = x.float()
-    scale = (x.abs().amax(-1, keepdim=True) / QUANT_MAX).clamp_min(1e-6).to(torch.float16)
-    codes = (x / scale.float()).round_().clamp_(-QUANT_MAX, QUANT_MAX).to(torch.int8)
-    return codes, scale
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 queries from `quantize`'s codes and scales."""
-    return codes.float() * scales.float()
 
 
 def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
