@@ -7,7 +7,8 @@ Memory is what each cache really holds after the context (`stats()["held_bytes"]
 kept queries; quantized tensors with their scales plus the unquantized residual for `QuantizedCache`).
 Measured as in `eval/lossy_experiment.py`: held-out attention error, perplexity of the continuation, needles.
 
-    nice python eval/lossy_compare.py              # the reduced setting of docs/lossy.md (about 20 min here)
+    nice python eval/lossy_compare.py              # the reduced setting of docs/lossy.md (8.4 min here)
+    nice python eval/lossy_compare.py --segments 2 --continuation 512 --needles 20    # less noisy, slower
     nice python eval/lossy_compare.py --replot results/lossy_compare/results.json
 
 Prints the table and writes ``results.json`` and ``pareto.png`` under ``--out`` (default
@@ -17,6 +18,7 @@ Prints the table and writes ``results.json`` and ``pareto.png`` under ``--out`` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -50,8 +52,8 @@ SEGMENT_STRIDE = 10_000  # as eval/lossy_experiment.py
 NEEDLE_OFFSET = 40_000
 
 #: the reduced setting (the full eval/lossy_experiment.py setting took 43 min on an idle machine)
-SECTION = LossySection(context=1024, continuation=512, segments=2, interval=128, window=64, sinks=4, heldout_stride=4,
-                       budgets=[0.5, 0.25, 0.125], needles=20, needle_context=512, needle_batch=10,
+SECTION = LossySection(context=1024, continuation=256, segments=1, interval=128, window=64, sinks=4, heldout_stride=4,
+                       budgets=[0.5, 0.25, 0.125], needles=10, needle_context=512, needle_batch=10,
                        quantized=QUANTIZED, q_group_size=64)
 
 
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/lossy_compare"))
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--segments", type=int, help=f"perplexity segments (default {SECTION.segments})")
+    parser.add_argument("--continuation", type=int, help=f"tokens scored per segment (default {SECTION.continuation})")
+    parser.add_argument("--needles", type=int, help=f"needle prompts (default {SECTION.needles})")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a results.json into --out")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
         pareto(report["rows"], args.out / "pareto.png")
         return report
     torch.set_num_threads(args.threads)
-    section = SECTION
+    overrides = {"segments": args.segments, "continuation": args.continuation, "needles": args.needles}
+    section = dataclasses.replace(SECTION, **{k: v for k, v in overrides.items() if v is not None})
     model, tokenizer = load_model(dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     settings: list[Setting] = [
         lossy_setting(model, label, fields, budget, window=section.window, interval=section.interval,

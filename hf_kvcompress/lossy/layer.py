@@ -30,8 +30,9 @@ class LossyLayer(CompressedLayer):
     (a prefill) just arrived or ``interval`` tokens came in since the last one. With a model attached it runs
     right after that forward's attention, on its queries; otherwise at the end of ``update`` on key proxies.
 
-    Between summaries the layer may exceed its budget by the tokens that arrived since the last one (at most
-    ``interval - 1`` decode steps); right after every summary it holds at most its budget.
+    Everything the layer holds counts (``held_bytes``), the queries it keeps for the next summary included: right
+    after every summary it holds at most its budget less the room those queries will take; between summaries it
+    may exceed its budget by the tokens that arrived since the last one (at most ``interval - 1`` decode steps).
     """
 
     def __init__(self, cache: Any, *, layer_idx: int, sliding_window: int | None = None):
