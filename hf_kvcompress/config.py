@@ -138,7 +138,10 @@ class LossyConfig(_JsonConfig):
         error_tolerance: relative attention-output error that picks the smallest sufficient SVD rank.
         interval: new tokens between two summaries.
         sinks: initial tokens that are always kept exact.
-        reference_queries: how many recent queries per layer (per query head) are kept to score and fit summaries.
+        reference_queries: how many recent queries per layer (per query head) a summary is scored and fitted on
+            (those of the forward that triggers it, used in place, plus the kept ones).
+        kept_queries: how many queries per layer (per query head) are kept between summaries for the next fit
+            (at most ``interval``; int8, counted in the held bytes and reserved in the budget).
         selection: the summary's stage 1: ``"mass"`` (keep the most attended entries) or ``"entropy"`` (the seed's
             criterion: entries above ``entropy_threshold`` are compressible, the lowest-entropy ones are kept).
         fit_bias: fit a per-entry logit bias (Attention Matching) for summary entries; needs a model attached.
@@ -146,6 +149,8 @@ class LossyConfig(_JsonConfig):
             least squares, solved with ``gelsd``).
         query_horizon: reference queries are moved (RoPE-rotated) to positions spread over this many tokens after
             the summary, where the queries that will read it sit; 0 keeps their own positions.
+        entry_format: how the entries a method keeps are stored: ``"model"`` (the cache dtype), ``"int8"`` or
+            ``"fp8"`` (8-bit codes with a float16 scale per vector; sinks and the recent window stay exact).
     """
 
     method: str = "summary"
@@ -154,14 +159,17 @@ class LossyConfig(_JsonConfig):
     error_tolerance: float = 0.05
     interval: int = 256
     sinks: int = 4
-    reference_queries: int = 1024
+    reference_queries: int = 256
+    kept_queries: int = 16
     selection: str = "mass"
     fit_bias: bool = True
     ridge: float = 1e-3
     query_horizon: int = 512
+    entry_format: str = "model"
 
     METHODS: ClassVar[tuple[str, ...]] = ("summary", "topk", "streaming", "svd")
     SELECTIONS: ClassVar[tuple[str, ...]] = ("mass", "entropy")
+    ENTRY_FORMATS: ClassVar[tuple[str, ...]] = ("model", "int8", "fp8")
 
     def __post_init__(self) -> None:
         owner = "LossyConfig"
@@ -177,11 +185,13 @@ class LossyConfig(_JsonConfig):
         _check_int(owner, "interval", self.interval, minimum=1)
         _check_int(owner, "sinks", self.sinks, minimum=0)
         _check_int(owner, "reference_queries", self.reference_queries, minimum=1)
+        _check_int(owner, "kept_queries", self.kept_queries, minimum=0)
         _check_choice(owner, "selection", self.selection, self.SELECTIONS)
         if not isinstance(self.fit_bias, bool):
             _fail(owner, "fit_bias", f"must be a bool, got {type(self.fit_bias).__name__} {self.fit_bias!r}")
         _check_float(owner, "ridge", self.ridge, low=0.0, high=1e6)
         _check_int(owner, "query_horizon", self.query_horizon, minimum=0)
+        _check_choice(owner, "entry_format", self.entry_format, self.ENTRY_FORMATS)
 
 
 @dataclass(frozen=True)

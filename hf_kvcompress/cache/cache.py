@@ -234,8 +234,8 @@ class CompressedCache(Cache):
         Returns a dict with ``mode``, ``tokens`` (text positions seen), ``entries`` (K/V rows attention sees,
         summed over layers), ``raw_bytes``, ``stored_bytes`` (the compressed form: blocks with their headers
         and side data, residual tensors), ``held_bytes`` (every byte the cache keeps: ``stored_bytes`` plus
-        decoded blocks kept between steps, the recorded token ids and whole buffers behind any view), ``decoded_bytes`` (the
-        decoded part of that), ``bits_per_scalar`` (stored bits per cached K/V scalar), ``compression_ratio``
+        decoded blocks kept between steps, the recorded token ids and whole buffers behind any view),
+        ``decoded_bytes`` and ``token_ids_bytes`` (the parts of it no layer holds), ``bits_per_scalar`` (stored bits per cached K/V scalar), ``compression_ratio``
         (raw / stored), ``dtype`` and ``per_layer`` (the same numbers per layer).
         """
         per_layer = []
@@ -256,6 +256,7 @@ class CompressedCache(Cache):
             "stored_bytes": stored,
             "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in per_layer) + decoded + ids,
             "decoded_bytes": decoded,
+            "token_ids_bytes": ids,
             "bits_per_scalar": 8.0 * stored / scalars if scalars else 0.0,
             "compression_ratio": raw / stored if stored else 1.0,
             "dtype": ",".join(sorted(dtypes)) or None,

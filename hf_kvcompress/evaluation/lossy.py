@@ -96,10 +96,10 @@ def _nbytes(obj: Any) -> int:
 
 
 def physical_bytes(cache) -> int:
-    """Bytes a cache really holds: `CompressedCache.stats` (blocks, side data, residual), quantized tensors with
-    their scales plus the unquantized residual, or plain K/V."""
+    """Bytes a cache really holds: `CompressedCache.stats()["held_bytes"]` (blocks, side data, residual, kept
+    queries), quantized tensors with their scales plus the unquantized residual, or plain K/V."""
     if isinstance(cache, CompressedCache):
-        return int(cache.stats()["stored_bytes"])
+        return int(cache.stats()["held_bytes"])
     total = 0
     for layer in cache.layers:
         total += _nbytes(getattr(layer, "_quantized_keys", None)) + _nbytes(getattr(layer, "_quantized_values", None))

@@ -2,7 +2,8 @@
 
 One module per job: `layer` (the cache layer), `attention` (the attention function that feeds queries in and
 applies per-entry biases), `queries` (reference-query buffer and RoPE repositioning), `budget` (byte accounting),
-`entropy` (per-entry scores), `matching` + `solvers` (the least-squares fits), and one module per method:
+`entropy` (per-entry scores), `matching` + `solvers` (the least-squares fits), `packed` (kept entries in 8 bits),
+and one module per method:
 `summary`, `topk`, `streaming`, `svd`. See docs/lossy.md.
 """
 

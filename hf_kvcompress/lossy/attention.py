@@ -8,14 +8,21 @@ Why a custom attention function (registered with transformers' ``AttentionInterf
 - it can add per-entry logit biases (fitted summary weights, ``-inf`` for padding) and build the mask of the held
   entries itself, so layers may hold different numbers of entries and left padding stays correct.
 
-With no lossy layer active for the call (another cache, or no cache), it simply calls the model's original
-implementation, so the attached model keeps working as before.
+With no lossy layer active for the call (another cache, or no cache), it calls the model's original
+implementation with transformers' mask converted to the form that implementation expects (sdpa takes the boolean
+mask or ``None``; eager adds the mask to its logits, so it gets an additive float mask), so the attached model keeps
+working as before.
+
+The switch is undone (`detach`) when the last lossy layer using the model is garbage-collected (every lossy cache
+built with ``model=`` released), or at once by calling `detach` (a lossy cache still using the model then refuses
+further updates).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +35,8 @@ if TYPE_CHECKING:
 
 ATTENTION_NAME = "hf_kvcompress_lossy"
 INNER_ATTRIBUTE = "_hf_kvcompress_inner_attention"
+#: per attached model: [generation, live lossy layers] (``detach`` starts a new generation)
+USERS_ATTRIBUTE = "_hf_kvcompress_lossy_users"
 SUPPORTED_INNER = ("sdpa", "eager")
 
 _local = threading.local()
@@ -41,12 +50,14 @@ def _active() -> dict[int, LossyLayer]:
 
 
 def set_active(layer_idx: int, layer: LossyLayer) -> None:
-    """Called by `LossyLayer.update`: the next attention call of ``layer_idx`` in this thread belongs to ``layer``."""
-    _active()[layer_idx] = layer
+    """Called by `LossyLayer.update`: the next attention call of ``layer_idx`` in this thread belongs to ``layer``
+    (held weakly: a registration whose attention never ran must not keep a released cache alive)."""
+    _active()[layer_idx] = weakref.ref(layer)
 
 
 def take_active(layer_idx: int) -> LossyLayer | None:
-    return _active().pop(layer_idx, None)
+    ref = _active().pop(layer_idx, None)
+    return None if ref is None else ref()
 
 
 def register() -> None:
@@ -83,18 +94,76 @@ def attach(model: torch.nn.Module) -> None:
 
 
 def detach(model: torch.nn.Module) -> None:
-    """Give ``model`` its original attention implementation back."""
+    """Give ``model`` its original attention implementation back now. Lossy caches built on it refuse further
+    updates (their summaries need the lossy attention function)."""
     inner = next((getattr(m, INNER_ATTRIBUTE) for m in model.modules() if hasattr(m, INNER_ATTRIBUTE)), None)
     if inner is not None and model.config._attn_implementation == ATTENTION_NAME:
         model.set_attn_implementation(inner)
+    users = getattr(model, USERS_ATTRIBUTE, None)
+    if users is not None:
+        users[0] += 1  # layers acquired before this detach no longer count
+        users[1] = 0
 
 
-def _inner_function(module: torch.nn.Module):
-    name = getattr(module, INNER_ATTRIBUTE, "sdpa")
+def is_attached(model: torch.nn.Module) -> bool:
+    """Whether ``model`` currently runs the lossy attention function."""
+    return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+
+
+def acquire(model: torch.nn.Module) -> int:
+    """`attach` ``model`` for one more lossy layer; returns the generation to hand to `release`."""
+    attach(model)
+    users = getattr(model, USERS_ATTRIBUTE, None)
+    if users is None:
+        users = [0, 0]
+        setattr(model, USERS_ATTRIBUTE, users)
+    users[1] += 1
+    return users[0]
+
+
+def release(model_ref: weakref.ref, generation: int) -> None:
+    """One lossy layer of ``model`` is gone; the last one of its generation detaches the model."""
+    model = model_ref()
+    users = None if model is None else getattr(model, USERS_ATTRIBUTE, None)
+    if users is None or users[0] != generation:
+        return
+    users[1] -= 1
+    if users[1] <= 0:
+        detach(model)
+
+
+def _inner_name(module: torch.nn.Module) -> str:
+    name = getattr(module, INNER_ATTRIBUTE, None)
+    if name not in SUPPORTED_INNER:
+        raise RuntimeError(
+            f"lossy attention called from {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}), which "
+            "attach() did not prepare: attach the model again (build a CompressedCache with model=...)"
+        )
+    return name
+
+
+def _inner_function(module: torch.nn.Module, name: str):
     if name == "eager":
         # each modeling file defines its own eager function; use the one of the module's model
         return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def inner_mask(
+    name: str, mask: torch.Tensor | None, query: torch.Tensor, kv_length: int
+) -> torch.Tensor | None:
+    """transformers' sdpa-style mask (``None`` = causal, or bool, True = attend) in the form the inner
+    implementation ``name`` expects: unchanged for sdpa, an additive float mask for eager (which adds the mask to
+    its logits, so ``None`` or a bool mask there would drop causality)."""
+    if name != "eager" or (mask is not None and mask.dtype != torch.bool):
+        return mask
+    q = query.shape[-2]
+    if mask is None:
+        # sdpa_mask returns None only for a causal mask with nothing else to hide; the new tokens are the last q
+        # of kv_length entries (bottom-right aligned)
+        mask = torch.ones(q, kv_length, dtype=torch.bool, device=query.device).tril(diagonal=kv_length - q)[None, None]
+    low = torch.finfo(query.dtype).min
+    return torch.where(mask, 0.0, low).to(query.dtype)
 
 
 def lossy_attention(
@@ -105,11 +174,18 @@ def lossy_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    inner = _inner_function(module)
+    name = _inner_name(module)
+    inner = _inner_function(module, name)
     layer = take_active(getattr(module, "layer_idx", -1))
-    if layer is None or not layer.expects(query, key):
-        return inner(module, query, key, value, attention_mask, **kwargs)
-    mask = layer.attention_mask(query, key.shape[-2], attention_mask)
+    if layer is None:  # another cache (or none) on the attached model
+        return inner(module, query, key, value, inner_mask(name, attention_mask, query, key.shape[-2]), **kwargs)
+    if not layer.expects(query, key):
+        raise RuntimeError(
+            f"lossy attention, layer {layer.layer_idx}: got {key.shape[-2]} keys for {query.shape[0]} rows, but the "
+            f"cache's last update prepared {layer._expected_kv} keys for {layer.rows} rows (an update whose attention "
+            "never ran, or two caches interleaved on one model); its biases and padding mask would be lost"
+        )
+    mask = layer.attention_mask(query, key.shape[-2], attention_mask, additive=name == "eager")
     if mask is not None and mask.dtype != torch.bool:
         # the float mask replaces sdpa's causal shortcut: tell it the mask is complete
         kwargs["is_causal"] = False

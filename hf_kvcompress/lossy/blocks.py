@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 
 from ..cache.storage import Block, tensor_nbytes
+from .packed import Packed, pack, unpack
 
-Values = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+Values = torch.Tensor | Packed | tuple[torch.Tensor, torch.Tensor]
 
 
 class LossyBlock(Block):
     """Entries attention sees as they are, plus an optional additive logit bias per entry.
 
     ``values`` is a tensor, or low-rank factors ``(U, W)`` with ``V = U @ W`` (``[b, h, n, r]``, ``[b, h, r, d]``).
+    ``keys`` and tensor ``values`` may be `Packed` (8-bit codes with a scale per vector, see `packed`).
     ``bias`` (``[batch, kv_heads, entries]``, cache dtype) is added to the attention logits of its entries: a
     fitted log-weight for summary entries, ``-inf`` for entries that must be ignored (padding of a shorter row).
     ``None`` means all zeros and costs nothing.
@@ -20,7 +22,7 @@ class LossyBlock(Block):
 
     exact = False
 
-    def __init__(self, keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int):
+    def __init__(self, keys: torch.Tensor | Packed, values: Values, bias: torch.Tensor | None, *, tokens: int):
         self.keys = keys
         self.values = values
         self.bias = bias
@@ -29,8 +31,8 @@ class LossyBlock(Block):
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.values, tuple):
-            return self.keys, self.values[0] @ self.values[1]
-        return self.keys, self.values
+            return unpack(self.keys), self.values[0] @ self.values[1]
+        return unpack(self.keys), unpack(self.values)
 
     def read_bias(self) -> torch.Tensor | None:
         """Per-entry logit bias ``[batch, kv_heads, entries]`` or None (all zeros)."""
@@ -38,15 +40,18 @@ class LossyBlock(Block):
 
     def nbytes(self) -> int:
         values = self.values if isinstance(self.values, tuple) else (self.values,)
-        return tensor_nbytes(self.keys) + sum(tensor_nbytes(v) for v in values) + tensor_nbytes(self.bias)
+        return _nbytes(self.keys) + sum(_nbytes(v) for v in values) + tensor_nbytes(self.bias)
 
     def _map(self, fn) -> LossyBlock:
-        values = tuple(fn(v) for v in self.values) if isinstance(self.values, tuple) else fn(self.values)
+        def apply(t):
+            return t.map(fn) if isinstance(t, Packed) else fn(t)
+
+        values = tuple(fn(v) for v in self.values) if isinstance(self.values, tuple) else apply(self.values)
         bias = None if self.bias is None else fn(self.bias)
-        return LossyBlock(fn(self.keys), values, bias, tokens=self.tokens)
+        return LossyBlock(apply(self.keys), values, bias, tokens=self.tokens)
 
     def select_rows(self, indices: torch.Tensor) -> LossyBlock:
-        index = indices.to(self.keys.device)
+        index = indices.to(unpack_device(self.keys))
         return self._map(lambda t: t.index_select(0, index))
 
     def to(self, device: torch.device | str) -> LossyBlock:
@@ -109,6 +114,21 @@ class LowRankBlock(Block):
             move(self.bias),
             tokens=self.tokens,
         )
+
+
+def kept_block(keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int, fmt: str) -> LossyBlock:
+    """A block of kept entries with keys and (tensor) values stored in entry format ``fmt``."""
+    if not isinstance(values, tuple):
+        values = pack(values, fmt)
+    return LossyBlock(pack(keys, fmt), values, bias, tokens=tokens)
+
+
+def unpack_device(x: torch.Tensor | Packed) -> torch.device:
+    return x.codes.device if isinstance(x, Packed) else x.device
+
+
+def _nbytes(x: torch.Tensor | Packed | None) -> int:
+    return x.nbytes() if isinstance(x, Packed) else tensor_nbytes(x)
 
 
 def block_bias(block: Block) -> torch.Tensor | None:

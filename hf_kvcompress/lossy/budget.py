@@ -8,6 +8,7 @@ import torch
 
 from ..config import LossyConfig
 from .entropy import top_entries
+from .packed import vector_bytes
 from .region import Region
 
 
@@ -27,14 +28,18 @@ def budget_bytes(config: LossyConfig, seen_tokens: int, per_token: int) -> int:
     return config.budget * per_token
 
 
-def entry_bytes(kv_heads: int, head_dim: int, element_size: int, *, with_bias: bool, value_rank: int | None = None) -> int:
+def entry_bytes(
+    kv_heads: int, head_dim: int, element_size: int, *, with_bias: bool, value_rank: int | None = None,
+    fmt: str = "model",
+) -> int:
     """Bytes of one kept entry per batch row: its key, its value (or its row of value factors at ``value_rank``)
-    and its bias when biases are stored."""
-    value = head_dim if value_rank is None else value_rank
-    return kv_heads * element_size * (head_dim + value + (1 if with_bias else 0))
+    and its bias when biases are stored; keys and tensor values in entry format ``fmt`` (`packed`)."""
+    key = vector_bytes(head_dim, element_size, fmt)
+    value = key if value_rank is None else value_rank * element_size
+    return kv_heads * (key + value + (element_size if with_bias else 0))
 
 
-def keep_within(region: Region, budget: int, order: torch.Tensor | None) -> Region | None:
+def keep_within(region: Region, budget: int, order: torch.Tensor | None, fmt: str = "model") -> Region | None:
     """The best entries of ``region`` that fit in ``budget`` bytes per row, or None if none does.
 
     ``order``: ``[b, h, n]`` score, higher = keep first (None: the newest entries). A bias per entry is stored
@@ -43,7 +48,7 @@ def keep_within(region: Region, budget: int, order: torch.Tensor | None) -> Regi
     b, h, n, d = region.keys.shape
     elem = region.keys.element_size()
     for with_bias in (False, True):
-        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias))
+        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias, fmt=fmt))
         if count <= 0:
             return None
         if order is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import attention_scores
+from ..kernels.dispatch import use_triton
 from .region import FitContext, Region
 
 
@@ -21,8 +22,18 @@ def _scores(region: Region, ctx: FitContext) -> tuple[torch.Tensor, torch.Tensor
 
 
 def attention_mass(region: Region, ctx: FitContext) -> torch.Tensor:
-    """``[b, h, n]``: mean attention weight each entry receives over the valid reference queries."""
-    return _scores(region, ctx)[0].masked_fill(~region.live, float("-inf"))
+    """``[b, h, n]``: mean attention weight each entry receives over the valid reference queries.
+
+    Without Triton, the mass alone comes from one materialised kernel and one mat-vec (`matching.Kernel.mass`):
+    the torch reference of the fused pass computes the logits twice and the entropy too, which cost 26-32 s of a
+    2,048-token prefill on CPU (issue 12)."""
+    if use_triton(ctx.queries, region.keys):
+        mass = _scores(region, ctx)[0]
+    else:
+        from .matching import Kernel
+
+        mass = Kernel(region, ctx).mass()
+    return mass.masked_fill(~region.live, float("-inf"))
 
 
 def entry_entropy(region: Region, ctx: FitContext) -> torch.Tensor:

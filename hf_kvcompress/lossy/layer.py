@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
 
 from ..cache.layer import CompressedLayer
 from ..cache.storage import Block, RawStorage, tensor_nbytes
-from .attention import attach, set_active, take_active
+from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
 from .blocks import LossyBlock, block_bias
 from .budget import budget_bytes, token_bytes
 from .methods import METHODS
-from .queries import QueryBuffer, group_by_kv_head, proxy_queries, reposition
+from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
 from .region import FitContext, Region
 
 NEG_INF = float("-inf")
@@ -29,8 +30,9 @@ class LossyLayer(CompressedLayer):
     (a prefill) just arrived or ``interval`` tokens came in since the last one. With a model attached it runs
     right after that forward's attention, on its queries; otherwise at the end of ``update`` on key proxies.
 
-    Between summaries the layer may exceed its budget by the tokens that arrived since the last one (at most
-    ``interval - 1`` decode steps); right after every summary it holds at most its budget.
+    Everything the layer holds counts (``held_bytes``), the queries it keeps for the next summary included: right
+    after every summary it holds at most its budget less the room those queries will take; between summaries it
+    may exceed its budget by the tokens that arrived since the last one (at most ``interval - 1`` decode steps).
     """
 
     def __init__(self, cache: Any, *, layer_idx: int, sliding_window: int | None = None):
@@ -41,8 +43,11 @@ class LossyLayer(CompressedLayer):
             )
         config = cache.config
         self.lossy = config.lossy
-        # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer
-        self.query_buffer = QueryBuffer(self.lossy.reference_queries)
+        model = getattr(cache, "model", None)
+        keeps_queries = model is not None and self.lossy.method in QUERY_METHODS and not _full_budget(self.lossy)
+        # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer.
+        # Between summaries only the queries the next fit can use are kept (a summary forgets them)
+        self.query_buffer = QueryBuffer(min(self.lossy.kept_queries, self.lossy.interval) if keeps_queries else 0)
         self.residual_valid: torch.Tensor | None = None
         self.sink_block: LossyBlock | None = None
         super().__init__(
@@ -52,11 +57,12 @@ class LossyLayer(CompressedLayer):
             layer_idx=layer_idx,
         )
         self.method = METHODS[self.lossy.method]
-        self.model = getattr(cache, "model", None)
+        self.model = model
+        self.q_heads = 0 if model is None else model.config.get_text_config(decoder=True).num_attention_heads
         self.attached = self.model is not None
         if self.attached:
-            attach(self.model)
-        self.inv_freq = _rope_inv_freq(self.model)
+            # the model gets its attention implementation back once every lossy layer using it is released
+            weakref.finalize(self, release, weakref.ref(self.model), acquire(self.model))
         self.pending = False
         self.since_summary = 0
         self.summary_seconds: list[float] = []
@@ -77,6 +83,18 @@ class LossyLayer(CompressedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new tokens; return every held entry followed by the new ones (the summary, when due, changes only
         what later forwards see)."""
+        if self.attached and not is_attached(self.model):
+            raise RuntimeError(
+                f"lossy layer {self.layer_idx}: the model no longer runs the lossy attention function "
+                f"(its attention is {self.model.config._attn_implementation!r}, not {ATTENTION_NAME!r}: detach() was "
+                "called); build a new CompressedCache with model=... to compress again"
+            )
+        if not self.attached and key_states.shape[0] > 1:
+            raise ValueError(
+                f"lossy layer {self.layer_idx}: a batch of {key_states.shape[0]} rows without a model: the cache cannot "
+                "see the attention mask, so padding would be kept (and taken as attention sinks) like real tokens. "
+                "Build the cache with CompressedCache(config, model=model), or run one row at a time."
+            )
         keys, values = self._append(key_states, value_states)
         count = key_states.shape[-2]
         if self.residual_valid is not None:
@@ -85,7 +103,11 @@ class LossyLayer(CompressedLayer):
         self.since_summary += count
         self._new_valid = None
         self._expected_kv = keys.shape[-2]
-        if self.held_bytes() > self.budget_bytes() and (count > 1 or self.since_summary >= self.lossy.interval):
+        if (
+            self.compresses
+            and self.held_bytes() > self.budget_bytes()
+            and (count > 1 or self.since_summary >= self.lossy.interval)
+        ):
             self.pending = True
         if self.attached:
             set_active(self.layer_idx, self)
@@ -110,11 +132,13 @@ class LossyLayer(CompressedLayer):
         return key.shape[-2] == self._expected_kv and query.shape[0] == self.rows
 
     def attention_mask(
-        self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None
+        self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None, *, additive: bool = False
     ) -> torch.Tensor | None:
         """The mask for this layer's attention: biases (fitted weights, ``-inf`` for padding) on the held entries,
-        the model's causal/padding mask on the new ones. ``mask`` is transformers' mask for the *first* layer; only
-        its last ``q`` columns (the new tokens, whose positions do not depend on what a layer holds) are used."""
+        the model's causal/padding mask on the new ones. ``mask`` is transformers' sdpa-style mask (None or bool)
+        for the *first* layer; only its last ``q`` columns (the new tokens, whose positions do not depend on what a
+        layer holds) are used. ``additive``: always return a float mask to add to the logits (eager attention),
+        never ``None`` or a bool mask."""
         b, heads, q, _ = query.shape
         held = kv_length - q
         if mask is not None:
@@ -126,10 +150,14 @@ class LossyLayer(CompressedLayer):
             new = None
         held_bias = self._held_bias(held)
         model_mask_fits = mask.shape[-1] == kv_length if mask is not None else (q == 1 or held == 0)
-        if held_bias is None and model_mask_fits:
+        if held_bias is None and model_mask_fits and not additive:
             return mask  # nothing to add: the model's own mask (or sdpa's causal shortcut) is right
         if new is None:
             new = torch.ones(q, q, dtype=torch.bool, device=query.device).tril(diagonal=0)[None, None]
+        # a query that may see nothing (left padding) would spread its attention evenly over every column, later
+        # tokens included: let it see itself only, so no output depends on a later token
+        eye = torch.eye(q, dtype=torch.bool, device=query.device)
+        new = new | (~new.any(dim=-1, keepdim=True) & eye)
         low = torch.finfo(query.dtype).min
         new_part = torch.where(new, 0.0, low).to(query.dtype).expand(b, heads, q, q)
         if held_bias is None:
@@ -152,12 +180,19 @@ class LossyLayer(CompressedLayer):
                     self.rows, self.residual_length, dtype=torch.bool, device=self.residual_keys.device
                 )
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
-        self.query_buffer.add(query, self.seen_tokens - count, self._new_valid)
+        current = (query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
         if self.pending:
-            self.summarize()
+            self.summarize(current)  # this forward's queries are used where they are, never kept
+        else:
+            self.query_buffer.add(*current)
 
     # ------------------------------------------------------------------ budget
+
+    @property
+    def compresses(self) -> bool:
+        """False at a float budget of 1.0: the whole cache fits, nothing is ever summarised (and no queries kept)."""
+        return not _full_budget(self.lossy)
 
     @property
     def token_bytes(self) -> int:
@@ -169,22 +204,35 @@ class LossyLayer(CompressedLayer):
         return budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
 
     def held_bytes(self) -> int:
-        """Bytes per batch row held now: blocks with their side data, residual and its padding mask."""
+        """Bytes per batch row held now: everything in `total_held_bytes`, spread over the rows."""
+        return self.total_held_bytes() // max(self.rows, 1)
+
+    def total_held_bytes(self) -> int:
+        """Every byte this layer holds: blocks with their side data, residual and its padding mask, the kept
+        queries."""
         total = sum(block.nbytes() for block in self.blocks)
         total += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
-        total += tensor_nbytes(self.residual_valid)
-        return total // max(self.rows, 1)
+        total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes()
+        return total
+
+    def query_reserve(self) -> int:
+        """Bytes per row kept free after a summary for the queries the layer keeps until the next one."""
+        if self.query_buffer.capacity <= 0 or not self.is_initialized:
+            return 0
+        return self.query_buffer.capacity * query_bytes(self.q_heads, self.residual_keys.shape[-1], self.rows)
 
     # ------------------------------------------------------------------ the summary
 
     @torch.no_grad()
-    def summarize(self) -> None:
-        """Shrink this layer to its budget now: sinks and the recent window stay exact, the method replaces the
-        rest. Records the wall time in ``summary_seconds``."""
+    def summarize(self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None = None) -> None:
+        """Shrink this layer to its budget now (less the room its kept queries will take until the next summary):
+        sinks and the recent window stay exact, the method replaces the rest. ``current``: the queries of the
+        forward in progress (``(queries, first_position, valid)``), fitted on with the kept ones and then
+        forgotten with them. Records the wall time in ``summary_seconds``."""
         start = time.perf_counter()
         self.pending = False
         self.since_summary = 0
-        budget = self.budget_bytes()
+        budget = max(0, self.budget_bytes() - self.query_reserve())
         per_token = self.token_bytes
         if self.sink_block is None:
             self._make_sink_block(budget // per_token)
@@ -197,7 +245,7 @@ class LossyLayer(CompressedLayer):
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
         if self.lossy.method in QUERY_METHODS:
-            queries, weight = self._reference_queries()
+            queries, weight = self._reference_queries(current)
         else:  # streaming and plain SVD never look at queries
             queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
         ctx = FitContext(
@@ -215,12 +263,13 @@ class LossyLayer(CompressedLayer):
         self.blocks = ([self.sink_block] if self.sink_block is not None else []) + made
         self.block_starts = [0] * len(self.blocks)
         keep = self.residual_length - window
-        self.residual_keys = self.residual_keys[..., keep:, :].contiguous()
-        self.residual_values = self.residual_values[..., keep:, :].contiguous()
+        self.residual_keys = _owned(self.residual_keys[..., keep:, :])
+        self.residual_values = _owned(self.residual_values[..., keep:, :])
         if self.residual_valid is not None:
-            self.residual_valid = self.residual_valid[:, keep:].contiguous()
+            self.residual_valid = _owned(self.residual_valid[:, keep:])
             if bool(self.residual_valid.all()):
                 self.residual_valid = None
+        self.query_buffer.clear()
         self.summary_seconds.append(time.perf_counter() - start)
 
     def _make_sink_block(self, max_tokens: int) -> None:
@@ -276,12 +325,13 @@ class LossyLayer(CompressedLayer):
             bias.insert(0, self._bias_of(self.sink_block))
         return torch.cat(keys, dim=-2), torch.cat(values, dim=-2), torch.cat(bias, dim=-1)
 
-    def _reference_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_queries(
+        self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([b, h, m, d] float32, [b, h, m])``: queries (moved to future positions) and their weights."""
         heads = self.residual_keys.shape[1]
-        buffer = self.query_buffer
-        if self.attached and len(buffer):
-            queries, positions, valid = buffer.queries.float(), buffer.positions, buffer.valid
+        if self.attached and (current is not None or len(self.query_buffer)):
+            queries, positions, valid = self.query_buffer.read(current, self.lossy.reference_queries)
         else:
             # no model: the most recent keys stand in for queries
             queries = proxy_queries(self.residual_keys, self.lossy.reference_queries).float()
@@ -289,7 +339,8 @@ class LossyLayer(CompressedLayer):
             positions = torch.arange(self.seen_tokens - count, self.seen_tokens, device=queries.device)
             valid = self._residual_live()[:, -count:]
         queries = reposition(
-            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon, inv_freq=self.inv_freq
+            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
+            inv_freq=_rope_inv_freq(self.model),
         )
         grouped = group_by_kv_head(queries, heads)
         groups = grouped.shape[-2] // valid.shape[-1]
@@ -330,8 +381,8 @@ class LossyLayer(CompressedLayer):
         out["summaries"] = len(self.summary_seconds)
         out["summary_seconds"] = float(sum(self.summary_seconds))
         out["last_summary_seconds"] = self.summary_seconds[-1] if self.summary_seconds else 0.0
-        # the reference-query buffer is the compressor's workspace (fixed size, independent of context length)
         out["query_bytes"] = self.query_buffer.nbytes()
+        out["held_bytes"] = self.total_held_bytes() if self.is_initialized else 0
         return out
 
     def reset(self) -> None:
@@ -344,8 +395,11 @@ class LossyLayer(CompressedLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
+        if not self.is_initialized:
+            return
+        self.residual_keys, self.residual_values = _owned(self.residual_keys), _owned(self.residual_values)
         if self.residual_valid is not None:
-            self.residual_valid = self.residual_valid[:, : self.residual_length]
+            self.residual_valid = _owned(self.residual_valid[:, : self.residual_length])
         self.query_buffer.drop_after(self.seen_tokens)
 
     def _select_rows(self, indices: torch.Tensor) -> None:
@@ -372,6 +426,18 @@ class LossyLayer(CompressedLayer):
         super()._replace(tensor, which)
         self.residual_valid = None
         self.sink_block = None
+
+
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in storage of its own size: a slice (even a contiguous one) would pin the whole buffer it views."""
+    if x.untyped_storage().nbytes() == tensor_nbytes(x):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _full_budget(config) -> bool:
+    """A float budget of 1.0: everything fits, nothing to summarise."""
+    return isinstance(config.budget, float) and config.budget >= 1.0
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,9 @@ class Kernel:
         self.ctx = ctx
         region_logits = ctx.logits(region.keys, region.bias)
         context_logits = ctx.logits(ctx.context_keys, ctx.context_bias)
-        top = torch.cat([region_logits, context_logits], dim=-1).amax(-1, keepdim=True)
+        # the row maximum without concatenating the two [m, n] blocks (an empty block has none)
+        tops = [x.amax(-1, keepdim=True) for x in (region_logits, context_logits) if x.shape[-1]]
+        top = torch.maximum(*tops) if len(tops) == 2 else tops[0]
         top = torch.nan_to_num(top, neginf=0.0)  # a query with nothing live: anything finite will do
         self.region_exp = region_logits.sub_(top).exp_()
         self.context_exp = context_logits.sub_(top).exp_()
@@ -56,10 +58,10 @@ class Kernel:
         return self.region_z + self.context_z
 
     def mass(self) -> torch.Tensor:
-        """``[1, h, n]`` mean attention weight per region entry over the valid queries."""
-        qw = self.query_weight[..., None]
-        share = self.region_exp / self.full_z[..., None]
-        return (share * qw).sum(-2) / qw.sum(-2).clamp_min(1e-12)
+        """``[1, h, n]`` mean attention weight per region entry over the valid queries (one mat-vec over the
+        kernel, no ``[m, n]`` temporary)."""
+        per_query = (self.query_weight / self.full_z)[..., None, :]  # [1, h, 1, m]
+        return (per_query @ self.region_exp)[..., 0, :] / self.query_weight.sum(-1, keepdim=True).clamp_min(1e-12)
 
     def entropy(self) -> torch.Tensor:
         """``[1, h, n]`` entropy (nats) of each entry's attention over the queries (column-normalised)."""
@@ -78,8 +80,13 @@ class Fit:
     weights: torch.Tensor
 
 
+#: multiplicative NNLS updates per fit: measured offline on SmolLM2 (issue 12), 25 instead of 100 iterations cost
+#: +0.0002 in held-out attention error; the kept entries' earlier weights are the warm start
+NNLS_ITERS = 25
+
+
 def fit_row(
-    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = 100
+    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = NNLS_ITERS
 ) -> Fit:
     """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``."""
     kept = region.gather(index)

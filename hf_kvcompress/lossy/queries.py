@@ -1,8 +1,11 @@
 """Reference queries: what summaries are fitted against.
 
 The cache never sees queries, so when a model is attached, the lossy attention function (`attention.py`) hands
-each layer the post-RoPE queries of every forward pass, exactly as attention used them. A layer keeps the most
-recent ``reference_queries`` of them (per query head) in a `QueryBuffer`.
+each layer the post-RoPE queries of every forward pass, exactly as attention used them. A summary is fitted on
+the last ``reference_queries`` of them: those of the forward that triggers it (used where they are, never kept)
+plus the ones the layer kept since its last summary. Between summaries a layer keeps at most
+``min(kept_queries, interval)`` queries per query head in a `QueryBuffer` (int8 with a float16 scale per vector;
+counted in ``held_bytes`` and reserved in the budget); after a summary it forgets them.
 
 Past queries are not future queries: with RoPE, a query at position p scores a key at position j through
 ``p - j``, and the entries a summary keeps will be scored by queries at positions *after* the summary. So before
@@ -18,60 +21,110 @@ from __future__ import annotations
 
 import torch
 
+from .packed import Packed, pack
+
+
+def query_bytes(q_heads: int, head_dim: int, rows: int) -> int:
+    """Bytes one kept query costs per batch row: int8 vector + float16 scale per query head, its validity flag
+    (one byte) and its share of the int64 position shared by all rows."""
+    return q_heads * (head_dim + 2) + 1 + -(-8 // max(rows, 1))
+
 
 class QueryBuffer:
-    """The last ``capacity`` queries of one layer: ``[batch, q_heads, m, head_dim]`` with, per query, its physical
-    index in the layer's token stream (``[m]``) and a validity mask (``[batch, m]``, False for padding)."""
+    """The last ``capacity`` queries of one layer, ``[batch, q_heads, m, head_dim]`` as int8 with a float16 scale
+    per vector (``[batch, q_heads, m, 1]``), with, per query, its physical index in the layer's token stream
+    (``[m]``) and a validity mask (``[batch, m]``, False for padding)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.queries: torch.Tensor | None = None
+        self.codes: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return 0 if self.queries is None else self.queries.shape[-2]
+        return 0 if self.codes is None else self.codes.shape[-2]
 
     def add(self, queries: torch.Tensor, first_position: int, valid: torch.Tensor | None) -> None:
-        """Append ``queries`` (``[b, hq, q, d]``) of physical positions ``first_position ...``."""
-        q = queries.detach()[..., -self.capacity :, :]
-        count = q.shape[-2]
-        start = first_position + queries.shape[-2] - count
-        pos = torch.arange(start, start + count, device=q.device)
-        ok = (
-            torch.ones(q.shape[0], count, dtype=torch.bool, device=q.device)
-            if valid is None
-            else valid[:, -count:].to(q.device)
-        )
-        if self.queries is None or self.queries.shape[:2] != q.shape[:2]:
-            self.queries, self.positions, self.valid = q.clone(), pos, ok
-        else:
-            self.queries = torch.cat([self.queries, q], dim=-2)[..., -self.capacity :, :]
-            self.positions = torch.cat([self.positions, pos])[-self.capacity :]
-            self.valid = torch.cat([self.valid, ok], dim=-1)[:, -self.capacity :]
+        """Keep the last ``capacity`` of ``queries`` (``[b, hq, q, d]``, physical positions ``first_position ...``)."""
+        if self.capacity <= 0:
+            return
+        q, pos, ok = _tail(queries.detach(), first_position, valid, self.capacity)
+        packed = pack(q, "int8")
+        codes, scales = packed.codes, packed.scales
+        if self.codes is None or self.codes.shape[:2] != codes.shape[:2]:
+            self.codes, self.scales, self.positions, self.valid = codes, scales, pos, ok
+            return
+        keep = self.capacity
+        # cat makes new tensors; slicing the last `keep` of them along dim -2 would pin the whole cat buffer
+        self.codes = torch.cat([self.codes, codes], dim=-2)[..., -keep:, :].clone()
+        self.scales = torch.cat([self.scales, scales], dim=-2)[..., -keep:, :].clone()
+        self.positions = torch.cat([self.positions, pos])[-keep:].clone()
+        self.valid = torch.cat([self.valid, ok], dim=-1)[:, -keep:].clone()
+
+    def read(
+        self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None, limit: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(queries [b, hq, m, d] float32, positions [m], valid [b, m])``: the kept queries followed by
+        ``current`` (``(queries, first_position, valid)`` of the forward in progress, used as they are), the last
+        ``limit`` of them."""
+        parts = []
+        if self.codes is not None:
+            parts.append((Packed(self.codes, self.scales, torch.float32).unpack(), self.positions, self.valid))
+        if current is not None:
+            q, pos, ok = _tail(current[0].detach(), current[1], current[2], limit)
+            parts.append((q.float(), pos, ok))
+        if not parts:
+            raise ValueError("QueryBuffer.read: no queries kept and none given")
+        queries = torch.cat([p[0].to(parts[-1][0].device) for p in parts], dim=-2)[..., -limit:, :]
+        positions = torch.cat([p[1].to(parts[-1][1].device) for p in parts])[-limit:]
+        valid = torch.cat([p[2].to(parts[-1][2].device) for p in parts], dim=-1)[:, -limit:]
+        return queries, positions, valid
 
     def select_rows(self, index: torch.Tensor) -> None:
-        if self.queries is not None:
-            self.queries = self.queries.index_select(0, index.to(self.queries.device))
+        if self.codes is not None:
+            self.codes = self.codes.index_select(0, index.to(self.codes.device))
+            self.scales = self.scales.index_select(0, index.to(self.scales.device))
             self.valid = self.valid.index_select(0, index.to(self.valid.device))
 
     def drop_after(self, position: int) -> None:
         """Forget queries at physical positions >= ``position`` (after a crop)."""
-        if self.queries is not None:
+        if self.codes is not None:
             keep = self.positions < position
-            self.queries, self.positions, self.valid = self.queries[..., keep, :], self.positions[keep], self.valid[:, keep]
+            self.codes, self.scales = self.codes[..., keep, :], self.scales[..., keep, :]
+            self.positions, self.valid = self.positions[keep], self.valid[:, keep]
 
     def to(self, device: torch.device | str) -> None:
-        if self.queries is not None:
-            self.queries, self.positions, self.valid = (t.to(device) for t in (self.queries, self.positions, self.valid))
+        if self.codes is not None:
+            self.codes, self.scales, self.positions, self.valid = (
+                t.to(device) for t in (self.codes, self.scales, self.positions, self.valid)
+            )
 
     def clear(self) -> None:
-        self.queries = self.positions = self.valid = None
+        self.codes = self.scales = self.positions = self.valid = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this buffer holds."""
+        return [t for t in (self.codes, self.scales, self.positions, self.valid) if t is not None]
 
     def nbytes(self) -> int:
-        if self.queries is None:
-            return 0
-        return self.queries.numel() * self.queries.element_size() + self.valid.numel() + 8 * self.positions.numel()
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _tail(
+    queries: torch.Tensor, first_position: int, valid: torch.Tensor | None, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The last ``count`` queries of a forward with their positions and validity."""
+    q = queries[..., -count:, :]
+    kept = q.shape[-2]
+    start = first_position + queries.shape[-2] - kept
+    pos = torch.arange(start, start + kept, device=q.device)
+    ok = (
+        torch.ones(q.shape[0], kept, dtype=torch.bool, device=q.device)
+        if valid is None
+        else valid[:, -kept:].to(q.device).clone()
+    )
+    return q, pos, ok
 
 
 def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

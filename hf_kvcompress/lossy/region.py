@@ -68,7 +68,8 @@ class FitContext:
 
     def logits(self, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, h, m, n]`` float32 attention logits of the reference queries against ``keys``."""
-        out = self.queries @ keys.float().transpose(-1, -2) * self.scaling
+        # the scale goes on the [m, d] queries, not on the [m, n] product
+        out = (self.queries * self.scaling) @ keys.float().transpose(-1, -2)
         return out if bias is None else out + bias[..., None, :]
 
 

@@ -7,14 +7,16 @@ newest entries of the region, so the cache is ``sinks + a longer recent window``
 from __future__ import annotations
 
 from ..cache.storage import Block
-from .blocks import LossyBlock
+from .blocks import kept_block
 from .budget import keep_within
 from .region import FitContext, Region, dead_bias_or_none
 
 
 def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]:
     """Keep the newest entries of ``region`` that fit in ``budget`` bytes per batch row."""
-    kept = keep_within(region, budget, None)
+    fmt = "model" if ctx is None else ctx.config.entry_format
+    kept = keep_within(region, budget, None, fmt)
     if kept is None:
         return []
-    return [LossyBlock(kept.keys, kept.values, dead_bias_or_none(kept.bias, kept.keys.dtype), tokens=region.tokens)]
+    bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
+    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt)]
