@@ -5,9 +5,10 @@ bfloat16 or float16. `ChunkCoder.encode` turns it into one self-checking payload
 gives it back bit for bit. Each (layer, k/v, head) is one codec stream (channel-major, as the cache codes a
 block), with its mean and spread from a predictor run across the chunk's layers, bottom up:
 
-- no calibration: per-chunk statistics (each channel's mean and spread, sent as bf16 side data, keys in
-  a RoPE frame relative to the chunk's first token when the model's rotary parameters are given:
-  `ChunkStatsPredictor`), so any model's chunk codes with no set-up;
+- no calibration: per-chunk statistics (each channel's mean and spread, sent as bf16 side data, with keys
+  in a RoPE frame relative to the chunk's first token: `ChunkStatsPredictor`), so any model's chunk codes
+  with no set-up. The frame is the model's when configured, else guessed from the chunk
+  (`guess_rope_frame`), and travels with the payload;
 - with a `Calibration`: the ``context`` predictor (the layer below, earlier heads, calibrated linear maps,
   per-layer marginals). The chunk must then have the calibrated model's shape. Its keys are un-rotated
   at absolute positions, which a chunk does not carry: the encoder estimates the first token's position
@@ -22,7 +23,6 @@ last, so a payload never decodes to a wrong chunk silently.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 import threading
@@ -193,7 +193,9 @@ class ChunkCoder:
             calibration they come from it; model-free, any may be None (then: any layer count, any width,
             one stream per layer and k/v).
         rope: the model's rotary frame for model-free coding (`RopeFrame.from_model_config`; needs
-            ``head_dim``). None: plain per-channel statistics. With a calibration, the calibration's frame.
+            ``head_dim``); ``RopeFrame(None)``: plain per-channel statistics; None: `guess_rope_frame` per
+            chunk. Model-free payloads carry their frame, so readers need not be configured alike. With a
+            calibration, the calibration's frame.
     """
 
     def __init__(self, calibration: Calibration | None = None, *, layers: int | None = None,
@@ -211,16 +213,16 @@ class ChunkCoder:
                 if value is not None and value != want[name]:
                     raise ValueError(f"{name}={value} contradicts the calibration's model ({name}={want[name]})")
             layers, kv_heads, head_dim = want["layers"], want["kv_heads"], want["head_dim"]
-            self.predictor: Predictor = ContextPredictor(calibration)
-            self.frame = calibration.rope_frame()
+            self.predictor: Predictor | None = ContextPredictor(calibration)
+            self.rope: RopeFrame | None = calibration.rope_frame()
             self.model_id = calibration_id(calibration)
         else:
-            self.frame = rope if rope is not None else RopeFrame(None)
-            if not self.frame.is_identity and (head_dim is None or self.frame.inv_freq.numel() * 2 != head_dim):
-                raise ValueError(f"a RoPE frame needs head_dim = 2 * {self.frame.inv_freq.numel()} rotary "
+            if rope is not None and not rope.is_identity and (head_dim is None or rope.inv_freq.numel() * 2 != head_dim):
+                raise ValueError(f"a RoPE frame needs head_dim = 2 * {rope.inv_freq.numel()} rotary "
                                  f"frequencies, got head_dim={head_dim}")
-            self.predictor = ChunkStatsPredictor(self.frame)
-            self.model_id = frame_id(self.frame)
+            self.rope = rope
+            self.predictor = None  # per chunk: ChunkStatsPredictor of the chunk's frame
+            self.model_id = bytes(8)
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -284,10 +286,15 @@ class ChunkCoder:
             raise ValueError(f"first_position must lie in [0, 2^32), got {first_position}")
         raw = chunk.view(torch.int16).numpy().tobytes()
         _, layers, tokens, hidden = chunk.shape
-        heads = self.heads_of(hidden)
+        heads, predictor, prefix = self.heads_of(hidden), self.predictor, b""
         try:
             with _LOCK, one_thread():
-                body = self._encode_body(chunk, heads, first_position)
+                if predictor is None:  # model-free: the chunk's RoPE frame, sent first
+                    frame = self.rope if self.rope is not None else guess_rope_frame(chunk, self.kv_heads, self.head_dim)
+                    if not frame.is_identity:
+                        heads = hidden // (2 * frame.inv_freq.numel())
+                    predictor, prefix = ChunkStatsPredictor(frame), _pack_frame(frame)
+                body = prefix + self._encode_body(chunk, heads, first_position, predictor)
         except ValueError:
             # the predictor gave the codec a non-finite mean or spread (values near the float limits
             # overflow float32 statistics): such a chunk is stored raw
@@ -300,14 +307,14 @@ class ChunkCoder:
         crc = zlib.crc32(body, zlib.crc32(head[:-4]))
         return head[:-4] + crc.to_bytes(4, "little") + body
 
-    def _encode_body(self, chunk: torch.Tensor, heads: int, first_position: int) -> bytes:
+    def _encode_body(self, chunk: torch.Tensor, heads: int, first_position: int, predictor: Predictor) -> bytes:
         parts: list[bytes] = []
         below: LayerValues | None = None
         for layer in range(chunk.shape[1]):
             keys, values = (_heads_view(chunk[kind, layer], heads) for kind in (0, 1))
-            side = self.predictor.side_data(layer, keys, values)
+            side = predictor.side_data(layer, keys, values)
             parts.append(_pack_side(side))
-            session = self.predictor.session(self._inputs(layer, chunk.shape[2], first_position, below, side))
+            session = predictor.session(self._inputs(layer, chunk.shape[2], first_position, below, side))
             config = self._codec_config(layer)
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
@@ -347,14 +354,18 @@ class ChunkCoder:
                 raise ChunkPayloadError(
                     f"KV chunk payload was coded with {MODE_NAMES[header.mode]} ({header.model_id.hex()}), this "
                     f"coder uses {MODE_NAMES[self.mode]} ({self.model_id.hex()}): configure every reader like "
-                    "the writer (same calibration, or the same model config)"
+                    "the writer (the same calibration, or none)"
                 )
-            if header.heads != self.heads_of(header.hidden):
-                raise ChunkPayloadError(f"KV chunk payload has {header.heads} streams per layer, this coder "
-                                        f"{self.heads_of(header.hidden)}: configure every reader like the writer")
+            if self.predictor is not None and header.heads != self.heads_of(header.hidden):
+                raise ChunkPayloadError(f"KV chunk payload has {header.heads} streams per layer, the calibrated "
+                                        f"model {self.heads_of(header.hidden)}")
             try:
+                predictor, offset = self.predictor, 0
+                if predictor is None:
+                    frame, offset = _unpack_frame(body, header)
+                    predictor = ChunkStatsPredictor(frame)
                 with _LOCK, one_thread():
-                    chunk = self._decode_body(body, header)
+                    chunk = self._decode_body(body, header, predictor, offset)
             except ChunkPayloadError:
                 raise
             except (CorruptStreamError, ValueError, struct.error, RuntimeError, IndexError) as err:
@@ -365,14 +376,13 @@ class ChunkCoder:
             raise ChunkPayloadError("KV chunk payload decoded to a chunk whose CRC-32 differs from the encoder's")
         return chunk
 
-    def _decode_body(self, body: memoryview, header: ChunkHeader) -> torch.Tensor:
+    def _decode_body(self, body: memoryview, header: ChunkHeader, predictor: Predictor, offset: int) -> torch.Tensor:
         chunk = torch.empty(header.shape, dtype=header.dtype)
         heads, dim, tokens = header.heads, header.hidden // header.heads, header.tokens
-        offset = 0
         below: LayerValues | None = None
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
-            session = self.predictor.session(self._inputs(layer, tokens, header.first_position, below, side))
+            session = predictor.session(self._inputs(layer, tokens, header.first_position, below, side))
             config = self._codec_config(layer)
             out = {kind: torch.empty(1, heads, tokens, dim, dtype=header.dtype) for kind in ("k", "v")}
             for kind, head in stream_order(heads):
@@ -409,11 +419,67 @@ class ChunkCoder:
         return replace(CODEC_CONFIG, marginal=self.calibration.marginal(layer))
 
 
-def frame_id(frame: RopeFrame) -> bytes:
-    """8 bytes naming a RoPE frame in model-free payloads (zeros: none)."""
-    if frame.is_identity:
-        return bytes(8)
-    return hashlib.sha256(frame.inv_freq.numpy().astype("<f4").tobytes()).digest()[:8]
+# RoPE bases of common model families (Llama 2 / Gemma 1e4, SmolLM2 1e5, Llama 3 5e5, Qwen 2.5 / Mistral 1e6,
+# long-context variants 1e7) and head sizes: the candidates `guess_rope_frame` tries
+ROPE_THETAS = (1e4, 1e5, 5e5, 1e6, 1e7)
+ROPE_HEAD_DIMS = (64, 128, 256, 96, 80, 32, 16)
+GUESS_LAYERS = 4  # layers (evenly spread) the guess looks at
+
+
+def default_rope(theta: float, head_dim: int) -> RopeFrame:
+    """The frame of standard (unscaled) RoPE with base ``theta`` over ``head_dim`` channels."""
+    return RopeFrame(1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
+
+
+def guess_rope_frame(chunk: torch.Tensor, kv_heads: int | None = None, head_dim: int | None = None) -> RopeFrame:
+    """The standard RoPE frame (base in `ROPE_THETAS`, head size in `ROPE_HEAD_DIMS` or given) under which the
+    chunk's keys, un-rotated by their offset in the chunk, have the smallest per-channel spread (the Gaussian
+    code length ``sum log var`` the model-free coder pays), or the identity frame if none beats it. A guess
+    only costs ratio: the frame is sent with the payload."""
+    _, layers, tokens, hidden = chunk.shape
+    if head_dim is not None:
+        dims = (head_dim,)
+    elif kv_heads is not None:
+        dims = (hidden // kv_heads,)
+    else:
+        dims = tuple(d for d in ROPE_HEAD_DIMS if hidden % d == 0)
+    picked = sorted({round(i * (layers - 1) / max(GUESS_LAYERS - 1, 1)) for i in range(GUESS_LAYERS)})
+    keys = chunk[0, picked].to(torch.float32)  # [n, tokens, hidden]
+    relative = torch.arange(tokens)
+
+    def cost(x: torch.Tensor) -> float:
+        return float(x.var(dim=-2, correction=0).clamp_min(1e-12).log().sum())
+
+    best, best_cost = RopeFrame(None), cost(keys)
+    for dim in dims:
+        if dim % 2 or hidden % dim:
+            continue
+        heads_first = keys.reshape(len(picked), tokens, hidden // dim, dim).transpose(1, 2)  # [n, H, T, d]
+        for theta in ROPE_THETAS:
+            frame = default_rope(theta, dim)
+            c = cost(frame.unrotate(heads_first, relative))
+            if c < best_cost:
+                best, best_cost = frame, c
+    return best
+
+
+def _pack_frame(frame: RopeFrame) -> bytes:
+    """A model-free payload's RoPE frame: u16 count, then the float32 inverse frequencies."""
+    inv_freq = np.zeros(0, dtype="<f4") if frame.is_identity else frame.inv_freq.numpy().astype("<f4")
+    return struct.pack("<H", inv_freq.size) + inv_freq.tobytes()
+
+
+def _unpack_frame(body: memoryview, header: ChunkHeader) -> tuple[RopeFrame, int]:
+    (count,) = struct.unpack_from("<H", body, 0)
+    if count and header.heads * 2 * count != header.hidden:
+        raise ChunkPayloadError(f"KV chunk payload's RoPE frame ({count} frequencies) does not fit {header.heads} "
+                                f"heads of {header.hidden} channels")
+    if 2 + 4 * count > len(body):
+        raise ChunkPayloadError("KV chunk payload truncated inside its RoPE frame")
+    inv_freq = np.frombuffer(body, dtype="<f4", count=count, offset=2).astype(np.float32)
+    if not np.isfinite(inv_freq).all():
+        raise ChunkPayloadError("KV chunk payload's RoPE frame is not finite")
+    return RopeFrame(torch.from_numpy(inv_freq.copy()) if count else None), 2 + 4 * count
 
 
 def estimate_first_position(chunk: torch.Tensor, calibration: Calibration, max_position: int | None = None) -> int:

@@ -13,9 +13,10 @@ Serde kwargs (all optional; see docs/lmcache.md):
     calibration: a calibration folder (``hf-kvcompress calibrate --predictors context``);
     calibration_fingerprint: a model fingerprint: the calibration ``hf-kvcompress calibrate`` saved under
         ``~/.cache/hf_kvcompress/calibrations/<fingerprint>``;
-    model_config: a transformers config (folder, ``config.json`` or hub id) for model-free coding: the
-        chunk shape is checked and keys are coded in a relative RoPE frame;
-    layers, kv_heads, head_dim, rope_theta: the same by hand (``rope_theta`` needs ``head_dim``);
+    model_config: a transformers config (folder, ``config.json`` or hub id): chunks of another shape are
+        refused, and model-free coding takes the model's RoPE frame instead of guessing it per chunk;
+    layers, kv_heads, head_dim, rope_theta: the same by hand (``rope_theta``, standard RoPE, needs
+        ``head_dim``);
     pad_to_estimate: write payloads zero-padded to ``estimate_serialized_size`` (for 0.5.6's ``fs``
         adapter, which reads that many bytes back; see docs/lmcache.md);
     max_workers: serde thread-pool size (default 1).
@@ -53,8 +54,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from ..calibration import Calibration
-from ..predictors.rope import RopeFrame
-from .kv_chunk import ChunkCoder, ChunkError, max_payload_bytes
+from .kv_chunk import ChunkCoder, ChunkError, default_rope, max_payload_bytes
 
 SERDE_NAME = "hf_kvcompress"
 KWARGS = ("calibration", "calibration_fingerprint", "model_config", "layers", "kv_heads", "head_dim",
@@ -146,7 +146,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
             raise ValueError(f"hf_kvcompress serde: rope_theta must be a number > 1, got {theta!r}")
         if head_dim is None or head_dim % 2:
             raise ValueError("hf_kvcompress serde: rope_theta needs an even head_dim")
-        rope = RopeFrame(1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
+        rope = default_rope(theta, head_dim)
     return ChunkCoder(calibration, rope=rope, **sizes)
 
 

@@ -17,6 +17,7 @@ from hf_kvcompress.integrations.kv_chunk import (
     ChunkCoder,
     ChunkError,
     ChunkPayloadError,
+    guess_rope_frame,
     max_payload_bytes,
     parse_header,
 )
@@ -28,11 +29,11 @@ def rope(head_dim: int, theta: float = 10000.0) -> RopeFrame:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("coder_kind", ["plain", "heads", "rope"])
+@pytest.mark.parametrize("coder_kind", ["plain", "heads", "rope", "guessed"])
 def test_model_free_round_trip_is_bit_exact_and_smaller(dtype, coder_kind):
     chunk = channel_chunk(dtype=dtype)
-    coder = {"plain": ChunkCoder(), "heads": ChunkCoder(kv_heads=2),
-             "rope": ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16))}[coder_kind]
+    coder = {"plain": ChunkCoder(rope=RopeFrame(None)), "heads": ChunkCoder(kv_heads=2, rope=RopeFrame(None)),
+             "rope": ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16)), "guessed": ChunkCoder()}[coder_kind]
     payload = coder.encode(chunk)
     assert parse_header(payload).mode == MODE_STATS
     assert len(payload) < chunk.numel() * 2
@@ -115,11 +116,35 @@ def test_payload_of_another_shape_or_coder_is_refused():
         ChunkCoder().decode(payload, shape=(2, 3, 32, 64))
     with pytest.raises(ChunkPayloadError, match="expected"):
         ChunkCoder().decode(payload, dtype=torch.float16)
-    with pytest.raises(ChunkPayloadError, match="configure every reader like"):
-        ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16)).decode(payload)
+    with pytest.raises(ChunkPayloadError, match="does not fit this coder"):
+        ChunkCoder(layers=30).decode(payload)
     _, calibration = tiny_calibrated()
     with pytest.raises(ChunkPayloadError, match="configure every reader like"):
         ChunkCoder(calibration).decode(ChunkCoder().encode(channel_chunk((2, 2, 16, 32))))
+
+
+def test_model_free_payloads_carry_their_frame():
+    """Readers need not be configured like the writer: the payload names its RoPE frame and heads."""
+    chunk = channel_chunk((2, 3, 64, 32), seed=8)
+    payload = ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16, 500000.0)).encode(chunk)
+    for reader in (ChunkCoder(), ChunkCoder(rope=RopeFrame(None)), ChunkCoder(kv_heads=1, head_dim=32, rope=rope(32))):
+        assert same_bits(reader.decode(payload), chunk)
+
+
+def test_rope_frame_is_guessed_from_rotated_keys():
+    """Keys with a constant pre-RoPE mean, rotated at positions 300.. with base 1e6 over 16 channels: the
+    guess recovers that frame, and codes them smaller than plain channel statistics."""
+    g = torch.Generator().manual_seed(12)
+    frame = rope(16, 1e6)
+    tokens, heads = 128, 2
+    pre = torch.randn(2, 3, heads, 1, 16, generator=g) * 4 + 0.3 * torch.randn(2, 3, heads, tokens, 16, generator=g)
+    keys = frame.rotate(pre, torch.arange(300, 300 + tokens))  # [2, 3, heads, tokens, 16]
+    chunk = keys.permute(0, 1, 3, 2, 4).reshape(2, 3, tokens, heads * 16).to(torch.bfloat16)
+    guessed = guess_rope_frame(chunk)
+    assert not guessed.is_identity and torch.equal(guessed.inv_freq, frame.inv_freq)
+    sizes = {name: len(coder.encode(chunk)) for name, coder in
+             (("guessed", ChunkCoder()), ("plain", ChunkCoder(rope=RopeFrame(None))))}
+    assert sizes["guessed"] < sizes["plain"]
 
 
 def test_calibration_without_context_predictor_is_refused():
