@@ -194,3 +194,32 @@ def test_consistently_resealed_damage_is_caught_by_the_chunk_crc():
         except ChunkPayloadError:
             continue
         assert same_bits(decoded, chunk)  # a change the decoder does not read (e.g. a rounding-neutral bit)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_chunks_positions_and_frame(smollm2):
+    """Real SmolLM2 KV (256-token chunks of held-out text): the guessed RoPE frame is the model's own, the
+    first-position estimate from a small context calibration is exact, and both modes round-trip
+    bit-exactly, the model-free one above the issue's 1.55x goal (measured 1.57x)."""
+    from hf_kvcompress.calibration import Calibration
+    from hf_kvcompress.data import token_ids
+    from hf_kvcompress.integrations.kv_chunk import default_rope, estimate_first_position
+    from hf_kvcompress.predictors.runner import run_decoder
+
+    model, tokenizer = smollm2
+    cache, _ = run_decoder(model, token_ids(tokenizer, 512, split="evaluation", offset=2000))
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    layers, heads, n, dim = keys.shape
+    kv = torch.stack([keys, values]).permute(0, 1, 3, 2, 4).reshape(2, layers, n, heads * dim)
+    chunks = [kv[:, :, s : s + 256].contiguous() for s in (0, 256)]
+    assert torch.equal(guess_rope_frame(chunks[1]).inv_freq, default_rope(100000.0, 64).inv_freq)
+    coder = ChunkCoder()
+    payload = coder.encode(chunks[1])
+    assert same_bits(coder.decode(payload), chunks[1])
+    assert chunks[1].numel() * 2 / len(payload) > 1.55
+    calibration = Calibration.fit(model, tokenizer, tokens=1024, chunk=512, predictors=("context",), progress=False)
+    assert [estimate_first_position(c, calibration) for c in chunks] == [0, 256]
+    calibrated = ChunkCoder(calibration)
+    assert same_bits(calibrated.decode(calibrated.encode(chunks[1])), chunks[1])
