@@ -14,8 +14,8 @@ block), with its mean and spread from a predictor run across the chunk's layers,
   at absolute positions, which a chunk does not carry: the encoder estimates the first token's position
   (`estimate_first_position`) and records it; a wrong estimate only costs ratio, never exactness.
 
-Payload: a fixed header (magic, version, dtype, mode, shape, first position, model id, body length,
-CRC-32 of the decoded chunk, CRC-32 of the payload) and a body. A chunk whose coded body would not be
+Payload: a fixed header (magic, version, dtype, mode, shape, first position, calibration id, body length,
+CRC-32 of the decoded chunk, CRC-32 of the payload) and a body (model-free: the RoPE frame first). A chunk whose coded body would not be
 smaller than its raw bytes is stored raw, so the payload never exceeds `max_payload_bytes`. Anything
 that cannot decode to the exact chunk raises `ChunkPayloadError`; the CRC of the decoded chunk is checked
 last, so a payload never decodes to a wrong chunk silently.
@@ -44,14 +44,15 @@ VERSION = 1
 DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
 MODE_RAW, MODE_STATS, MODE_CONTEXT = 0, 1, 2
 MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "context (calibrated)"}
-# magic, version, dtype, mode, reserved, layers, tokens, hidden, heads, first position, model id (calibration
-# or RoPE frame),
-# body length, CRC-32 of the decoded chunk's bytes, CRC-32 of everything before this field plus the body
+# magic, version, dtype, mode, reserved, layers, tokens, hidden, heads (streams per layer and k/v), first
+# position, model id (the calibration's; zeros model-free), body length, CRC-32 of the decoded chunk's
+# bytes, CRC-32 of everything before this field plus the body
 HEADER = struct.Struct("<8sBBBBIIIII8sQII")
 STREAM = struct.Struct("<bI")  # std scale code (quarter octaves, see cache.coded.choose_scale), blob length
 SIDE_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2}
-# the cache's codec setting (cache/lossless.py): compact headers (~52 bytes instead of ~450 per stream),
-# one window per stream, coarser mean steps (fewer table switches with per-element means)
+# the lossless cache's default codec setting (config.LosslessConfig): compact headers (~52 bytes instead of
+# ~450 per stream), one window per stream, coarser mean steps (fewer table switches with per-element means).
+# Spelled out, not imported: payloads of this VERSION must not change when the cache's defaults do.
 CODEC_CONFIG = CodecConfig(header="compact", fixed_window=65536, mean_steps=4)
 
 # predictor maths runs with one torch thread (cache.coded.one_thread), a process-wide setting: chunks are
@@ -315,7 +316,7 @@ class ChunkCoder:
             side = predictor.side_data(layer, keys, values)
             parts.append(_pack_side(side))
             session = predictor.session(self._inputs(layer, chunk.shape[2], first_position, below, side))
-            config = self._codec_config(layer)
+            config = self._codec_config(layer, self.mode)
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
                 x = (keys if kind == "k" else values)[:, head]
@@ -350,18 +351,19 @@ class ChunkCoder:
                 self.check_chunk(header.shape, header.dtype)
             except ChunkError as err:
                 raise ChunkPayloadError(f"KV chunk payload does not fit this coder: {err}") from err
-            if header.mode != self.mode or header.model_id != self.model_id:
+            # model-free payloads carry all they need; calibrated ones need the writer's calibration
+            if header.mode == MODE_CONTEXT and (self.mode != MODE_CONTEXT or header.model_id != self.model_id):
+                have = f"calibration {self.model_id.hex()}" if self.mode == MODE_CONTEXT else "no calibration"
                 raise ChunkPayloadError(
-                    f"KV chunk payload was coded with {MODE_NAMES[header.mode]} ({header.model_id.hex()}), this "
-                    f"coder uses {MODE_NAMES[self.mode]} ({self.model_id.hex()}): configure every reader like "
-                    "the writer (the same calibration, or none)"
+                    f"KV chunk payload was coded with calibration {header.model_id.hex()}, this coder has {have}: "
+                    "configure every reader with the writer's calibration"
                 )
-            if self.predictor is not None and header.heads != self.heads_of(header.hidden):
+            if header.mode == MODE_CONTEXT and header.heads != self.heads_of(header.hidden):
                 raise ChunkPayloadError(f"KV chunk payload has {header.heads} streams per layer, the calibrated "
                                         f"model {self.heads_of(header.hidden)}")
             try:
                 predictor, offset = self.predictor, 0
-                if predictor is None:
+                if header.mode == MODE_STATS:
                     frame, offset = _unpack_frame(body, header)
                     predictor = ChunkStatsPredictor(frame)
                 with _LOCK, one_thread():
@@ -383,7 +385,7 @@ class ChunkCoder:
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
             session = predictor.session(self._inputs(layer, tokens, header.first_position, below, side))
-            config = self._codec_config(layer)
+            config = self._codec_config(layer, header.mode)
             out = {kind: torch.empty(1, heads, tokens, dim, dtype=header.dtype) for kind in ("k", "v")}
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
@@ -413,8 +415,8 @@ class ChunkCoder:
         positions = torch.arange(first_position, first_position + tokens)
         return BlockInputs(layer, 1, positions, below if layer > 0 else None, dict(side))
 
-    def _codec_config(self, layer: int) -> CodecConfig:
-        if self.calibration is None:
+    def _codec_config(self, layer: int, mode: int) -> CodecConfig:
+        if mode != MODE_CONTEXT:
             return CODEC_CONFIG
         return replace(CODEC_CONFIG, marginal=self.calibration.marginal(layer))
 

@@ -8,7 +8,9 @@ import zlib
 import pytest
 import torch
 from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, noise_chunk, same_bits, tiny_calibrated
+from helpers import random_ids
 
+from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.integrations.kv_chunk import (
     HEADER,
     MODE_CONTEXT,
@@ -118,9 +120,16 @@ def test_payload_of_another_shape_or_coder_is_refused():
         ChunkCoder().decode(payload, dtype=torch.float16)
     with pytest.raises(ChunkPayloadError, match="does not fit this coder"):
         ChunkCoder(layers=30).decode(payload)
-    _, calibration = tiny_calibrated()
-    with pytest.raises(ChunkPayloadError, match="configure every reader like"):
-        ChunkCoder(calibration).decode(ChunkCoder().encode(channel_chunk((2, 2, 16, 32))))
+    model, calibration = tiny_calibrated()
+    free = channel_chunk((2, 2, 16, 32))
+    assert same_bits(ChunkCoder(calibration).decode(ChunkCoder().encode(free)), free)  # model-free: readable
+    calibrated = ChunkCoder(calibration).encode(model_chunks(model, 32, 32)[0])
+    with pytest.raises(ChunkPayloadError, match="with the writer's calibration"):
+        ChunkCoder().decode(calibrated)
+    other = Calibration.fit(model, None, ids=random_ids(1, 128, seed=9), tokens=128, chunk=64,
+                            predictors=("context",), progress=False)
+    with pytest.raises(ChunkPayloadError, match="with the writer's calibration"):
+        ChunkCoder(other).decode(calibrated)
 
 
 def test_model_free_payloads_carry_their_frame():
