@@ -54,7 +54,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from ..calibration import Calibration
-from .kv_chunk import ChunkCoder, ChunkError, default_rope, max_payload_bytes
+from .kv_chunk import HEADER, ChunkCoder, ChunkError, default_rope
 
 SERDE_NAME = "hf_kvcompress"
 KWARGS = ("calibration", "calibration_fingerprint", "model_config", "layers", "kv_heads", "head_dim",
@@ -97,10 +97,14 @@ class LosslessSerializer(Serializer):
         return out.numel()
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
-        """Upper bound of a payload: header plus the raw chunk (incompressible chunks are stored raw)."""
-        shape, dtype = _single_group(layout_desc.shapes, layout_desc.dtypes)
-        self.coder.check_chunk(shape, dtype)
-        return max_payload_bytes(shape, dtype)
+        """Upper bound of a payload: header plus the raw chunk (incompressible chunks are stored raw).
+
+        Computed for any layout, without refusing chunks this coder does not take: LMCache calls this
+        outside its error handling on the load path, so refusals happen in `serialize` (the store fails)
+        and `deserialize` (the load is a miss) instead."""
+        raw = sum(int(torch.Size(shape).numel()) * dtype.itemsize
+                  for shape, dtype in zip(layout_desc.shapes, layout_desc.dtypes, strict=True))
+        return HEADER.size + raw
 
 
 class LosslessDeserializer(Deserializer):

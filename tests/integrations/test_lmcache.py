@@ -139,23 +139,46 @@ def test_bad_serde_options_are_refused(kwargs, message):
 def test_another_models_chunk_is_refused(l1):
     serde = create_serde_processor(SerdeConfig(type=SERDE_NAME, kwargs=SMOLLM2_KWARGS))
     try:
-        other = MemoryLayoutDesc([torch.Size([2, 24, 256, 128])], [torch.bfloat16])
-        with pytest.raises(ChunkError, match="another model"):
-            serde.estimate_serialized_size(other)
-        for layout, match in (
-            (MemoryLayoutDesc([torch.Size([2, 30, 256, 192])], [torch.float32]), "bfloat16 and float16"),
-            (MemoryLayoutDesc([torch.Size([30, 256, 576])], [torch.bfloat16]), "KV_2LTD"),
-            (MemoryLayoutDesc([torch.Size(SMOLLM2_SHAPE)] * 2, [torch.bfloat16] * 2), "groups"),
-        ):
-            with pytest.raises(ChunkError, match=match):
-                serde.estimate_serialized_size(layout)
-        # a serialize task of another model's chunk fails (the store is dropped), it is not coded
-        src = memory_objs(l1, [key(1)], (2, 24, 16, 128), torch.bfloat16)
-        temps = memory_objs(l1, [key(2)], (2 * 24 * 16 * 128 * 2 + HEADER.size,), torch.uint8)
-        task = serde.submit_serialize(src, temps, [key(1)])
-        assert wait_for(lambda: serde.query_serialize_result(task), "serialize") is False
+        # the size bound is given for any layout (LMCache calls it outside its error handling) ...
+        other = MemoryLayoutDesc([torch.Size([2, 24, 16, 128])], [torch.bfloat16])
+        assert serde.estimate_serialized_size(other) == HEADER.size + 2 * 24 * 16 * 128 * 2
+        # ... and serializing refuses: the task fails (the store is dropped), nothing is coded
+        for shape, dtype in (((2, 24, 16, 128), torch.bfloat16), ((2, 30, 16, 192), torch.float32),
+                             ((30, 16, 576), torch.bfloat16)):
+            src = memory_objs(l1, [key(1)], shape, dtype)
+            layout = serialized_layout_desc(MemoryLayoutDesc([torch.Size(shape)], [dtype]), serde)
+            temps = l1.reserve_write([key(2)], [True], layout, tag="temp")
+            task = serde.submit_serialize(src, [temps[key(2)][1]], [key(1)])
+            assert wait_for(lambda t=task: serde.query_serialize_result(t), "serialize") is False
+            l1.finish_write_and_delete([key(1)], tag="test")
+            l1.finish_write_and_delete([key(2)], tag="temp")
     finally:
         serde.close()
+    coder = coder_from_kwargs(SMOLLM2_KWARGS)
+    for shape, dtype, match in (((2, 24, 16, 128), torch.bfloat16, "another model"),
+                                ((2, 30, 16, 192), torch.float32, "bfloat16 and float16"),
+                                ((30, 16, 576), torch.bfloat16, "KV_2LTD")):
+        with pytest.raises(ChunkError, match=match):
+            coder.encode(torch.zeros(shape, dtype=dtype))
+
+
+def test_adapter_wrapper_refuses_another_models_chunk(l1):
+    """Through the wrapper: storing another model's chunk fails cleanly; loading it into this model's
+    layout is a miss."""
+    inner = VariableSizeL2Adapter()
+    adapter = wrapper(l1, inner, SMOLLM2_KWARGS)
+    try:
+        chunk = channel_chunk((2, 24, 16, 128), seed=3)
+        src = memory_objs(l1, [key(1)], chunk.shape, chunk.dtype, tag="engine")
+        src[0].tensor.copy_(chunk)
+        assert not wait_store(adapter, adapter.submit_store_task([key(1)], src)).is_successful()
+        assert inner.stored == {}
+        inner.stored[key(1)] = coder_from_kwargs({}).encode(chunk)  # written by a server without shape checks
+        dst = memory_objs(l1, [key(2)], SMOLLM2_SHAPE, torch.bfloat16, tag="prefetch")
+        bitmap = wait_load(adapter, adapter.submit_load_task([key(1)], dst))
+        assert not bitmap.test(0)
+    finally:
+        adapter.close()
 
 
 def wrapper(l1, inner, kwargs):
