@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..cache.coded import choose_scale, one_thread, scale_factor
+from ..cache.coded import choose_scale, compact, one_thread, scale_factor
 from ..calibration import Calibration
-from ..codec import CodecConfig, CorruptStreamError, decode, encode
+from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
 from ..predictors import BlockInputs, ContextPredictor, LayerValues, Predictor, PredictorSession, stream_order
 from ..predictors.context import BlockStatsSession, block_stats
 from ..predictors.rope import RopeFrame
@@ -50,10 +50,11 @@ MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "co
 HEADER = struct.Struct("<8sBBBBIIIII8sQII")
 STREAM = struct.Struct("<bI")  # std scale code (quarter octaves, see cache.coded.choose_scale), blob length
 SIDE_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2}
-# the lossless cache's default codec setting (config.LosslessConfig): compact headers (~52 bytes instead of
-# ~450 per stream), one window per stream, coarser mean steps (fewer table switches with per-element means).
-# Spelled out, not imported: payloads of this VERSION must not change when the cache's defaults do.
-CODEC_CONFIG = CodecConfig(header="compact", fixed_window=65536, mean_steps=4)
+# the lossless cache's default codec setting (config.LosslessConfig): the compiled interleaved-rANS ``lanes``
+# coder (one window per stream, ~24-byte stream header, many streams per call), coarser mean steps (fewer
+# table switches with per-element means). Spelled out, not imported: payloads of this VERSION must not
+# change when the cache's defaults do.
+CODEC_CONFIG = CodecConfig(coder="lanes", header="compact", fixed_window=65536, mean_steps=4)
 
 # predictor maths runs with one torch thread (cache.coded.one_thread), a process-wide setting: chunks are
 # coded one at a time so concurrent serde workers cannot change it under each other
@@ -197,10 +198,17 @@ class ChunkCoder:
             ``head_dim``); ``RopeFrame(None)``: plain per-channel statistics; None: `guess_rope_frame` per
             chunk. Model-free payloads carry their frame, so readers need not be configured alike. With a
             calibration, the calibration's frame.
+        threads: codec threads for model-free chunks, whose streams are coded in batches (the compiled
+            coder releases the GIL); calibrated chunks are coded stream by stream, each stream's prediction
+            reading the ones before it.
     """
 
     def __init__(self, calibration: Calibration | None = None, *, layers: int | None = None,
-                 kv_heads: int | None = None, head_dim: int | None = None, rope: RopeFrame | None = None):
+                 kv_heads: int | None = None, head_dim: int | None = None, rope: RopeFrame | None = None,
+                 threads: int = 1):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        self.threads = threads
         self.calibration = calibration
         if calibration is not None:
             if "context" not in calibration.predictors:
@@ -230,13 +238,14 @@ class ChunkCoder:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
 
     @classmethod
-    def from_model_config(cls, config, calibration: Calibration | None = None) -> ChunkCoder:
+    def from_model_config(cls, config, calibration: Calibration | None = None, threads: int = 1) -> ChunkCoder:
         """A coder for chunks of the model with transformers ``config`` (shape checks; RoPE frame)."""
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         rope = None if calibration is not None else RopeFrame.from_model_config(config)
-        return cls(calibration, layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, rope=rope)
+        return cls(calibration, layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, rope=rope,
+                   threads=threads)
 
     @property
     def mode(self) -> int:
@@ -295,7 +304,10 @@ class ChunkCoder:
                     if not frame.is_identity:
                         heads = hidden // (2 * frame.inv_freq.numel())
                     predictor, prefix = ChunkStatsPredictor(frame), _pack_frame(frame)
-                body = prefix + self._encode_body(chunk, heads, first_position, predictor)
+                if isinstance(predictor, ChunkStatsPredictor):
+                    body = prefix + self._encode_independent(chunk, heads, predictor)
+                else:
+                    body = prefix + self._encode_body(chunk, heads, first_position, predictor)
         except ValueError:
             # the predictor gave the codec a non-finite mean or spread (values near the float limits
             # overflow float32 statistics): such a chunk is stored raw
@@ -321,13 +333,36 @@ class ChunkCoder:
                 mean, std = session.predict(kind, head)
                 x = (keys if kind == "k" else values)[:, head]
                 code = choose_scale(x[0], mean[0], std[0])
-                mean_t, std_t = _compact(mean[0]), _compact(std[0] * scale_factor(code))
+                mean_t, std_t = compact(mean[0]), compact(std[0] * scale_factor(code))
                 # channel-major (as the cache codes a block): a channel's elements share a spread
                 blob = encode(x[0].T, mean_t.T, std_t.T, config)
                 parts.append(STREAM.pack(code, len(blob)))
                 parts.append(blob)
                 session.observe(kind, head, x)
             below = session.finish(keys, values)
+        return b"".join(parts)
+
+    def _encode_independent(self, chunk: torch.Tensor, heads: int, predictor: ChunkStatsPredictor) -> bytes:
+        """`_encode_body` for a predictor whose streams do not depend on each other (chunk statistics): the
+        same bytes, every stream coded in a few batched codec calls instead of one call each."""
+        sides, codes, streams = [], [], []
+        for layer in range(chunk.shape[1]):
+            keys, values = (_heads_view(chunk[kind, layer], heads) for kind in (0, 1))
+            side = predictor.side_data(layer, keys, values)
+            sides.append(_pack_side(side))
+            session = predictor.session(self._inputs(layer, chunk.shape[2], 0, None, side))
+            for kind, head in stream_order(heads):
+                mean, std = session.predict(kind, head)
+                x = (keys if kind == "k" else values)[0, head]
+                code = choose_scale(x, mean[0], std[0])
+                codes.append(code)
+                streams.append((x.T, compact(mean[0]).T, compact(std[0] * scale_factor(code)).T))
+        blobs = _batched(streams, lambda x, m, s: encode_batch(x, m, s, CODEC_CONFIG, threads=self.threads))
+        parts, per_layer = [], 2 * heads
+        for layer, side in enumerate(sides):
+            parts.append(side)
+            for i in range(layer * per_layer, (layer + 1) * per_layer):
+                parts += [STREAM.pack(codes[i], len(blobs[i])), blobs[i]]
         return b"".join(parts)
 
     # ------------------------------------------------------------------ decode
@@ -367,7 +402,10 @@ class ChunkCoder:
                     frame, offset = _unpack_frame(body, header)
                     predictor = ChunkStatsPredictor(frame)
                 with _LOCK, one_thread():
-                    chunk = self._decode_body(body, header, predictor, offset)
+                    if isinstance(predictor, ChunkStatsPredictor):
+                        chunk = self._decode_independent(body, header, predictor, offset)
+                    else:
+                        chunk = self._decode_body(body, header, predictor, offset)
             except ChunkPayloadError:
                 raise
             except (CorruptStreamError, ValueError, struct.error, RuntimeError, IndexError) as err:
@@ -395,7 +433,7 @@ class ChunkCoder:
                     raise ChunkPayloadError("KV chunk payload truncated inside a stream")
                 blob = bytes(body[offset : offset + length])
                 offset += length
-                mean_t, std_t = _compact(mean[0]), _compact(std[0] * scale_factor(code))
+                mean_t, std_t = compact(mean[0]), compact(std[0] * scale_factor(code))
                 x = decode(blob, mean_t.T, std_t.T, config=config)
                 if x.dtype != header.dtype or tuple(x.shape) != (dim, tokens):
                     raise ChunkPayloadError(f"KV chunk payload stream {kind}{head} of layer {layer} has the wrong shape")
@@ -406,6 +444,35 @@ class ChunkCoder:
             chunk[1, layer] = out["v"][0].permute(1, 0, 2).reshape(tokens, header.hidden)
         if offset != len(body):
             raise ChunkPayloadError(f"KV chunk payload has {len(body) - offset} unexpected trailing body bytes")
+        return chunk
+
+    def _decode_independent(self, body: memoryview, header: ChunkHeader, predictor: ChunkStatsPredictor,
+                            offset: int) -> torch.Tensor:
+        """`_decode_body` for chunk statistics: the body walked once, the streams decoded in batches."""
+        heads, dim, tokens = header.heads, header.hidden // header.heads, header.tokens
+        places, streams = [], []
+        for layer in range(header.layers):
+            side, offset = _unpack_side(body, offset)
+            session = predictor.session(self._inputs(layer, tokens, 0, None, side))
+            for kind, head in stream_order(heads):
+                mean, std = session.predict(kind, head)
+                code, length = STREAM.unpack_from(body, offset)
+                offset += STREAM.size
+                if offset + length > len(body):
+                    raise ChunkPayloadError("KV chunk payload truncated inside a stream")
+                blob = bytes(body[offset : offset + length])
+                offset += length
+                places.append((0 if kind == "k" else 1, layer, head))
+                streams.append((blob, compact(mean[0]).T, compact(std[0] * scale_factor(code)).T))
+        if offset != len(body):
+            raise ChunkPayloadError(f"KV chunk payload has {len(body) - offset} unexpected trailing body bytes")
+        decoded = _batched(streams, lambda blobs, m, s: list(decode_batch(blobs, m, s, CODEC_CONFIG,
+                                                                          threads=self.threads)))
+        chunk = torch.empty(header.shape, dtype=header.dtype)
+        for (kind, layer, head), x in zip(places, decoded):
+            if x.dtype != header.dtype or tuple(x.shape) != (dim, tokens):
+                raise ChunkPayloadError(f"KV chunk payload stream of layer {layer} has the wrong shape or dtype")
+            chunk[kind, layer, :, head * dim : (head + 1) * dim] = x.T
         return chunk
 
     # ------------------------------------------------------------------ shared
@@ -525,10 +592,22 @@ def _heads_view(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(tokens, heads, hidden // heads).permute(1, 0, 2).unsqueeze(0)
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """A ``[tokens, dim]`` statistic that is constant over tokens (an expanded view) as ``[1, dim]``, so the
-    codec turns it into tables once per channel instead of once per element."""
-    return t[:1] if t.shape[0] > 1 and t.stride(0) == 0 else t
+def _batched(streams: list[tuple], call) -> list:
+    """``call(first, means, stds)`` over ``streams`` (``(x or blob, mean, std)`` each) in one call per group
+    of streams whose mean and std have the same shape (per-channel ``[D, 1]`` values, per-element ``[D, T]``
+    rotated keys), stacked; results back in the order of ``streams``."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, mean, std) in enumerate(streams):
+        groups.setdefault((tuple(mean.shape), tuple(std.shape)), []).append(i)
+    out: list = [None] * len(streams)
+    for index in groups.values():
+        first = [streams[i][0] for i in index]
+        first = torch.stack(first) if isinstance(first[0], torch.Tensor) else first
+        means = torch.stack([streams[i][1] for i in index])
+        stds = torch.stack([streams[i][2] for i in index])
+        for i, result in zip(index, call(first, means, stds)):
+            out[i] = result
+    return out
 
 
 def _pack_side(side: dict[str, torch.Tensor]) -> bytes:

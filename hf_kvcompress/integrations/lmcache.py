@@ -17,6 +17,7 @@ Serde kwargs (all optional; see docs/lmcache.md):
         refused, and model-free coding takes the model's RoPE frame instead of guessing it per chunk;
     layers, kv_heads, head_dim, rope_theta: the same by hand (``rope_theta``, standard RoPE, needs
         ``head_dim``);
+    threads: codec threads per model-free chunk (default 1);
     pad_to_estimate: write payloads zero-padded to ``estimate_serialized_size`` (for 0.5.6's ``fs``
         adapter, which reads that many bytes back; see docs/lmcache.md);
     max_workers: serde thread-pool size (default 1).
@@ -58,7 +59,7 @@ from .kv_chunk import HEADER, ChunkCoder, ChunkError, default_rope
 
 SERDE_NAME = "hf_kvcompress"
 KWARGS = ("calibration", "calibration_fingerprint", "model_config", "layers", "kv_heads", "head_dim",
-          "rope_theta", "pad_to_estimate", "max_workers")
+          "rope_theta", "threads", "pad_to_estimate", "max_workers")
 
 
 def _single_group(shapes: list[torch.Size], dtypes: list[torch.dtype]) -> tuple[torch.Size, torch.dtype]:
@@ -130,6 +131,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
     if unknown:
         raise ValueError(f"hf_kvcompress serde: unknown option(s) {unknown}; known: {list(KWARGS)}")
     calibration = _calibration(kwargs)
+    threads = kwargs.get("threads") if kwargs.get("threads") is not None else 1
     if kwargs.get("model_config") is not None:
         if any(kwargs.get(k) is not None for k in ("layers", "kv_heads", "head_dim", "rope_theta")):
             raise ValueError("hf_kvcompress serde: give model_config or layers/kv_heads/head_dim/rope_theta, not both")
@@ -139,7 +141,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         if source.is_file():
             source = source.parent  # a config.json: its folder
         config = AutoConfig.from_pretrained(str(source))
-        return ChunkCoder.from_model_config(config, calibration)
+        return ChunkCoder.from_model_config(config, calibration, threads=threads)
     sizes = {k: _optional_int(kwargs, k) for k in ("layers", "kv_heads", "head_dim")}
     rope = None
     if kwargs.get("rope_theta") is not None:
@@ -151,7 +153,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         if head_dim is None or head_dim % 2:
             raise ValueError("hf_kvcompress serde: rope_theta needs an even head_dim")
         rope = default_rope(theta, head_dim)
-    return ChunkCoder(calibration, rope=rope, **sizes)
+    return ChunkCoder(calibration, rope=rope, threads=threads, **sizes)
 
 
 def _optional_int(kwargs: dict[str, Any], name: str) -> int | None:

@@ -34,7 +34,7 @@ def rope(head_dim: int, theta: float = 10000.0) -> RopeFrame:
 @pytest.mark.parametrize("coder_kind", ["plain", "heads", "rope", "guessed"])
 def test_model_free_round_trip_is_bit_exact_and_smaller(dtype, coder_kind):
     chunk = channel_chunk(dtype=dtype)
-    coder = {"plain": ChunkCoder(rope=RopeFrame(None)), "heads": ChunkCoder(kv_heads=2, rope=RopeFrame(None)),
+    coder = {"plain": ChunkCoder(rope=RopeFrame(None)), "heads": ChunkCoder(kv_heads=2, rope=RopeFrame(None), threads=2),
              "rope": ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16)), "guessed": ChunkCoder()}[coder_kind]
     payload = coder.encode(chunk)
     assert parse_header(payload).mode == MODE_STATS

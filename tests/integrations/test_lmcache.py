@@ -130,6 +130,7 @@ def test_calibration_fingerprint_lookup(tmp_path, monkeypatch):
     ({"rope_theta": 10000.0}, "even head_dim"),
     ({"pad_to_estimate": "yes"}, "true or false"),
     ({"max_workers": 0}, "positive int"),
+    ({"threads": 0}, "positive int"),
     ({"calibration": "/nonexistent", "calibration_fingerprint": "ab"}, "not both"),
 ])
 def test_bad_serde_options_are_refused(kwargs, message):
