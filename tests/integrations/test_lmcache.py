@@ -56,7 +56,7 @@ def l1():
 
 def serde_round_trip(l1, kwargs: dict, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[bool]]:
     """Serialize ``chunks`` and deserialize them again through `create_serde_processor`'s processor.
-    Returns the decoded chunks, the serialized sizes and the per-chunk... task results (store, load)."""
+    Returns the decoded chunks, the serialized sizes and the two task results (serialize, deserialize)."""
     serde = create_serde_processor(SerdeConfig(type=SERDE_NAME, kwargs=kwargs))
     try:
         shape, dtype = chunks[0].shape, chunks[0].dtype
