@@ -356,7 +356,7 @@ class ChunkCoder:
                 x = (keys if kind == "k" else values)[0, head]
                 code = choose_scale(x, mean[0], std[0])
                 codes.append(code)
-                streams.append((x.T, compact(mean[0]).T, compact(std[0]) * scale_factor(code).T))
+                streams.append((x.T, compact(mean[0]).T, (compact(std[0]) * scale_factor(code)).T))
         blobs = _batched(streams, lambda x, m, s: encode_batch(x, m, s, CODEC_CONFIG, threads=self.threads))
         parts, per_layer = [], 2 * heads
         for layer, side in enumerate(sides):
@@ -463,7 +463,7 @@ class ChunkCoder:
                 blob = bytes(body[offset : offset + length])
                 offset += length
                 places.append((0 if kind == "k" else 1, layer, head))
-                streams.append((blob, compact(mean[0]).T, compact(std[0]) * scale_factor(code).T))
+                streams.append((blob, compact(mean[0]).T, (compact(std[0]) * scale_factor(code)).T))
         if offset != len(body):
             raise ChunkPayloadError(f"KV chunk payload has {len(body) - offset} unexpected trailing body bytes")
         decoded = _batched(streams, lambda blobs, m, s: list(decode_batch(blobs, m, s, CODEC_CONFIG,
