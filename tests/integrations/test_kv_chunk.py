@@ -1,0 +1,234 @@
+"""The KV chunk coder: bit-exact round trips, its size bound, refusals, and damaged payloads."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, noise_chunk, same_bits, tiny_calibrated
+from helpers import random_ids
+
+from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.integrations.kv_chunk import (
+    HEADER,
+    MODE_CONTEXT,
+    MODE_RAW,
+    MODE_STATS,
+    ChunkCoder,
+    ChunkError,
+    ChunkPayloadError,
+    guess_rope_frame,
+    max_payload_bytes,
+    parse_header,
+)
+from hf_kvcompress.predictors.rope import RopeFrame
+
+
+def rope(head_dim: int, theta: float = 10000.0) -> RopeFrame:
+    return RopeFrame(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("coder_kind", ["plain", "heads", "rope", "guessed"])
+def test_model_free_round_trip_is_bit_exact_and_smaller(dtype, coder_kind):
+    chunk = channel_chunk(dtype=dtype)
+    coder = {"plain": ChunkCoder(rope=RopeFrame(None)), "heads": ChunkCoder(kv_heads=2, rope=RopeFrame(None), threads=2),
+             "rope": ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16)), "guessed": ChunkCoder()}[coder_kind]
+    payload = coder.encode(chunk)
+    assert parse_header(payload).mode == MODE_STATS
+    assert len(payload) < chunk.numel() * 2
+    assert same_bits(coder.decode(payload), chunk)
+
+
+def test_real_shaped_chunk_round_trips():
+    chunk = channel_chunk(SMOLLM2_SHAPE, seed=5)
+    coder = ChunkCoder(layers=30, kv_heads=3, head_dim=64, rope=rope(64, 100000.0))
+    payload = coder.encode(chunk)
+    assert len(payload) <= max_payload_bytes(chunk.shape, chunk.dtype)
+    assert same_bits(coder.decode(payload, shape=SMOLLM2_SHAPE, dtype=torch.bfloat16), chunk)
+
+
+def test_special_values_round_trip():
+    chunk = channel_chunk(seed=2)
+    chunk[0, 0, :4, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=torch.bfloat16)
+    chunk[1, 2, 7, 9] = torch.finfo(torch.bfloat16).max
+    coder = ChunkCoder()
+    assert same_bits(coder.decode(coder.encode(chunk)), chunk)
+
+
+def test_incompressible_chunk_is_stored_raw_within_the_bound():
+    chunk = noise_chunk()
+    coder = ChunkCoder()
+    payload = coder.encode(chunk)
+    assert parse_header(payload).mode == MODE_RAW
+    assert len(payload) == max_payload_bytes(chunk.shape, chunk.dtype) == HEADER.size + chunk.numel() * 2
+    assert same_bits(coder.decode(payload), chunk)
+
+
+def test_trailing_buffer_bytes_are_ignored():
+    chunk = channel_chunk(seed=3)
+    coder = ChunkCoder()
+    payload = coder.encode(chunk)
+    assert same_bits(coder.decode(payload + bytes(1000) + b"junk"), chunk)
+
+
+def test_calibrated_round_trip_on_real_kv():
+    model, calibration = tiny_calibrated()
+    coder = ChunkCoder(calibration)
+    stats = ChunkCoder.from_model_config(model.config)
+    for index, chunk in enumerate(model_chunks(model, 192, 64)):
+        payload = coder.encode(chunk, first_position=64 * index)
+        header = parse_header(payload)
+        assert header.mode == MODE_CONTEXT and header.first_position == 64 * index
+        assert same_bits(coder.decode(payload), chunk)
+        assert same_bits(coder.decode(coder.encode(chunk)), chunk)  # estimated position
+        assert same_bits(stats.decode(stats.encode(chunk)), chunk)
+
+
+@pytest.mark.parametrize("bad", [torch.float32, torch.int16, torch.float8_e4m3fn])
+def test_other_dtypes_are_refused(bad):
+    chunk = torch.zeros(2, 2, 8, 16).to(bad)
+    with pytest.raises(ChunkError, match="bfloat16 and float16"):
+        ChunkCoder().encode(chunk)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 16), (1, 2, 8, 16), (2, 2, 8, 4, 4), (3, 2, 8, 16)])
+def test_other_layouts_are_refused(shape):
+    with pytest.raises(ChunkError, match="KV_2LTD"):
+        ChunkCoder().encode(torch.zeros(shape, dtype=torch.bfloat16))
+
+
+def test_another_models_chunk_is_refused():
+    _, calibration = tiny_calibrated()  # 2 layers, 2 kv heads x 16 = 32 channels
+    coder = ChunkCoder(calibration)
+    with pytest.raises(ChunkError, match=r"3 layers.*another model"):
+        coder.encode(torch.zeros(2, 3, 8, 32, dtype=torch.bfloat16))
+    with pytest.raises(ChunkError, match=r"48 channels wide.*another model"):
+        coder.encode(torch.zeros(2, 2, 8, 48, dtype=torch.bfloat16))
+    with pytest.raises(ChunkError, match="another model"):
+        ChunkCoder(layers=30, kv_heads=3, head_dim=64).encode(channel_chunk((2, 24, 8, 128)))
+
+
+def test_payload_of_another_shape_or_coder_is_refused():
+    chunk = channel_chunk()
+    payload = ChunkCoder().encode(chunk)
+    with pytest.raises(ChunkPayloadError, match="expected"):
+        ChunkCoder().decode(payload, shape=(2, 3, 32, 64))
+    with pytest.raises(ChunkPayloadError, match="expected"):
+        ChunkCoder().decode(payload, dtype=torch.float16)
+    with pytest.raises(ChunkPayloadError, match="does not fit this coder"):
+        ChunkCoder(layers=30).decode(payload)
+    model, calibration = tiny_calibrated()
+    free = channel_chunk((2, 2, 16, 32))
+    assert same_bits(ChunkCoder(calibration).decode(ChunkCoder().encode(free)), free)  # model-free: readable
+    calibrated = ChunkCoder(calibration).encode(model_chunks(model, 32, 32)[0])
+    with pytest.raises(ChunkPayloadError, match="with the writer's calibration"):
+        ChunkCoder().decode(calibrated)
+    other = Calibration.fit(model, None, ids=random_ids(1, 128, seed=9), tokens=128, chunk=64,
+                            predictors=("context",), progress=False)
+    with pytest.raises(ChunkPayloadError, match="with the writer's calibration"):
+        ChunkCoder(other).decode(calibrated)
+
+
+def test_model_free_payloads_carry_their_frame():
+    """Readers need not be configured like the writer: the payload names its RoPE frame and heads."""
+    chunk = channel_chunk((2, 3, 64, 32), seed=8)
+    payload = ChunkCoder(kv_heads=2, head_dim=16, rope=rope(16, 500000.0)).encode(chunk)
+    for reader in (ChunkCoder(), ChunkCoder(rope=RopeFrame(None)), ChunkCoder(kv_heads=1, head_dim=32, rope=rope(32))):
+        assert same_bits(reader.decode(payload), chunk)
+
+
+def test_rope_frame_is_guessed_from_rotated_keys():
+    """Keys with a constant pre-RoPE mean, rotated at positions 300.. with base 1e6 over 16 channels: the
+    guess recovers that frame, and codes them smaller than plain channel statistics."""
+    g = torch.Generator().manual_seed(12)
+    frame = rope(16, 1e6)
+    tokens, heads = 128, 2
+    pre = torch.randn(2, 3, heads, 1, 16, generator=g) * 4 + 0.3 * torch.randn(2, 3, heads, tokens, 16, generator=g)
+    keys = frame.rotate(pre, torch.arange(300, 300 + tokens))  # [2, 3, heads, tokens, 16]
+    chunk = keys.permute(0, 1, 3, 2, 4).reshape(2, 3, tokens, heads * 16).to(torch.bfloat16)
+    guessed = guess_rope_frame(chunk)
+    assert not guessed.is_identity and torch.equal(guessed.inv_freq, frame.inv_freq)
+    sizes = {name: len(coder.encode(chunk)) for name, coder in
+             (("guessed", ChunkCoder()), ("plain", ChunkCoder(rope=RopeFrame(None))))}
+    assert sizes["guessed"] < sizes["plain"]
+
+
+def test_calibration_without_context_predictor_is_refused():
+    _, calibration = tiny_calibrated()
+    meta = dict(calibration.meta, predictors={"none": {}})
+    with pytest.raises(ValueError, match="no 'context' predictor"):
+        ChunkCoder(type(calibration)(meta, calibration.tensors))
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_damaged_payloads_raise_never_a_wrong_chunk(calibrated):
+    """Every single-byte change, truncation or splice gives ChunkPayloadError; none decodes."""
+    if calibrated:
+        model, calibration = tiny_calibrated()
+        chunk, coder = model_chunks(model, 32, 32)[0], ChunkCoder(calibration)
+    else:
+        chunk, coder = channel_chunk((2, 2, 16, 32), seed=4), ChunkCoder()
+    payload = coder.encode(chunk)
+    g = torch.Generator().manual_seed(7)
+    positions = sorted(set(range(HEADER.size)) | set(torch.randint(HEADER.size, len(payload), (64,), generator=g).tolist()))
+    for i in positions:
+        damaged = bytearray(payload)
+        damaged[i] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        with pytest.raises(ChunkPayloadError):
+            coder.decode(bytes(damaged))
+    for cut in (0, 10, HEADER.size, len(payload) // 2, len(payload) - 1):
+        with pytest.raises(ChunkPayloadError):
+            coder.decode(payload[:cut])
+    with pytest.raises(ChunkPayloadError, match="magic"):
+        coder.decode(b"x" * 200)
+
+
+def test_consistently_resealed_damage_is_caught_by_the_chunk_crc():
+    """Damage whose payload CRC was recomputed (a buggy writer, not a disk) still never decodes wrongly."""
+    chunk = channel_chunk((2, 2, 16, 32), seed=6)
+    coder = ChunkCoder()
+    payload = bytearray(coder.encode(chunk))
+    g = torch.Generator().manual_seed(11)
+    for _ in range(24):
+        damaged = bytearray(payload)
+        i = int(torch.randint(HEADER.size, len(payload), (1,), generator=g))
+        damaged[i] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        crc = zlib.crc32(damaged[HEADER.size :], zlib.crc32(damaged[: HEADER.size - 4]))
+        struct.pack_into("<I", damaged, HEADER.size - 4, crc)
+        try:
+            decoded = coder.decode(bytes(damaged))
+        except ChunkPayloadError:
+            continue
+        assert same_bits(decoded, chunk)  # a change the decoder does not read (e.g. a rounding-neutral bit)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_chunks_positions_and_frame(smollm2):
+    """Real SmolLM2 KV (256-token chunks of held-out text): the guessed RoPE frame is the model's own, the
+    first-position estimate from a small context calibration is exact, and both modes round-trip
+    bit-exactly, the model-free one above the issue's 1.55x goal (measured 1.57x)."""
+    from hf_kvcompress.calibration import Calibration
+    from hf_kvcompress.data import token_ids
+    from hf_kvcompress.integrations.kv_chunk import default_rope, estimate_first_position
+    from hf_kvcompress.predictors.runner import run_decoder
+
+    model, tokenizer = smollm2
+    cache, _ = run_decoder(model, token_ids(tokenizer, 512, split="evaluation", offset=2000))
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    layers, heads, n, dim = keys.shape
+    kv = torch.stack([keys, values]).permute(0, 1, 3, 2, 4).reshape(2, layers, n, heads * dim)
+    chunks = [kv[:, :, s : s + 256].contiguous() for s in (0, 256)]
+    assert torch.equal(guess_rope_frame(chunks[1]).inv_freq, default_rope(100000.0, 64).inv_freq)
+    coder = ChunkCoder()
+    payload = coder.encode(chunks[1])
+    assert same_bits(coder.decode(payload), chunks[1])
+    assert chunks[1].numel() * 2 / len(payload) > 1.55
+    calibration = Calibration.fit(model, tokenizer, tokens=1024, chunk=512, predictors=("context",), progress=False)
+    assert [estimate_first_position(c, calibration) for c in chunks] == [0, 256]
+    calibrated = ChunkCoder(calibration)
+    assert same_bits(calibrated.decode(calibrated.encode(chunks[1])), chunks[1])
