@@ -66,7 +66,7 @@ class LosslessConfig(_JsonConfig):
         predictor: where each element's predicted mean comes from inside ``generate()``: ``"generic"``
             (per-block channel statistics as side data; needs nothing, the fastest: the default, see
             docs/lossless.md "Inside generate()"), ``"context"`` (the layers below and earlier heads through a
-            calibration's linear maps: ~2 bits/scalar smaller, ~2.6x slower steps), ``"none"`` (a calibration's
+            calibration's linear maps: ~2 bits/scalar smaller, 3-5x slower steps), ``"none"`` (a calibration's
             per-channel statistics), ``"probe"`` / ``"twin"`` (rerun the model: storage only).
         save_predictor: the predictor `CompressedCache.save` codes files with unless told otherwise
             (``"context"``: the best model-free rate; per-block statistics without a calibration).

@@ -62,7 +62,7 @@ class GenericPredictor(Predictor):
     """Per-block channel statistics sent as side data: needs nothing, and every stream of a block is
     independent, so a cache decodes a layer's blocks in one codec call. The in-generation default: the
     calibrated predictors read earlier streams (and `context` the layers below) stream by stream, which
-    costs 2.3x (`none`) to 2.6x (`context`) its step time (docs/lossless.md, "Inside generate()")."""
+    costs 3.3x (`none`) and 3-5x (`context`) its step time (docs/lossless.md, "Inside generate()")."""
 
     name = "generic"
 
