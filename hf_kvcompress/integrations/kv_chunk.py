@@ -427,12 +427,7 @@ class ChunkCoder:
             out = {kind: torch.empty(1, heads, tokens, dim, dtype=header.dtype) for kind in ("k", "v")}
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
-                code, length = STREAM.unpack_from(body, offset)
-                offset += STREAM.size
-                if offset + length > len(body):
-                    raise ChunkPayloadError("KV chunk payload truncated inside a stream")
-                blob = bytes(body[offset : offset + length])
-                offset += length
+                code, blob, offset = _read_stream(body, offset)
                 mean_t, std_t = compact(mean[0]), compact(std[0]) * scale_factor(code)
                 x = decode(blob, mean_t.T, std_t.T, config=config)
                 if x.dtype != header.dtype or tuple(x.shape) != (dim, tokens):
@@ -456,12 +451,7 @@ class ChunkCoder:
             session = predictor.session(self._inputs(layer, tokens, 0, None, side))
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
-                code, length = STREAM.unpack_from(body, offset)
-                offset += STREAM.size
-                if offset + length > len(body):
-                    raise ChunkPayloadError("KV chunk payload truncated inside a stream")
-                blob = bytes(body[offset : offset + length])
-                offset += length
+                code, blob, offset = _read_stream(body, offset)
                 places.append((0 if kind == "k" else 1, layer, head))
                 streams.append((blob, compact(mean[0]).T, (compact(std[0]) * scale_factor(code)).T))
         if offset != len(body):
@@ -622,6 +612,17 @@ def _pack_side(side: dict[str, torch.Tensor]) -> bytes:
         out.append(struct.pack(f"<{t.dim()}I", *t.shape))
         out.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return b"".join(out)
+
+
+def _read_stream(body: memoryview, offset: int) -> tuple[int, bytes, int]:
+    """(std scale code, stream bytes, offset after them) of the stream record at ``offset``."""
+    if offset + STREAM.size > len(body):
+        raise ChunkPayloadError("KV chunk payload truncated inside a stream")
+    code, length = STREAM.unpack_from(body, offset)
+    offset += STREAM.size
+    if offset + length > len(body):
+        raise ChunkPayloadError("KV chunk payload truncated inside a stream")
+    return code, bytes(body[offset : offset + length]), offset + length
 
 
 def _unpack_side(body: memoryview, offset: int) -> tuple[dict[str, torch.Tensor], int]:
