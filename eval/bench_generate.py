@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the shared machine: 1)")
+    parser.add_argument("--workers", type=int, default=1, help="LosslessConfig.workers: codec threads per block batch")
     parser.add_argument("--out", default="results/generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,7 +146,7 @@ def main() -> None:
             for budget in [float(b) for b in args.budgets.split(",")]:
                 config = CompressionConfig(
                     mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
-                    lossless={"predictor": predictor, "decoded_budget": budget})
+                    lossless={"predictor": predictor, "decoded_budget": budget, "workers": args.workers})
                 cal = None if predictor == "generic" else calibration
                 configs.append((f"{predictor} budget={budget:g}",
                                 lambda config=config, cal=cal: CompressedCache(config, model=model, calibration=cal)))
