@@ -28,10 +28,8 @@ from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.evaluation.lossy import (
-    Setting,
+    build_settings,
     empty_results,
-    lossy_setting,
-    quantized_setting,
     run_needles,
     run_perplexity,
     summarise,
@@ -121,18 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = {"segments": args.segments, "continuation": args.continuation, "needles": args.needles}
     section = dataclasses.replace(SECTION, **{k: v for k, v in overrides.items() if v is not None})
     model, tokenizer = load_model(dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
-    settings: list[Setting] = [
-        lossy_setting(model, label, fields, budget, window=section.window, interval=section.interval,
-                      sinks=section.sinks)
-        for label, fields in METHODS.items() for budget in section.budgets
-    ]
-    unavailable = []
-    for spec in section.quantized:
-        made = quantized_setting(model, spec, window=section.window, group=section.q_group_size)
-        if isinstance(made, Setting):
-            settings.append(made)
-        else:
-            unavailable.append(made)
+    settings, unavailable = build_settings(model, section, list(METHODS.items()))
     total = section.context + section.continuation
     segments = [token_ids(tokenizer, total, split="evaluation", offset=s * SEGMENT_STRIDE)
                 for s in range(section.segments)]
