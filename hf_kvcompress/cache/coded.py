@@ -189,6 +189,9 @@ class LosslessContext:
         found: list[LayerValues | None] = [
             self._held(b) if isinstance(b, CodedBlock) else None for b in blocks
         ]
+        for block, values in zip(blocks, found):
+            if values is not None:
+                self._keep(block, values)  # a held block advances the chain memo as a decode would
         missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
         if self.depth == 0 and len(missing) > 1:
             groups: dict[tuple, list[int]] = {}
