@@ -123,6 +123,8 @@ class LosslessContext:
         self.sealed_raw_bytes = 0
         self.decodes = 0
         self._chain: dict[tuple[int, int], tuple[Block, LayerValues]] = {}
+        self._highest = 0  # the highest layer kept so far, and the layer count it implies once a pass ends
+        self._passed_layers: int | None = None
 
     # ------------------------------------------------------------------ coding
 
@@ -193,7 +195,7 @@ class LosslessContext:
             if values is not None:
                 self._keep(block, values)  # a held block advances the chain memo as a decode would
         missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
-        if self.depth == 0 and len(missing) > 1:
+        if (self.depth == 0 or self.predictor.independent_blocks) and len(missing) > 1:
             groups: dict[tuple, list[int]] = {}
             for i in missing:
                 b = blocks[i]
@@ -230,22 +232,34 @@ class LosslessContext:
             sessions.append(session)
             means.append(mean.transpose(-1, -2))
             stds.append(std.transpose(-1, -2) * factors[..., None, None])
-            blobs.extend(row.blobs[index] for index in range(2 * heads) for row in block.rows)
+            blobs.append([row.blobs[index] for index in range(2 * heads) for row in block.rows])
         config = self.codec_for(first.layer)
+        # one codec call per shape of statistics (per-channel or per-element means: a self-fitting predictor
+        # gives both kinds in one layer), each in the shapes the encoder had
+        shapes: dict[tuple, list[int]] = {}
+        for i, (m, sd) in enumerate(zip(means, stds)):
+            shapes.setdefault((tuple(m.shape), tuple(sd.shape)), []).append(i)
+        decoded: list[torch.Tensor | None] = [None] * len(blocks)
         try:
-            mean = torch.stack(means).flatten(0, 2)  # streams in blob order: block, stream, row
-            std = torch.stack(stds).flatten(0, 2)
-            if config.coder == "lanes":
-                x = decode_batch(blobs, mean, std, config, threads=self.workers)
-            else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
-                shape = (dim, tokens)
-                x = torch.stack(decode_streams(blobs, [m.expand(shape) for m in mean], [s.expand(shape) for s in std],
-                                               config, self.workers))
+            for members in shapes.values():
+                mean = torch.stack([means[i] for i in members]).flatten(0, 2)  # blob order: block, stream, row
+                std = torch.stack([stds[i] for i in members]).flatten(0, 2)
+                group_blobs = [blob for i in members for blob in blobs[i]]
+                if config.coder == "lanes":
+                    x = decode_batch(group_blobs, mean, std, config, threads=self.workers)
+                else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
+                    shape = (dim, tokens)
+                    x = torch.stack(decode_streams(group_blobs, [m.expand(shape) for m in mean],
+                                                   [s.expand(shape) for s in std], config, self.workers))
+                x = x.view(len(members), 2 * heads * batch, dim, tokens)
+                for j, i in enumerate(members):
+                    decoded[i] = x[j]
         except ParameterMismatchError as err:
             raise PredictorMismatchError(
                 f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
                 f"blocks were encoded with: {err}"
             ) from err
+        x = torch.stack(decoded)
         # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
         x = x.view(len(blocks), 2, heads, batch, dim, tokens).permute(0, 1, 3, 2, 5, 4).contiguous()
         out = []
@@ -306,7 +320,26 @@ class LosslessContext:
 
     # ------------------------------------------------------------------ decoded tensors
 
+    def _catch_up(self, layer: int, start: int) -> None:
+        """Show a self-fitting predictor the earlier blocks of ``layer`` it has not seen (after a structural
+        change or a load), in position order, so that it fits the same maps the encoder did."""
+        while (wanted := self.predictor.history(layer, start)) is not None:
+            block = self.find_block(layer, wanted)
+            if block is None:
+                raise RuntimeError(f"lossless: the '{self.predictor.name}' predictor needs layer {layer}'s block at "
+                                   f"{wanted}, which is gone")
+            held = self._held(block) if isinstance(block, CodedBlock) else None
+            if held is None and isinstance(block, CodedBlock):
+                self.decoded(block)  # its session's finish() shows it to the predictor
+                continue
+            keys = held.keys if held is not None else block.read()[0].cpu()
+            below = self._below(layer, wanted, 1)
+            self.predictor.absorb(layer, wanted, below.keys, keys)
+            if self.predictor.history(layer, start) == wanted:
+                raise RuntimeError(f"lossless: the '{self.predictor.name}' predictor did not take block {wanted}")
+
     def _inputs(self, layer: int, start: int, tokens: int, batch: int, side: dict) -> BlockInputs:
+        self._catch_up(layer, start)
         extras = dict(side)
         if self.extras_source is not None:
             extras.update(self.extras_source.extras(layer, start, start + tokens))
@@ -342,11 +375,19 @@ class LosslessContext:
         if self.depth == 0:
             return
         flat = flat_values(values)
+        count = self.layer_count() or self._passed_layers
+        if count is None:
+            # without a model the top layer is unknown until a pass up the layers ends: a layer-0 block after
+            # higher layers starts the next pass, so the memo's entries above layer 0 are the last pass's
+            if layer == 0 and self._highest > 0:
+                self._passed_layers = count = self._highest + 1
+                for key in [key for key in self._chain if key[0] > 0]:
+                    del self._chain[key]
+            self._highest = max(self._highest, layer)
         # layer + 1 reads layers layer .. layer + 1 - depth: anything below that is done for this step
         for old in range(layer - self.depth, -1, -1):
             if self._chain.pop((old, start), None) is None:
                 break
-        count = self.layer_count()
         if count is not None and layer >= count - 1:  # the top layer: nobody above reads this block
             for old in range(layer - 1, layer - self.depth, -1):
                 self._chain.pop((old, start), None)
@@ -358,11 +399,13 @@ class LosslessContext:
         out = self.pool.tensors()
         for _, values in self._chain.values():
             out.extend(values_tensors(values))
+        out.extend(self.predictor.state_tensors())
         return out
 
     def forget(self) -> None:
         self.pool.clear()
         self._chain.clear()
+        self.predictor.forget_state()
         self.sealed_raw_bytes = 0
 
 

@@ -49,8 +49,7 @@ def find_block(cache, layer: int, start: int):
 
 def _check_layer_chain(cache, predictor) -> None:
     """Predictors that read the layer below need every layer to keep its blocks (no sliding windows)."""
-    recipe = getattr(predictor, "recipe", None)
-    uses_below = recipe is not None and recipe.below > 0 and getattr(predictor, "calibrated", False)
+    uses_below = predictor.below_depth() > 0
     config = cache.model_config
     if not uses_below or config is None:
         return

@@ -7,8 +7,9 @@ import torch
 from .base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
 from .context import ContextPredictor, GenericPredictor, NoPredictor
 from .probe import ProbePredictor, TwinPredictor
+from .selffit import SelfFitPredictor
 
-NAMES = ("generic", "none", "context", "probe", "twin")
+NAMES = ("generic", "self", "none", "context", "probe", "twin")
 
 __all__ = [
     "NAMES",
@@ -20,6 +21,7 @@ __all__ = [
     "Predictor",
     "PredictorSession",
     "ProbePredictor",
+    "SelfFitPredictor",
     "TwinPredictor",
     "make_predictor",
     "stream_order",
@@ -32,6 +34,8 @@ def make_predictor(
     """The predictor called ``name`` (one of `NAMES`); ``probe``/``twin`` need the model and a calibration."""
     if name == "generic":
         return GenericPredictor()
+    if name == "self":
+        return SelfFitPredictor()
     if name == "none":
         return NoPredictor(calibration)
     if name == "context":

@@ -124,6 +124,28 @@ class Predictor(ABC):
         in `BlockInputs.extras`. Per batch row (dim 0), so blocks can be reordered by row."""
         return {}
 
+    #: True when a session's block never needs another block of its layer: a cache may decode a layer's blocks
+    #: in one call even when the sessions read the layer below
+    independent_blocks: bool = False
+
+    def history(self, layer: int, start: int) -> int | None:
+        """For predictors fitted on the cache's own blocks: None when a block of ``layer`` at ``start`` can be
+        coded now, else the start of the earlier block of ``layer`` it must see first (decoded, then
+        passed to `absorb`). The cache asks before every session."""
+        return None
+
+    def absorb(self, layer: int, start: int, below_keys: torch.Tensor, keys: torch.Tensor) -> None:
+        """See `history`: a block held decoded (not decoded again) that the predictor asked for."""
+        return None
+
+    def forget_state(self) -> None:
+        """The cache's blocks changed (crop, row selection, reset): drop what was fitted on them."""
+        return None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors the predictor holds between steps (counted in ``held_bytes``)."""
+        return []
+
     def model_extras(self, token_ids: torch.Tensor) -> ExtrasSource | None:
         """Inputs computed by rerunning (part of) the model on the cached tokens, or None if not needed."""
         return None
