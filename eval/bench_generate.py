@@ -14,6 +14,7 @@ building's own peak is recorded in the JSON) against DynamicCache's.
         [--predictors generic,none,context] [--calibration-tokens 2048] [--out results/generate]
 
 Predictors: ``generic`` (the in-generation default: per-block channel statistics as side data, no calibration),
+``self`` (generic plus key maps from the layer below fitted on the cache's own blocks, no calibration),
 ``none`` and ``context`` with a calibration fitted here on ``--calibration-tokens`` of the calibration plays
 (context heads read the two layers below).
 """
@@ -36,6 +37,16 @@ from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.evaluation.env import PeakMemory, machine, versions, walk_held_bytes
 from hf_kvcompress.models import load_model
+
+#: predictors that read a calibration fitted here (``generic`` and ``self`` need none)
+CALIBRATED = ("none", "context")
+
+
+def _calibrated_predictor(cache):
+    """The predictor, when it only holds a calibration (walked as the model's, not the cache's); None for ``self``,
+    whose fitted state is the cache's."""
+    predictor = getattr(getattr(cache, "lossless", None), "predictor", None)
+    return None if predictor is None or predictor.name == "self" else predictor
 
 
 def fill(cache, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -81,7 +92,7 @@ def measure(model, name: str, make_cache, prefix, tokens, reference_logits) -> t
         "peak_rss_growth": growth,
         "walk_bytes": walk_held_bytes(cache, skip=[getattr(cache, "model_config", None),
                                                    getattr(cache, "calibration", None),
-                                                   getattr(getattr(cache, "lossless", None), "predictor", None)]),
+                                                   _calibrated_predictor(cache)]),
     }
     if isinstance(cache, CompressedCache):
         stats = cache.stats()
@@ -121,7 +132,7 @@ def main() -> None:
     model, tokenizer = load_model()
     predictors = args.predictors.split(",")
     calibration = None
-    if any(p != "generic" for p in predictors):
+    if any(p in CALIBRATED for p in predictors):
         folder = out / f"calibration-{args.calibration_tokens}"
         if (folder / "calibration.json").exists():
             calibration = Calibration.load(folder, model)
@@ -147,7 +158,7 @@ def main() -> None:
                 config = CompressionConfig(
                     mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
                     lossless={"predictor": predictor, "decoded_budget": budget, "workers": args.workers})
-                cal = None if predictor == "generic" else calibration
+                cal = calibration if predictor in CALIBRATED else None
                 configs.append((f"{predictor} budget={budget:g}",
                                 lambda config=config, cal=cal: CompressedCache(config, model=model, calibration=cal)))
         reference_logits, base = None, None
