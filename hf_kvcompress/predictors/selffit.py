@@ -46,13 +46,14 @@ def epoch_of(start: int) -> int | None:
     return (start // FIRST_EPOCH).bit_length() - 1
 
 
-def _complex(keys: torch.Tensor) -> torch.Tensor:
-    """``[rows, heads, tokens, dim]`` -> centered complex128 ``[rows, dim/2, tokens, heads]``."""
-    x = keys.to(torch.float64)
+def _complex(keys: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[rows, heads, tokens, dim]`` -> centered complex ``[rows, dim/2, tokens, heads]`` (complex128 from
+    float64 for the sums, complex64 from float32 for predictions)."""
+    x = keys.to(dtype)
     half = x.shape[-1] // 2
     z = torch.complex(x[..., :half], x[..., half:])
     z = z - z.mean(dim=2, keepdim=True)
-    return z.permute(0, 3, 2, 1).contiguous()
+    return z.permute(0, 3, 2, 1)
 
 
 class _Stats:
@@ -78,7 +79,7 @@ class _Stats:
 
 
 class _Map:
-    """A fitted map: ``weight`` ``[rows, pairs, F, H]`` (complex64 held, used as complex128) and ``sigma``
+    """A fitted map: ``weight`` ``[rows, pairs, F, H]`` complex64 (predictions run in float32) and ``sigma``
     ``[rows, H, pairs]`` float32, the residual spread of each pair."""
 
     def __init__(self, stats: _Stats):
@@ -115,10 +116,9 @@ class SelfFitSession(BlockStatsSession):
         if self.fitted is None:
             return super().predict_all(heads)
         if self._streams is None:
-            below = _complex(self.inputs.below.keys)  # [rows, pairs, tokens, F]
-            pred = (below @ self.fitted.weight.to(torch.complex128)).permute(0, 3, 2, 1)  # [rows, H, tokens, pairs]
-            side = self.mean[:, 0].to(torch.float64).unsqueeze(2)  # [rows, H, 1, dim]
-            key_mean = (torch.cat([pred.real, pred.imag], dim=-1) + side).to(torch.float32)
+            below = _complex(self.inputs.below.keys, torch.float32)  # [rows, pairs, tokens, F]
+            pred = (below @ self.fitted.weight).permute(0, 3, 2, 1)  # [rows, H, tokens, pairs]
+            key_mean = torch.cat([pred.real, pred.imag], dim=-1) + self.mean[:, 0].unsqueeze(2)
             tokens = key_mean.shape[2]
             value_mean = self.mean[:, 1].unsqueeze(2).expand(-1, -1, tokens, -1)
             means = torch.cat([key_mean, value_mean], dim=1)  # [rows, 2H, tokens, dim]
