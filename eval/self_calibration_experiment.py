@@ -7,12 +7,14 @@ Two parts:
                  the bf16 bin width, clamped at 0.05; one quarter-octave std scale per stream and block, as the
                  cache's scale byte). Blocks of 128 tokens; block b of layer l may use every layer's blocks
                  before b (causal) and its own block one layer down. Side data and held maps are counted.
+``--part bounds`` in-sample bounds (maps fitted on the tokens they code, nothing counted): where the bits
+                 are, and what knowing the RoPE frame would be worth.
 ``--part cache`` the real thing: `CompressedCache(lossless, predictor=generic|self)` without model or
                  calibration, filled with the first N tokens' K/V (N = --tokens), then every layer read once
                  (one generation step's decoding). Prints stored ``bits_per_scalar``, held bits per scalar
                  (8 * held_bytes / scalars, after that read) and the read's seconds (one thread).
 
-    python eval/self_calibration_experiment.py [--part sim|cache|both] [--tokens 256,512,1024,2048,4096]
+    python eval/self_calibration_experiment.py [--part sim|cache|bounds|both] [--tokens 256,512,1024,2048,4096]
         [--sim-tokens 2048] [--out results/self_calibration.json]
 
 K/V come from one forward pass over 4,096 held-out tokens (``token_ids(tok, 4096, split="evaluation")``);
@@ -175,6 +177,62 @@ SCHEMES = {
 }
 
 
+def in_sample_bound(keys: torch.Tensor, values: torch.Tensor, frame_theta: float | None, inter_head: bool) -> float:
+    """Bits per scalar when each stream's linear map (features: [1, K_{l-1}, V_{l-1}], plus the layer's earlier
+    heads with ``inter_head``) is fitted on the very tokens it codes: no causality, no map cost, per-channel
+    sigma; layer 0 coded against the constant only. ``frame_theta``: un-rotate keys with RoPE of that base
+    (SmolLM2: 100000; a model-free cache does not know it), None: keys as cached."""
+    from hf_kvcompress.predictors.rope import RopeFrame
+
+    K, V = keys.float(), values.float()
+    layers, heads, tokens, dim = K.shape
+    positions = torch.arange(tokens)
+    if frame_theta is None:
+        frame, framed = None, K
+    else:
+        frame = RopeFrame(1.0 / (frame_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)))
+        framed = torch.stack([frame.unrotate(K[layer][None], positions)[0] for layer in range(layers)])
+    total = 0.0
+    for layer in range(layers):
+        base = [torch.ones(tokens, 1, dtype=torch.float64)]
+        if layer > 0:
+            base += [_flat(framed[layer - 1]), _flat(V[layer - 1])]
+        for kind in ("k", "v"):
+            for head in range(heads):
+                own = []
+                if inter_head:
+                    own = [framed[layer, h].double() for h in range(head if kind == "k" else heads)]
+                    own += [V[layer, h].double() for h in range(head)] if kind == "v" else []
+                f = torch.cat(base + own, 1)
+                y = (framed if kind == "k" else V)[layer, head].double()
+                w = torch.linalg.solve(_ridge(f.T @ f, 1e-3, True), f.T @ y)
+                mean = f @ w
+                sigma = (y - mean).std(0, correction=0).clamp_min(1e-6)
+                if kind == "k" and frame is not None:
+                    mean = frame.rotate(mean.float()[None], positions)[0]
+                    std = frame.rotate_variance(sigma.float().square().expand(tokens, -1), positions).sqrt()
+                else:
+                    mean, std = mean.float(), sigma.float().expand(tokens, -1)
+                x = (K if kind == "k" else V)[layer, head]
+                ulp = torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+                z = (x - mean) / std
+                bits = (0.5 * z.square() / LN2 + torch.log2(std * math.sqrt(2 * math.pi) / ulp)).clamp(min=0.05)
+                total += float(bits.sum())
+    return total / (2 * K.numel())
+
+
+def run_bounds(keys, values, tokens: int) -> list[dict]:
+    out = []
+    for theta in (None, 100000.0):
+        for inter in (False, True):
+            row = {"tokens": tokens, "keys_frame": "cached (post-RoPE)" if theta is None else f"pre-RoPE, base {theta:g}",
+                   "features": "layer below" + (" + earlier heads of the layer" if inter else ""),
+                   "in_sample_bits": round(in_sample_bound(keys[:, :, :tokens], values[:, :, :tokens], theta, inter), 3)}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def run_sim(keys, values, tokens: int) -> list[dict]:
     out = []
     for scheme in SCHEMES:
@@ -226,7 +284,7 @@ def run_cache(keys, values, token_counts: list[int], predictors=("generic", "sel
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("sim", "cache", "both"), default="both")
+    parser.add_argument("--part", choices=("sim", "cache", "bounds", "both"), default="both")
     parser.add_argument("--tokens", default="256,512,1024,2048,4096")
     parser.add_argument("--sim-tokens", type=int, default=2048)
     parser.add_argument("--out", default="results/self_calibration.json")
@@ -236,10 +294,15 @@ def main() -> None:
     result = {}
     if args.part in ("sim", "both"):
         result["simulation"] = run_sim(keys, values, args.sim_tokens)
+    if args.part == "bounds":
+        result["in_sample_bounds"] = run_bounds(keys, values, args.sim_tokens)
     if args.part in ("cache", "both"):
         result["cache"] = run_cache(keys, values, counts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    out = Path(args.out)
+    if out.exists():  # parts run separately land in one file
+        result = {**json.loads(out.read_text()), **result}
+    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
 
