@@ -48,7 +48,7 @@ def epoch_of(start: int) -> int | None:
 
 def _complex(keys: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``[rows, heads, tokens, dim]`` -> centered complex ``[rows, dim/2, tokens, heads]`` (complex128 from
-    float64 for the sums, complex64 from float32 for predictions)."""
+    float64 for a block's sums, complex64 from float32 for predictions)."""
     x = keys.to(dtype)
     half = x.shape[-1] // 2
     z = torch.complex(x[..., :half], x[..., half:])
@@ -61,14 +61,15 @@ class _Stats:
 
     def __init__(self):
         self.covered = 0  # tokens absorbed, from position 0
-        self.gram: torch.Tensor | None = None  # [rows, pairs, F, F] complex128
-        self.cross: torch.Tensor | None = None  # [rows, pairs, F, H] complex128
-        self.energy: torch.Tensor | None = None  # [rows, pairs, H] float64
+        # held in single precision (a block's share is summed in double first): half the bytes
+        self.gram: torch.Tensor | None = None  # [rows, pairs, F, F] complex64
+        self.cross: torch.Tensor | None = None  # [rows, pairs, F, H] complex64
+        self.energy: torch.Tensor | None = None  # [rows, pairs, H] float32
 
     def add(self, feats: torch.Tensor, target: torch.Tensor) -> None:
-        gram = feats.mH @ feats
-        cross = feats.mH @ target
-        energy = target.abs().square().sum(dim=2)
+        gram = (feats.mH @ feats).to(torch.complex64)
+        cross = (feats.mH @ target).to(torch.complex64)
+        energy = target.abs().square().sum(dim=2).to(torch.float32)
         if self.gram is None:
             self.gram, self.cross, self.energy = gram, cross, energy
         else:
@@ -79,19 +80,26 @@ class _Stats:
 
 
 class _Map:
-    """A fitted map: ``weight`` ``[rows, pairs, F, H]`` complex64 (predictions run in float32) and ``sigma``
-    ``[rows, H, pairs]`` float32, the residual spread of each pair."""
+    """A fitted map: ``weight`` ``[rows, pairs, F, H, 2]`` (real and imaginary parts, bf16: the map is held
+    for every epoch, and bf16 coefficients cost nothing measurable) and ``sigma`` ``[rows, H, pairs]`` float32,
+    the residual spread of each pair."""
 
     def __init__(self, stats: _Stats):
-        gram, cross = stats.gram, stats.cross
+        gram, cross = stats.gram.to(torch.complex128), stats.cross.to(torch.complex128)
         diag = gram.diagonal(dim1=-2, dim2=-1).real.clamp_min(VAR_FLOOR)
         penalised = gram + torch.diag_embed(RIDGE * diag).to(gram.dtype)
-        weight = torch.linalg.solve(penalised, cross).to(torch.complex64).to(torch.complex128)
+        solved = torch.linalg.solve(penalised, cross)
+        self.weight = torch.view_as_real(solved).to(torch.bfloat16)
+        weight = self.complex_weight().to(torch.complex128)
         fitted = (weight.conj() * (gram @ weight)).sum(dim=-2).real
-        residual = stats.energy - 2.0 * (weight.conj() * cross).sum(dim=-2).real + fitted  # [rows, pairs, H]
+        energy = stats.energy.to(torch.float64)
+        residual = energy - 2.0 * (weight.conj() * cross).sum(dim=-2).real + fitted  # [rows, pairs, H]
         var = (residual / (2.0 * stats.covered)).clamp_min(VAR_FLOOR)
-        self.weight = weight.to(torch.complex64)
         self.sigma = var.sqrt().to(torch.float32).permute(0, 2, 1).contiguous()  # [rows, H, pairs]
+
+    def complex_weight(self) -> torch.Tensor:
+        """``[rows, pairs, F, H]`` complex64."""
+        return torch.view_as_complex(self.weight.to(torch.float32))
 
     def channel_sigma(self) -> torch.Tensor:
         """``[rows, H, 1, dim]``: a pair's spread for both its channels."""
@@ -117,7 +125,7 @@ class SelfFitSession(BlockStatsSession):
             return super().predict_all(heads)
         if self._streams is None:
             below = _complex(self.inputs.below.keys, torch.float32)  # [rows, pairs, tokens, F]
-            pred = (below @ self.fitted.weight).permute(0, 3, 2, 1)  # [rows, H, tokens, pairs]
+            pred = (below @ self.fitted.complex_weight()).permute(0, 3, 2, 1)  # [rows, H, tokens, pairs]
             key_mean = torch.cat([pred.real, pred.imag], dim=-1) + self.mean[:, 0].unsqueeze(2)
             tokens = key_mean.shape[2]
             value_mean = self.mean[:, 1].unsqueeze(2).expand(-1, -1, tokens, -1)

@@ -180,7 +180,6 @@ def test_self_fitted_maps_beat_block_statistics_on_correlated_layers():
         for layer, (k, v) in enumerate(zip(keys, values)):  # read back (decoded) bit for bit
             assert same_bits(cache.layers[layer].keys, k) and same_bits(cache.layers[layer].values, v)
     # keys of layers 1..5 after the first block cost ~3 bits less (noise 0.02 against unit spread)
-    print(rates)
     assert rates["self"] < rates["generic"] - 1.0, rates
 
 
