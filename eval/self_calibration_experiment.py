@@ -9,7 +9,7 @@ Two parts:
                  before b (causal) and its own block one layer down. Side data and held maps are counted.
 ``--part bounds`` in-sample bounds (maps fitted on the tokens they code, nothing counted): where the bits
                  are, and what knowing the RoPE frame would be worth.
-``--part cache`` the real thing: `CompressedCache(lossless, predictor=generic|self)` without model or
+``--part cache`` the real thing: `CompressedCache(lossless, predictor=generic|framed|self)` without model or
                  calibration, filled with the first N tokens' K/V (N = --tokens), then every layer read once
                  (one generation step's decoding). Prints stored ``bits_per_scalar``, held bits per scalar
                  (8 * held_bytes / scalars, after that read) and the read's seconds (one thread).
@@ -247,7 +247,7 @@ def run_sim(keys, values, tokens: int) -> list[dict]:
 # ---------------------------------------------------------------------- the cache itself
 
 
-def run_cache(keys, values, token_counts: list[int], predictors=("generic", "self")) -> list[dict]:
+def run_cache(keys, values, token_counts: list[int], predictors=("generic", "framed", "self")) -> list[dict]:
     from hf_kvcompress import CompressedCache, CompressionConfig
     from hf_kvcompress.evaluation.env import walk_held_bytes
 

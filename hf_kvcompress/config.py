@@ -65,7 +65,8 @@ class LosslessConfig(_JsonConfig):
     Attributes:
         predictor: where each element's predicted mean comes from inside ``generate()``: ``"generic"``
             (per-block channel statistics as side data; needs nothing, the fastest: the default, see
-            docs/lossless.md "Inside generate()"), ``"self"`` (generic plus key maps from the layer below that
+            docs/lossless.md "Inside generate()"), ``"framed"`` (generic with key statistics in an
+            estimated pre-RoPE frame), ``"self"`` (generic plus key maps from the layer below that
             the cache fits on its own sealed blocks: no model, no calibration), ``"context"`` (the layers below and earlier heads through a
             calibration's linear maps: ~2 bits/scalar smaller, 3-5x slower steps), ``"none"`` (a calibration's
             per-channel statistics), ``"probe"`` / ``"twin"`` (rerun the model: storage only).
@@ -102,7 +103,7 @@ class LosslessConfig(_JsonConfig):
     decoded_budget: float = 0.05
     coder: str = "lanes"
 
-    PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "self", "none", "context", "probe", "twin")
+    PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "framed", "self", "none", "context", "probe", "twin")
     CODERS: ClassVar[tuple[str, ...]] = ("lanes", "ans")
     WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
 

@@ -141,7 +141,7 @@ class LosslessContext:
     def _encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         batch, heads, tokens, dim = keys.shape
         keys, values = owned(keys.cpu()), owned(values.cpu())  # never pin the residual the block came from
-        side = self.predictor.side_data(layer, keys, values)
+        side = self.predictor.block_side_data(layer, keys, values, start)
         session = self.predictor.session(self._inputs(layer, start, tokens, batch, side))
         config = self.codec_for(layer)
         rows = [CodedRow([], [], {name: t[b].clone() for name, t in side.items()}) for b in range(batch)]

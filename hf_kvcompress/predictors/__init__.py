@@ -6,15 +6,17 @@ import torch
 
 from .base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
 from .context import ContextPredictor, GenericPredictor, NoPredictor
+from .framed import FramedStatsPredictor
 from .probe import ProbePredictor, TwinPredictor
 from .selffit import SelfFitPredictor
 
-NAMES = ("generic", "self", "none", "context", "probe", "twin")
+NAMES = ("generic", "framed", "self", "none", "context", "probe", "twin")
 
 __all__ = [
     "NAMES",
     "BlockInputs",
     "ContextPredictor",
+    "FramedStatsPredictor",
     "GenericPredictor",
     "LayerValues",
     "NoPredictor",
@@ -34,6 +36,8 @@ def make_predictor(
     """The predictor called ``name`` (one of `NAMES`); ``probe``/``twin`` need the model and a calibration."""
     if name == "generic":
         return GenericPredictor()
+    if name == "framed":
+        return FramedStatsPredictor()
     if name == "self":
         return SelfFitPredictor()
     if name == "none":

@@ -146,6 +146,12 @@ class Predictor(ABC):
         """Tensors the predictor holds between steps (counted in ``held_bytes``)."""
         return []
 
+    def block_side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                        start: int) -> dict[str, torch.Tensor]:
+        """`side_data` of the block at positions ``start..``: what the cache calls (a predictor whose side data
+        depends on the positions overrides this; `side_data` then gives the shapes)."""
+        return self.side_data(layer, keys, values)
+
     def model_extras(self, token_ids: torch.Tensor) -> ExtrasSource | None:
         """Inputs computed by rerunning (part of) the model on the cached tokens, or None if not needed."""
         return None

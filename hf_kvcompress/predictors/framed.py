@@ -1,0 +1,123 @@
+"""``framed``: generic's per-block statistics, with keys summarised in their pre-RoPE frame.
+
+Cached keys are rotated by position (RoPE), so a key channel's mean, constant in the pre-RoPE frame, spins
+through a 128-token block and generic's per-block channel mean misses it. Without a model the cache does not
+know the rotary base, so the encoder tries a few common ones (`BASES`, ``rotate_half`` layout and the default
+frequencies ``base^(-2i/d)``) and the identity, keeps for each batch row the frame whose un-rotated keys have
+the most mean energy (the most energy in the mean is the least left in the spread: a pair's total energy does
+not depend on the rotation), and sends the block's key means and spreads in that frame plus the frame's index
+(a bf16 integer) as side data. Both sides rotate the means back; a channel pair's two spreads are averaged, so the
+std stays per channel. Values as generic. No state, nothing fitted across blocks.
+
+Measured on SmolLM2 held-out text: docs/lossless.md, "`self`" (and eval/self_calibration_experiment.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BlockInputs, LayerValues, Predictor, PredictorSession
+from .context import BLOCK_MEAN, BLOCK_STD, block_stats
+from .rope import RopeFrame
+
+FRAME = "rope_frame"
+#: candidate rotary bases (index 0 is the identity frame: keys as cached)
+BASES = (None, 10000.0, 50000.0, 100000.0, 500000.0, 1000000.0)
+
+_frames: dict[int, list[RopeFrame]] = {}
+
+
+def frames(dim: int) -> list[RopeFrame]:
+    """The candidate frames for ``head_dim`` ``dim`` (identity only for odd dims)."""
+    if dim not in _frames:
+        out = []
+        for base in BASES:
+            if base is None or dim % 2:
+                out.append(RopeFrame(None))
+            else:
+                out.append(RopeFrame(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))))
+        _frames[dim] = out
+    return _frames[dim]
+
+
+def framed_stats(keys: torch.Tensor, values: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+    """Side data: `block_stats` with keys in the chosen frame of each row, and the frame's index."""
+    _, _, tokens, dim = keys.shape
+    positions = torch.arange(start, start + tokens)
+    candidates = frames(dim)
+    unrotated = [frame.unrotate(keys, positions) for frame in candidates] if dim % 2 == 0 else [keys.float()]
+    finite = [torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0) for k in unrotated]
+    energy = torch.stack([k.to(torch.float64).mean(dim=2).square().sum(dim=(1, 2)) for k in finite])  # [C, rows]
+    choice = energy.argmax(dim=0)  # [rows]
+    chosen = torch.stack([unrotated[int(c)][r] for r, c in enumerate(choice)])
+    stats = block_stats(chosen, values)
+    stats[FRAME] = choice.to(torch.bfloat16)[:, None]  # [rows, 1]: small integers, exact; a dtype files hold
+    return stats
+
+
+class FramedStatsSession(PredictorSession):
+    """Block statistics, key means rotated back from each row's frame (see module docstring)."""
+
+    independent = True
+
+    def __init__(self, inputs: BlockInputs):
+        self.inputs = inputs
+        self.mean = inputs.extras[BLOCK_MEAN].to(torch.float32)  # [rows, 2, heads, dim]
+        std = inputs.extras[BLOCK_STD].to(torch.float32)
+        self.frame = inputs.extras[FRAME].reshape(-1).to(torch.long)  # [rows]
+        if self.frame.numel() and (int(self.frame.min()) < 0 or int(self.frame.max()) >= len(BASES)):
+            raise ValueError(f"framed predictor: frame index {self.frame.tolist()} outside 0..{len(BASES) - 1}")
+        half = std.shape[-1] // 2
+        if std.shape[-1] % 2 == 0:  # a pair's spread for both its channels: rotation-free, per channel
+            pair = (std[:, 0, :, :half].square() + std[:, 0, :, half:].square()).mul(0.5).sqrt()
+            std = torch.stack([torch.cat([pair, pair], dim=-1), std[:, 1]], dim=1)
+        self.std = std
+        self._streams: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._streams is None:
+            rows, _, _, dim = self.mean.shape
+            positions = self.inputs.positions
+            tokens = positions.shape[0]
+            candidates = frames(dim)
+            key_mean = torch.stack([
+                candidates[int(self.frame[r])].rotate(self.mean[r, 0].unsqueeze(1).expand(-1, tokens, -1), positions)
+                for r in range(rows)
+            ])  # [rows, heads, tokens, dim]
+            value_mean = self.mean[:, 1].unsqueeze(2).expand(-1, -1, tokens, -1)
+            means = torch.cat([key_mean, value_mean], dim=1).transpose(0, 1).contiguous()  # [2H, rows, T, dim]
+            stds = self.std.permute(1, 2, 0, 3).reshape(2 * heads, rows, 1, dim).contiguous()  # [2H, rows, 1, dim]
+            self._streams = (means, stds)
+        return self._streams
+
+    def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = self.mean.shape[2]
+        means, stds = self.predict_all(heads)
+        index = head if kind == "k" else heads + head
+        return means[index], stds[index].expand(-1, self.inputs.positions.shape[0], -1)
+
+    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
+        pass
+
+    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
+        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
+
+
+class FramedStatsPredictor(Predictor):
+    """Per-block statistics with keys in an estimated pre-RoPE frame: needs nothing, holds nothing."""
+
+    name = "framed"
+    independent_blocks = True
+
+    def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return framed_stats(keys, values, 0)
+
+    def block_side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                        start: int) -> dict[str, torch.Tensor]:
+        return framed_stats(keys, values, start)
+
+    def session(self, inputs: BlockInputs) -> PredictorSession:
+        return FramedStatsSession(inputs)
+
+    def below_depth(self) -> int:
+        return 0
