@@ -14,13 +14,13 @@ exact mean of the decoded block below. The std of a key channel is the fitted ma
 pair); values keep the block statistics.
 
 Fitting is causal and from decoded data only: per layer the predictor accumulates ``sum f^H f``,
-``sum f^H y`` and ``sum |y|^2`` over its blocks in position order (float64), and fits a map when the first
-block of an epoch comes (epochs start at 128, 256, 512, ... tokens): blocks of an epoch use the map fitted
-on every token before that epoch's first block. Encoder and decoder run the same code on the same (exact)
-values in the same order, so the maps are bit-identical; nothing is stored. The state is a few KB per layer
-(counted in ``held_bytes``); a structural change of the cache (crop, reorder, row selection, load) drops it,
-and the next read refits it from the decoded blocks, in order (`history` tells the cache which block it
-needs first).
+``sum f^H y`` and ``sum |y|^2`` over its blocks in position order (a block's share in float64, the running
+sums in single precision), and fits a map when the first block of an epoch comes (epochs start at 128,
+256, 512, ... tokens): blocks of an epoch use the map fitted on every token before that epoch's first block. Encoder and decoder run the same code on the same (exact)
+values in the same order, so the maps are bit-identical; nothing is stored. The state is ~5 KB per layer plus
+~1.5 KB of bf16 map per epoch (counted in ``held_bytes``); a structural change of the cache (crop, reorder,
+row selection, load) drops it, and the next read refits it from the decoded blocks, in order (`history`
+tells the cache which block it needs first).
 
 Measured on SmolLM2 held-out text: eval/self_calibration_experiment.py and docs/lossless.md.
 """
