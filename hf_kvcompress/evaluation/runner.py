@@ -114,27 +114,30 @@ def resolve_calibration(suite: Suite, model, tokenizer, out: Path, progress: boo
                         sample: torch.Tensor) -> tuple[Any, dict[str, Any] | None]:
     """The calibration the suite's lossless rows need (None if none): the model's default one, a given folder,
     or a fresh fit saved under ``out/calibration``."""
-    from ..calibration import Calibration, CalibrationError
-    from ..cli import default_calibration_dir
+    from ..calibration import (
+        FIRST_USE_PREDICTORS,
+        Calibration,
+        CalibrationError,
+        calibration_dir,
+        calibration_for,
+    )
 
     needed = suite.calibration_predictors()
     if not needed:
         return None, None
     use = suite.calibration.use
-    if use == "auto":
-        folder = default_calibration_dir(model)
-        if (folder / "calibration.json").is_file():
-            try:
-                calibration = Calibration.load(folder, model)
-            except CalibrationError:
-                calibration = None
-            if calibration is not None and set(needed) <= set(calibration.predictors):
-                problem = calibration_problem(model, calibration, needed, sample, out)
-                if problem is None:
-                    return calibration, _calibration_info(calibration, folder, "the model's default calibration")
-                logging.getLogger(__name__).warning(
-                    "the model's default calibration in %s does not work with this version (%s): fitting a new one",
-                    folder, problem)
+    if use == "auto":  # the lookup CompressedCache uses: the model's default calibration, fitted on first use
+        with _quiet_hub():
+            calibration, note = calibration_for(model, tokenizer=tokenizer, predictors=needed,
+                                                fit=set(needed) <= set(FIRST_USE_PREDICTORS), progress=progress)
+        if calibration is not None:
+            problem = calibration_problem(model, calibration, needed, sample, out)
+            if problem is None:
+                return calibration, _calibration_info(calibration, calibration_dir(model),
+                                                      f"the model's default calibration ({note})")
+            logging.getLogger(__name__).warning(
+                "the model's default calibration (%s) does not work with this version (%s): fitting one for this run",
+                note, problem)
         use = "fit"
     if use == "fit":
         names = set(suite.calibration.predictors)
