@@ -48,6 +48,7 @@ TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
 SIGMA_FLOOR = 1e-6
+ESTIMATE_CHUNKS = 1  # chunks the in-sample bits estimate (a report, not a fit input) is computed on
 
 
 class CalibrationError(ValueError):
@@ -462,6 +463,7 @@ def _fit_predictor(
         n_base = zs[0].shape[1] - 2 * heads * dim
         # float32 products per chunk (fast), summed in float64; the per-feature ridge absorbs the rounding
         gram = sum((z.T @ z).double() for z in zs)
+        factor = _ridge_factor(gram)
         n = len(zs) * tokens
         z2_sum = [torch.zeros(tokens) for _ in chunks]
         z2_count = 0
@@ -471,7 +473,7 @@ def _fit_predictor(
                 n_feat = n_base
                 if recipe.inter_head:
                     n_feat += h * dim if kind == "k" else (heads + h) * dim
-                weight = _ridge(gram, n_feat, target, dim)
+                weight = _ridge(gram, factor, n_feat, target, dim)
                 stored = _compact(weight)
                 weight32 = stored.to(torch.float32)  # the residuals of the weights the coder will use
                 residuals = [(z[:, target : target + dim] - z[:, :n_feat] @ weight32).double() for z in zs]
@@ -486,7 +488,8 @@ def _fit_predictor(
                 tensors[f"{key}/weight"] = stored
                 tensors[f"{key}/sigma"] = sigma.to(torch.float32)
                 tensors[f"{key}/alpha"] = torch.tensor(alpha, dtype=torch.float32)
-                gaussian_bits.append(_gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, h))
+                gaussian_bits.append(_gaussian_bits(residuals[:ESTIMATE_CHUNKS], surprise, alpha, sigma, chunks,
+                                                    layer, kind, h))
                 for c, r in enumerate(residuals):
                     z2_sum[c] = z2_sum[c] + (r.float() / sigma).square().mean(dim=-1)
                 z2_count += 1
@@ -505,30 +508,43 @@ def _compact(weight: torch.Tensor) -> torch.Tensor:
     return half if bool(torch.isfinite(half).all()) else weight.to(torch.float32)
 
 
-def _ridge(gram: torch.Tensor, n_feat: int, target: int, dim: int) -> torch.Tensor:
-    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (column 0 is the
-    constant, not penalised)."""
-    a = gram[:n_feat, :n_feat].clone()
-    b = gram[:n_feat, target : target + dim]
-    if n_feat > 1:
-        # per-feature penalty: features differ in scale by orders of magnitude (keys vs values, layer to layer),
-        # and one global penalty would flatten the small ones
-        energy = a.diagonal()[1:].clamp_min(1e-12)
+def _ridge_factor(gram: torch.Tensor) -> torch.Tensor | None:
+    """Cholesky factor of the penalised Gram matrix of a layer, or None where it is not positive definite.
+
+    The penalty is per feature: features differ in scale by orders of magnitude (keys vs values, layer to
+    layer), and one global penalty would flatten the small ones. Every stream's features are a prefix of the
+    layer's and the penalty of a feature does not depend on the prefix, so the factor of a prefix's matrix is
+    the leading block of this one: one factorisation serves all of a layer's streams."""
+    a = gram.clone()
+    if a.shape[0] > 1:
+        energy = a.diagonal()[1:].clamp_min(1e-12)  # column 0 is the constant: not penalised
         a[1:, 1:] += torch.diag(RIDGE * energy)
+    factor, info = torch.linalg.cholesky_ex(a)
+    return factor if int(info) == 0 else None
+
+
+def _ridge(gram: torch.Tensor, factor: torch.Tensor | None, n_feat: int, target: int, dim: int) -> torch.Tensor:
+    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (`_ridge_factor`)."""
+    b = gram[:n_feat, target : target + dim]
+    if factor is not None:
+        return torch.cholesky_solve(b, factor[:n_feat, :n_feat])
+    a = gram[:n_feat, :n_feat].clone()  # not positive definite in float64: a general solve of the same system
+    if n_feat > 1:
+        a[1:, 1:] += torch.diag(RIDGE * a.diagonal()[1:].clamp_min(1e-12))
     return torch.linalg.solve(a, b)
 
 
 def _fit_alpha(residuals: list[torch.Tensor], surprise: list[torch.Tensor], n: int) -> tuple[float, torch.Tensor]:
-    """The surprise exponent minimising the Gaussian code length, and the sigma that goes with it."""
-    log_g = sum(float(g.double().log().sum()) for g in surprise)
-    best = None
-    for alpha in ALPHAS:
-        ss = sum(((r / g.double().pow(alpha)[:, None]).square()).sum(dim=0) for r, g in zip(residuals, surprise))
-        var = (ss / n).clamp_min(SIGMA_FLOOR**2)
-        cost = 0.5 * float(var.log().sum()) + alpha * log_g * var.shape[0] / n
-        if best is None or cost < best[0]:
-            best = (cost, alpha, var.sqrt())
-    return best[1], best[2]
+    """The surprise exponent minimising the Gaussian code length, and the sigma that goes with it (all
+    candidate exponents at once: the weighted sums of squares are one matrix product)."""
+    g = torch.cat([s.double().reshape(-1) for s in surprise])  # [n]
+    r2 = torch.cat([r.square() for r in residuals])  # [n, dim] float64
+    alphas = torch.tensor(ALPHAS, dtype=torch.float64)
+    ss = g[None, :].pow(-2.0 * alphas[:, None]) @ r2  # [alphas, dim]
+    var = (ss / n).clamp_min(SIGMA_FLOOR**2)
+    cost = 0.5 * var.log().sum(dim=1) + alphas * float(g.log().sum()) * var.shape[1] / n
+    best = int(torch.argmin(cost))  # the first of equal costs, as the smaller exponent
+    return ALPHAS[best], var[best].sqrt()
 
 
 def _gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, head) -> float:
