@@ -325,10 +325,11 @@ class Calibration:
 FIRST_USE_TOKENS, FIRST_USE_CHUNK, FIRST_USE_PREDICTORS = 8192, 1024, ("context",)
 
 
-def calibration_dir(model: torch.nn.Module) -> Path:
-    """The folder of ``model``'s default calibration: ``<cache folder>/calibrations/<model fingerprint>``
-    (the cache folder is ``$HF_KVCOMPRESS_CACHE`` or ``~/.cache/hf_kvcompress``)."""
-    return cache_dir() / "calibrations" / model_fingerprint(model)
+def calibration_dir(model: torch.nn.Module | str) -> Path:
+    """The folder of a model's default calibration: ``<cache folder>/calibrations/<model fingerprint>`` (the
+    cache folder is ``$HF_KVCOMPRESS_CACHE`` or ``~/.cache/hf_kvcompress``); ``model`` or its fingerprint."""
+    fingerprint = model if isinstance(model, str) else model_fingerprint(model)
+    return cache_dir() / "calibrations" / fingerprint
 
 
 def find_calibration(model: torch.nn.Module) -> Calibration | None:
