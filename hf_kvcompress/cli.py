@@ -115,7 +115,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"generated ({args.new_tokens} tokens, {run.tokens_per_second:.1f} tok/s):")
     print(textwrap.indent(new_text.strip(), "  > "))
     stats = cache.stats()
-    stats.pop("per_layer")
     if args.check:
         ref = greedy_generate(model, ids, DynamicCache(), args.new_tokens, progress="reference (DynamicCache)")
         stats["identical_to_DynamicCache"] = bool(torch.equal(ref.sequences, run.sequences))

@@ -49,6 +49,10 @@ class CompressedCache(Cache):
             config = CompressionConfig()
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"CompressedCache: config must be a CompressionConfig, got {type(config).__name__}")
+        if config.mode == "lossy":  # before any slow work: a query-scored method needs the model
+            from ..lossy.layer import require_model
+
+            require_model(config.lossy, model)
         if model is not None and model_config is None:
             model_config = getattr(model, "config", None)
         self.config = config
@@ -228,40 +232,41 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------------ reporting
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, per_layer: bool = False) -> dict[str, Any]:
         """What this cache holds against what a `DynamicCache` in the same dtype would hold.
 
         Returns a dict with ``mode``, ``tokens`` (text positions seen), ``entries`` (K/V rows attention sees,
         summed over layers), ``raw_bytes``, ``stored_bytes`` (the compressed form: blocks with their headers
         and side data, residual tensors), ``held_bytes`` (every byte the cache keeps: ``stored_bytes`` plus
         decoded blocks kept between steps, the recorded token ids and whole buffers behind any view),
-        ``decoded_bytes`` and ``token_ids_bytes`` (the parts of it no layer holds), ``bits_per_scalar`` (stored bits per cached K/V scalar), ``compression_ratio``
-        (raw / stored), ``dtype`` and ``per_layer`` (the same numbers per layer).
+        ``decoded_bytes`` and ``token_ids_bytes`` (the parts of it no layer holds), ``bits_per_scalar`` (stored
+        bits per cached K/V scalar), ``compression_ratio`` (raw / stored) and ``dtype``. ``per_layer=True`` adds
+        ``per_layer``: the same numbers per layer, with each method's own (summaries, residual bytes, ...).
         """
-        per_layer = []
-        for idx, layer in enumerate(self.layers):
-            if isinstance(layer, CompressedLayer):
-                per_layer.append({"layer": idx, **layer.stats()})
-        raw = sum(s["raw_bytes"] for s in per_layer)
-        stored = sum(s["stored_bytes"] for s in per_layer)
-        scalars = sum(s["scalars"] for s in per_layer)
+        layers = [{"layer": idx, **layer.stats()} for idx, layer in enumerate(self.layers)
+                  if isinstance(layer, CompressedLayer)]
+        raw = sum(s["raw_bytes"] for s in layers)
+        stored = sum(s["stored_bytes"] for s in layers)
+        scalars = sum(s["scalars"] for s in layers)
         decoded = storage_bytes(self.lossless.decoded_tensors()) if self.lossless is not None else 0
         ids = storage_bytes([self.token_ids]) if self.token_ids is not None else 0
         dtypes = {str(layer.dtype).replace("torch.", "") for layer in self.layers if getattr(layer, "dtype", None)}
-        return {
+        summary = {
             "mode": self.config.mode,
-            "tokens": max((s["tokens"] for s in per_layer), default=0),
-            "entries": sum(s["entries"] for s in per_layer),
+            "tokens": max((s["tokens"] for s in layers), default=0),
+            "entries": sum(s["entries"] for s in layers),
             "raw_bytes": raw,
             "stored_bytes": stored,
-            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in per_layer) + decoded + ids,
+            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in layers) + decoded + ids,
             "decoded_bytes": decoded,
             "token_ids_bytes": ids,
             "bits_per_scalar": 8.0 * stored / scalars if scalars else 0.0,
             "compression_ratio": raw / stored if stored else 1.0,
             "dtype": ",".join(sorted(dtypes)) or None,
-            "per_layer": per_layer,
         }
+        if per_layer:
+            summary["per_layer"] = layers
+        return summary
 
     def __repr__(self) -> str:
         return f"CompressedCache(mode={self.config.mode!r}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
