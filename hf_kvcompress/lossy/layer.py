@@ -438,11 +438,11 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
 
 def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
     """Refuse a query-scored method (`QUERY_METHODS`) without a model, before any work: the cache alone never sees
-    queries, and the key stand-ins lose to the query-free baselines (docs/lossy.md, "Without a model")."""
+    queries, and the key stand-ins lose to the query-free baselines (measured: docs/lossy.md, at the top)."""
     if model is None and config.method in QUERY_METHODS and not full_budget(config):
         raise ValueError(
             f"CompressedCache: lossy method {config.method!r} scores entries by the model's queries; pass the model: "
-            f"CompressedCache(config, model=model). Without a model use method 'streaming' or 'svd' "
+            "CompressedCache(config, model=model). Without a model use method 'streaming' or 'svd' "
             "(LossyConfig(method=...)), which need no queries"
         )
 
