@@ -73,12 +73,17 @@ def default_model_dir() -> Path:
     return target
 
 
+class UnknownModelError(ValueError):
+    """No local folder and no loadable hub model of that name (raised before any download or model load)."""
+
+
 #: a hub repository id: ``name`` or ``org/name`` (what `huggingface_hub` accepts), not a path
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 def resolve_model_source(name_or_path: str | Path) -> tuple[str | Path, bool]:
-    """``(source, local_files_only)`` for ``from_pretrained``, or a one-line ``ValueError`` before any download.
+    """``(source, local_files_only)`` for ``from_pretrained``, or a one-line `UnknownModelError` (a ``ValueError``)
+    before any download.
 
     A local folder is used as is. Anything else must be a hub id; it is checked with one request (an unknown id,
     or a hub that cannot be reached without a cached copy, fails at once instead of after a minute of
@@ -89,9 +94,9 @@ def resolve_model_source(name_or_path: str | Path) -> tuple[str | Path, bool]:
     if path.is_dir():
         return path, True
     if path.exists():
-        raise ValueError(f"model {text!r} is a file; pass the folder that holds config.json and the weights")
+        raise UnknownModelError(f"model {text!r} is a file; pass the folder that holds config.json and weights")
     if not _HUB_ID.fullmatch(text) or text.count("/") > 1:
-        raise ValueError(f"model {text!r}: no such folder (and not a hub id like 'org/name')")
+        raise UnknownModelError(f"model {text!r}: no such folder (and not a hub id like 'org/name')")
     from huggingface_hub import is_offline_mode, model_info, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
@@ -100,22 +105,22 @@ def resolve_model_source(name_or_path: str | Path) -> tuple[str | Path, bool]:
     offline = is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     if offline:
         if not cached:
-            raise ValueError(f"model {text!r} is not in the hub's cache and HF_HUB_OFFLINE is set; download it "
-                             "once online, or pass a local folder")
+            raise UnknownModelError(f"model {text!r} is not in the hub's cache and HF_HUB_OFFLINE is set; "
+                                    "download it once online, or pass a local folder")
         return text, True
     try:
         model_info(text, timeout=10)
     except RepositoryNotFoundError as err:
-        raise ValueError(f"model {text!r} is not on the Hugging Face hub (or is private: log in with "
-                         "`hf auth login`)") from err
+        raise UnknownModelError(f"model {text!r} is not on the Hugging Face hub (or is private: log in with "
+                                "`hf auth login`)") from err
     except HfHubHTTPError:
         return text, False  # e.g. a gated model: from_pretrained reports what access it needs
     except Exception as err:  # httpx's connection and timeout errors (not re-exported by the hub): unreachable
         if cached:
             logger.warning("the hub is unreachable (%s); using the cached copy of %s", err, text)
             return text, True
-        raise ValueError(f"model {text!r}: cannot reach the Hugging Face hub ({err}) and it is not in the hub's "
-                         "cache; pass a local folder, or download it once online") from err
+        raise UnknownModelError(f"model {text!r}: cannot reach the Hugging Face hub ({err}) and it is not in the "
+                                "hub's cache; pass a local folder, or download it once online") from err
     return text, False
 
 
