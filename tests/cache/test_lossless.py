@@ -200,6 +200,18 @@ def test_model_running_predictors_are_refused_inside_generation(predictor):
         lossless(predictor)
 
 
+def test_save_predictor_probe_is_the_default_of_save(tmp_path):
+    """Where the refused in-generation setting points: LosslessConfig(save_predictor='probe') codes save() files."""
+    model = tiny_model(MODEL, torch.bfloat16)
+    cache = CompressedCache(lossless(save_predictor="probe", probe_layer=1), model=model, calibration=calibration())
+    with torch.no_grad():
+        model(random_ids(1, 40), cache=cache)
+    path = cache.save(tmp_path / "probe.kvc")
+    assert read_header(path)["predictor"] == {"name": "probe", "probe_layer": 1}
+    loaded = CompressedCache.load(path, model=model, calibration=calibration())
+    assert same_bits(loaded.layers[0].keys, cache.layers[0].keys)
+
+
 def test_a_file_saved_with_probe_loads_with_the_default_config(saved):
     """The saved config is the one generate() ran with; the probe is the file's own predictor."""
     path, model = saved
