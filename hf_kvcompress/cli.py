@@ -25,13 +25,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, split: str = "evaluation"):
+    """The model and tokenizer; the ``--dataset`` is checked first, so a bad path fails before the slow load."""
+    from .data import check_source
     from .models import load_model
 
     try:
+        check_source(args.dataset, split)
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    try:
         return load_model(args.model, dtype=getattr(torch, args.dtype))
-    except (ValueError, OSError) as err:
-        raise CliError(f"unknown or unreadable model {args.model!r}: {err}") from err
+    except (ValueError, OSError, RuntimeError) as err:  # RuntimeError: the default model's download failed
+        raise CliError(str(err)) from err
 
 
 def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str = "evaluation") -> torch.LongTensor:
@@ -43,23 +49,23 @@ def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str =
         raise CliError(str(err)) from err
 
 
+def _writable(folder: Path, role: str) -> Path:
+    try:
+        return writable_folder(folder, role)
+    except OSError as err:
+        raise CliError(str(err)) from err
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit sigma tables, predictor heads and marginals on calibration text; save them."""
     from .calibration import META_FILE, Calibration, calibration_dir
 
     predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
     probe_layers = [int(k) for k in args.probe_layers.split(",") if k.strip()]
-    if args.out:
-        try:
-            writable_folder(Path(args.out), "calibration folder")
-        except OSError as err:
-            raise CliError(str(err)) from err
-    model, tokenizer = _load(args)
-    out = Path(args.out) if args.out else calibration_dir(model)
-    try:
-        writable_folder(out, "calibration folder")
-    except OSError as err:
-        raise CliError(str(err)) from err
+    if args.out:  # before the model loads: a folder that cannot be written fails at once
+        _writable(Path(args.out), "calibration folder")
+    model, tokenizer = _load(args, split=args.split)
+    out = Path(args.out) if args.out else _writable(calibration_dir(model), "calibration folder")
     try:
         calibration = Calibration.fit(
             model, tokenizer, source=args.dataset, split=args.split, tokens=args.tokens, chunk=args.chunk,
@@ -114,7 +120,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"generated ({args.new_tokens} tokens, {run.tokens_per_second:.1f} tok/s):")
     print(textwrap.indent(new_text.strip(), "  > "))
     stats = cache.stats()
-    stats.pop("per_layer")
     if args.check:
         ref = greedy_generate(model, ids, DynamicCache(), args.new_tokens, progress="reference (DynamicCache)")
         stats["identical_to_DynamicCache"] = bool(torch.equal(ref.sequences, run.sequences))

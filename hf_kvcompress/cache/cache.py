@@ -52,6 +52,10 @@ class CompressedCache(Cache):
             config = CompressionConfig()
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"CompressedCache: config must be a CompressionConfig, got {type(config).__name__}")
+        if config.mode == "lossy":  # before any slow work: a query-scored method needs the model
+            from ..lossy.layer import require_model
+
+            require_model(config.lossy, model)
         if model is not None and model_config is None:
             model_config = getattr(model, "config", None)
         self.config = config
@@ -232,7 +236,7 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------------ reporting
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, per_layer: bool = False) -> dict[str, Any]:
         """What this cache holds against what a `DynamicCache` in the same dtype would hold.
 
         Returns a dict with ``mode``, ``tokens`` (text positions seen), ``entries`` (K/V rows attention sees,
@@ -242,27 +246,25 @@ class CompressedCache(Cache):
         ``decoded_bytes``, ``token_ids_bytes`` and ``calibration_bytes`` (the parts of it no layer holds: the
         calibration's tensors read so far), ``bits_per_scalar`` (stored bits per cached K/V scalar),
         ``compression_ratio`` (raw / stored), ``dtype``, ``predictor`` (the one coding blocks in generation, as
-        it really runs), ``calibration`` (where it came from, or why there is none) and ``per_layer`` (the same
-        numbers per layer).
+        it really runs) and ``calibration`` (where it came from, or why there is none). ``per_layer=True`` adds
+        ``per_layer``: the same numbers per layer, with each method's own (summaries, residual bytes, ...).
         """
-        per_layer = []
-        for idx, layer in enumerate(self.layers):
-            if isinstance(layer, CompressedLayer):
-                per_layer.append({"layer": idx, **layer.stats()})
-        raw = sum(s["raw_bytes"] for s in per_layer)
-        stored = sum(s["stored_bytes"] for s in per_layer)
-        scalars = sum(s["scalars"] for s in per_layer)
+        layers = [{"layer": idx, **layer.stats()} for idx, layer in enumerate(self.layers)
+                  if isinstance(layer, CompressedLayer)]
+        raw = sum(s["raw_bytes"] for s in layers)
+        stored = sum(s["stored_bytes"] for s in layers)
+        scalars = sum(s["scalars"] for s in layers)
         decoded = storage_bytes(self.lossless.decoded_tensors()) if self.lossless is not None else 0
         ids = storage_bytes([self.token_ids]) if self.token_ids is not None else 0
         calibration = self.calibration.loaded_bytes() if self.calibration is not None else 0
         dtypes = {str(layer.dtype).replace("torch.", "") for layer in self.layers if getattr(layer, "dtype", None)}
-        return {
+        summary = {
             "mode": self.config.mode,
-            "tokens": max((s["tokens"] for s in per_layer), default=0),
-            "entries": sum(s["entries"] for s in per_layer),
+            "tokens": max((s["tokens"] for s in layers), default=0),
+            "entries": sum(s["entries"] for s in layers),
             "raw_bytes": raw,
             "stored_bytes": stored,
-            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in per_layer) + decoded + ids + calibration,
+            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in layers) + decoded + ids + calibration,
             "decoded_bytes": decoded,
             "token_ids_bytes": ids,
             "calibration_bytes": calibration,
@@ -271,8 +273,10 @@ class CompressedCache(Cache):
             "dtype": ",".join(sorted(dtypes)) or None,
             "predictor": self._predictor_in_use(),
             "calibration": self.calibration_note,
-            "per_layer": per_layer,
         }
+        if per_layer:
+            summary["per_layer"] = layers
+        return summary
 
     def _predictor_in_use(self) -> str | None:
         if self.lossless is None:

@@ -15,12 +15,7 @@ def lossless_context(cache) -> LosslessContext:
     predictor = make_predictor(
         settings.predictor, calibration=cache.calibration, model=cache.model, probe_layer=settings.probe_layer
     )
-    if not predictor.practical_in_generation:
-        raise ValueError(
-            f"LosslessConfig.predictor='{settings.predictor}' reruns the model to decode every block, which is "
-            "impractical for every step of generate(); generate with predictor 'context' (or 'none') and store "
-            f"with cache.save(path, predictor='{settings.predictor}')"
-        )
+    # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
     _check_layer_chain(cache, predictor)
     codec = codec_config(settings)
     marginals = None
