@@ -22,23 +22,26 @@ def snippets(kind: str | None = None) -> list[str]:
     return [m["code"] for m in _BLOCK.finditer(README.read_text()) if m["kind"] == kind]
 
 
-@pytest.fixture
-def user_cache(tmp_path, monkeypatch) -> Path:
+@pytest.fixture(scope="module")
+def user_cache(tmp_path_factory) -> Path:
     """A fresh ``HF_KVCOMPRESS_CACHE`` (calibrations and anything else a snippet writes land there, not in the
-    user's folder) that shares the already converted default model and texts; the snippets run in tmp_path."""
+    user's folder) that shares the already converted default model and texts; the snippets run in a temporary
+    folder. Module-wide: the first snippet fits the model's calibration on first use, the others find it."""
     from hf_kvcompress.data import shakespeare_files
     from hf_kvcompress.downloads import cache_dir
     from hf_kvcompress.models import default_model_dir
 
     default_model_dir(), shakespeare_files()  # fetched / converted once into the real folder
     real = cache_dir()
-    folder = tmp_path / "hf_kvcompress_cache"
+    work = tmp_path_factory.mktemp("readme")
+    folder = work / "hf_kvcompress_cache"
     folder.mkdir()
     for name in ("models", "downloads", "datasets"):
         (folder / name).symlink_to(real / name, target_is_directory=True)
-    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(folder))
-    monkeypatch.chdir(tmp_path)
-    return folder
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_KVCOMPRESS_CACHE", str(folder))
+        patch.chdir(work)
+        yield folder
 
 
 def test_the_markers_find_every_snippet():
@@ -53,6 +56,7 @@ def test_quick_start_lossy_and_save_load_run_as_written(user_cache, capsys):
     stats = ns["cache"].stats()
     assert "per_layer" not in stats and "per_layer" in ns["cache"].stats(per_layer=True)
     assert stats["tokens"] == 331 and stats["compression_ratio"] > 1.2, stats  # the prompt sealed at prefill
+    assert stats["calibration"].startswith("fitted on first use") and stats["calibration_bytes"] == 0, stats
     printed = capsys.readouterr().out
     assert "compression_ratio" in printed and "per_layer" not in printed
     model, ids = ns["model"], ns["ids"]
@@ -66,6 +70,8 @@ def test_quick_start_lossy_and_save_load_run_as_written(user_cache, capsys):
 
     exec(compile(save_load, "README save/load", "exec"), ns)
     assert (Path.cwd() / "prompt.kvc").is_file()
+    bits = 8 * (Path.cwd() / "prompt.kvc").stat().st_size / (stats["raw_bytes"] / 2)
+    assert bits <= 8.5, bits  # coded with the calibration fitted on first use (8.34 measured; none: 10.60)
     for saved, restored in zip(ns["cache"].layers, ns["restored"].layers):  # the prefix, bit for bit
         held = saved.keys.shape[2]
         assert torch.equal(saved.keys.view(torch.int16), restored.keys[..., :held, :].view(torch.int16))
