@@ -239,13 +239,12 @@ def capture_streams(tokens: int, offset: int = 4096) -> list[tuple[torch.Tensor,
     text with the calibrated context predictor (256-token blocks; x channel-major [64, 256] bf16)."""
     import hf_kvcompress.cache.coded as coded
     from hf_kvcompress import CompressedCache, CompressionConfig
-    from hf_kvcompress.calibration import Calibration
-    from hf_kvcompress.cli import default_calibration_dir
+    from hf_kvcompress.calibration import Calibration, calibration_dir
     from hf_kvcompress.data import token_ids
     from hf_kvcompress.models import load_model
 
     model, tok = load_model()
-    cal = Calibration.load(default_calibration_dir(model), model)
+    cal = Calibration.load(calibration_dir(model), model)
     ids = token_ids(tok, tokens, split="evaluation", offset=offset)
     cache = CompressedCache(CompressionConfig(mode="none", block_tokens=256, residual_tokens=0), model=model,
                             calibration=cal)

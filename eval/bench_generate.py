@@ -184,7 +184,7 @@ def main() -> None:
 def warm_up(model) -> None:
     """Build the codec's tables and compile what compiles once per process, outside every measurement."""
     config = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=0)
-    cache = CompressedCache(config, model=model)
+    cache = CompressedCache(config, model=model, calibration=None)
     with torch.no_grad():
         model(torch.arange(3, 40).unsqueeze(0), cache=cache, use_cache=True)
         model(torch.tensor([[5]]), cache=cache, use_cache=True)

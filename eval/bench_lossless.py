@@ -11,8 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_kvcompress.calibration import Calibration
-from hf_kvcompress.cli import default_calibration_dir
+from hf_kvcompress.calibration import Calibration, calibration_dir
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.evaluation.env import machine, versions
 from hf_kvcompress.evaluation.lossless import generation_rows, run_lossless
@@ -42,7 +41,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model()
-    calibration = Calibration.load(Path(args.calibration) if args.calibration else default_calibration_dir(model), model)
+    calibration = Calibration.load(Path(args.calibration) if args.calibration else calibration_dir(model), model)
     ids = token_ids(tokenizer, args.tokens, split="evaluation", offset=args.offset)
     result = run_lossless(model, ids, calibration, predictors=args.predictors.split(","),
                           baselines=["zstd-3", "zstd-19", "zipnn", "exponent-bound"], windows=[], window_tokens=1,

@@ -2,7 +2,12 @@
 sigma table per (layer, k/v, head, channel), plus an empirical bf16 marginal per layer.
 
 Saved as ``calibration.safetensors`` + ``calibration.json`` (model fingerprint and config, dtype, library
-versions, the text used). `Calibration.load` refuses files that do not fit the model they are used with.
+versions, the text used, a checksum per tensor group). `Calibration.load` refuses files that do not fit the
+model they are used with, and reads each group (``context``, ``marginal``, ...) only when it is first used.
+
+Every model has one default calibration in the user cache folder, keyed by its fingerprint
+(`calibration_dir`); `calibration_for` finds it, or fits the ``context`` heads on first use from the built-in
+calibration text (~26 CPU-s for SmolLM2-135M: docs/lossless.md, "Calibration on first use").
 """
 
 from __future__ import annotations
@@ -11,18 +16,23 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
+import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .codec import Marginal
-from .models import ModelIdentity, model_identity
+from .downloads import cache_dir, writable_folder
+from .models import ModelIdentity, model_fingerprint, model_identity
 from .predictors.base import BlockInputs, LayerValues
 from .predictors.context import CalibratedLinearPredictor, ContextPredictor, NoPredictor
 from .predictors.linear import SURPRISE_RANGE, FeatureBuilder, StreamHead
@@ -31,11 +41,14 @@ from .predictors.rope import RopeFrame
 from .predictors.runner import build_twin, run_decoder
 
 FORMAT = "hf_kvcompress.calibration"
-VERSION = 3  # 2: two layers below as features, per-feature ridge; 3: model identity (all weights sampled)
+VERSION = 4  # 2: two layers below as features, per-feature ridge; 3: model identity (all weights sampled);
+# 4: head weights in float16 (rate unchanged to 4 decimals on SmolLM2, half the bytes), a checksum per group
+READS = (3, 4)
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
 SIGMA_FLOOR = 1e-6
+ESTIMATE_CHUNKS = 1  # chunks the in-sample bits estimate (a report, not a fit input) is computed on
 
 
 class CalibrationError(ValueError):
@@ -54,16 +67,24 @@ def library_versions() -> dict[str, str]:
 
 @dataclass
 class Calibration:
-    """Fitted predictor heads, sigma tables and marginals for one model (see module docstring)."""
+    """Fitted predictor heads, sigma tables and marginals for one model (see module docstring).
+
+    ``tensors`` maps names (``"<group>/..."``) to tensors; a loaded calibration reads a group from its file the
+    first time one of its tensors is used (`loaded_bytes` says what is in memory)."""
 
     meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
 
     # ------------------------------------------------------------------ access
 
     @property
     def fingerprint(self) -> str:
         return self.meta["model"]["fingerprint"]
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 over every tensor: what saved caches record to name the calibration they need."""
+        return self.meta["tensors_sha256"]
 
     @property
     def predictors(self) -> list[str]:
@@ -75,7 +96,7 @@ class Calibration:
         return RopeFrame(inv_freq if inv_freq is not None and inv_freq.numel() else None)
 
     def stream_heads(self, name: str, layer: int) -> dict[tuple[str, int], StreamHead]:
-        """The `StreamHead` of every (kind, head) stream of ``layer`` for head set ``name``."""
+        """The `StreamHead` of every (kind, head) stream of ``layer`` for head set ``name`` (float32)."""
         if name not in self.meta["predictors"]:
             raise CalibrationError(
                 f"this calibration has no '{name}' predictor (it has {self.predictors}); "
@@ -88,13 +109,40 @@ class Calibration:
                 if f"{key}/weight" not in self.tensors:
                     raise CalibrationError(f"calibration lacks {key} (layer {layer} was not fitted for {name})")
                 heads[(kind, head)] = StreamHead(
-                    self.tensors[f"{key}/weight"], self.tensors[f"{key}/sigma"], float(self.tensors[f"{key}/alpha"])
+                    self.tensors[f"{key}/weight"].to(torch.float32), self.tensors[f"{key}/sigma"],
+                    float(self.tensors[f"{key}/alpha"]),
                 )
         return heads
 
     def marginal(self, layer: int) -> Marginal:
         """The empirical bf16 marginal (p_hat) of layer ``layer``'s keys and values."""
         return Marginal.from_tensor(self.tensors[f"marginal/L{layer}"])
+
+    def loaded_bytes(self) -> int:
+        """Bytes of this calibration's tensors held in memory now."""
+        held = self.tensors.loaded() if isinstance(self.tensors, _GroupFile) else self.tensors.values()
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def release(self) -> None:
+        """Drop the groups read from the file so far (they are read again when next used); a no-op for a
+        calibration built in memory."""
+        if isinstance(self.tensors, _GroupFile):
+            self.tensors.release()
+
+    def with_heads_of(self, other: Calibration) -> Calibration:
+        """This calibration plus the head sets of ``other`` (fitted on the same model); this one's marginals
+        and RoPE frame are kept."""
+        if other.fingerprint != self.fingerprint:
+            raise CalibrationError("cannot merge calibrations of different models")
+        tensors = dict(self.tensors.items())
+        for name, tensor in other.tensors.items():
+            if name.split("/", 1)[0] in other.meta["predictors"]:
+                tensors[name] = tensor
+        meta = json.loads(json.dumps(self.meta, default=str))
+        meta["predictors"] = {**meta["predictors"], **other.meta["predictors"]}
+        meta["version"] = VERSION
+        meta["tensors_sha256"] = _tensors_digest(tensors)
+        return Calibration(meta, tensors)
 
     # ------------------------------------------------------------------ checks
 
@@ -115,17 +163,25 @@ class Calibration:
     # ------------------------------------------------------------------ files
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``calibration.safetensors`` and ``calibration.json`` into ``directory``."""
+        """Write ``calibration.safetensors`` and ``calibration.json`` into ``directory`` (each through a
+        temporary file and a rename, tensors first: a reader never sees a half-written file)."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.contiguous() for name, t in self.tensors.items()}
-        save_file(tensors, str(path / TENSORS_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
-        (path / META_FILE).write_text(json.dumps(self.meta, indent=1, sort_keys=True, default=str))
+        meta = dict(self.meta)
+        meta["groups_sha256"] = {group: _tensors_digest(part) for group, part in _groups(tensors).items()}
+        suffix = f".tmp-{os.getpid()}"
+        save_file(tensors, str(path / (TENSORS_FILE + suffix)), metadata={"format": FORMAT, "version": str(VERSION)})
+        (path / (META_FILE + suffix)).write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+        os.replace(path / (TENSORS_FILE + suffix), path / TENSORS_FILE)
+        os.replace(path / (META_FILE + suffix), path / META_FILE)
         return path
 
     @classmethod
     def load(cls, directory: str | Path, model: torch.nn.Module | None = None) -> Calibration:
-        """Read a saved calibration; with ``model``, also check that it fits that model."""
+        """Read a saved calibration and check all of it (every tensor group against its checksum); tensors are
+        then kept in memory group by group from their first use. With ``model``, also check that it fits that
+        model. Every problem raises `CalibrationError`."""
         path = Path(directory)
         meta_path, tensor_path = path / META_FILE, path / TENSORS_FILE
         if not meta_path.is_file() or not tensor_path.is_file():
@@ -136,18 +192,23 @@ class Calibration:
             raise CalibrationError(f"{meta_path}: not a calibration file ({type(err).__name__}: {err})") from err
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CalibrationError(f"{meta_path}: not an hf_kvcompress calibration")
-        if meta.get("version") != VERSION:
+        if meta.get("version") not in READS:
             raise CalibrationError(
-                f"{meta_path}: calibration format version {meta.get('version')}, this library reads {VERSION}; "
+                f"{meta_path}: calibration format version {meta.get('version')}, this library reads {list(READS)}; "
                 "recalibrate with this version"
             )
-        try:
-            tensors = load_file(str(tensor_path))
-        except Exception as err:  # safetensors raises its own error types for corrupt files
-            raise CalibrationError(f"{tensor_path}: cannot read ({err})") from err
-        digest = _tensors_digest(tensors)
-        if digest != meta.get("tensors_sha256"):
-            raise CalibrationError(f"{tensor_path}: tensors do not match the checksum in {META_FILE} (corrupt?)")
+        groups = meta.get("groups_sha256")
+        if meta["version"] >= 4 and groups is not None:
+            if not isinstance(groups, dict) or not all(isinstance(v, str) for v in groups.values()):
+                raise CalibrationError(f"{meta_path}: groups_sha256 must map group names to checksums")
+            tensors: Mapping[str, torch.Tensor] = _GroupFile(tensor_path, groups)
+        else:  # format 3: one checksum over everything, read and checked at once
+            try:
+                tensors = load_file(str(tensor_path))
+            except Exception as err:  # safetensors raises its own error types for corrupt files
+                raise CalibrationError(f"{tensor_path}: cannot read ({err})") from err
+            if _tensors_digest(tensors) != meta.get("tensors_sha256"):
+                raise CalibrationError(f"{tensor_path}: tensors do not match the checksum in {META_FILE} (corrupt?)")
         calibration = cls(meta, tensors)
         if model is not None:
             calibration.check_model(model)
@@ -256,6 +317,99 @@ class Calibration:
         return cls(meta, tensors)
 
 
+# ---------------------------------------------------------------------- the model's default calibration
+
+#: what a first-use calibration fits: the `context` heads (what `cache.save` codes with) on 8,192 tokens of
+#: the calibration text, 1,024 at a time. On SmolLM2-135M: 26 CPU-s, 20.6 MB of heads, a 400-token prompt
+#: saved at 8.28 bits/scalar (16,384 tokens: 8.25; 2,048: 8.48); docs/lossless.md "Calibration on first use"
+FIRST_USE_TOKENS, FIRST_USE_CHUNK, FIRST_USE_PREDICTORS = 8192, 1024, ("context",)
+
+
+def calibration_dir(model: torch.nn.Module | str) -> Path:
+    """The folder of a model's default calibration: ``<cache folder>/calibrations/<model fingerprint>`` (the
+    cache folder is ``$HF_KVCOMPRESS_CACHE`` or ``~/.cache/hf_kvcompress``); ``model`` or its fingerprint."""
+    fingerprint = model if isinstance(model, str) else model_fingerprint(model)
+    return cache_dir() / "calibrations" / fingerprint
+
+
+def find_calibration(model: torch.nn.Module) -> Calibration | None:
+    """``model``'s default calibration if one was saved (raises `CalibrationError` if it is unreadable or
+    does not fit the model)."""
+    folder = calibration_dir(model)
+    if not (folder / META_FILE).is_file():
+        return None
+    return Calibration.load(folder, model)
+
+
+def calibration_for(
+    model: torch.nn.Module,
+    *,
+    tokenizer=None,
+    predictors: Sequence[str] = FIRST_USE_PREDICTORS,
+    fit: bool = True,
+    progress: bool = True,
+) -> tuple[Calibration | None, str]:
+    """``model``'s default calibration with the heads of ``predictors``, fitted and saved on first use when
+    ``fit`` (from the built-in calibration text, tokenised with ``tokenizer`` or the model's own, found
+    offline from ``model.name_or_path``). Returns it with a note of where it came from; where there is none
+    (no tokenizer, no text, ``fit=False``), None and the reason, after a warning for an unexpected failure."""
+    folder = calibration_dir(model)
+    existing = None
+    try:
+        existing = find_calibration(model)
+    except CalibrationError as err:
+        if not fit:
+            return None, f"none: the saved one is unusable ({err})"
+        _note(f"the calibration in {folder} is unusable ({err}); fitting a new one", progress)
+    missing = [p for p in predictors if existing is None or p not in existing.predictors]
+    if not missing:
+        return existing, str(folder)
+    if not fit:
+        return None, f"none: no calibration with {list(predictors)} in {folder}"
+    if tokenizer is None:
+        tokenizer, problem = _tokenizer_of(model)
+        if tokenizer is None:
+            return None, f"none: {problem}; pass calibration= (hf-kvcompress calibrate) for better ratios"
+    started = time.process_time()
+    try:
+        fitted = Calibration.fit(model, tokenizer, tokens=FIRST_USE_TOKENS, chunk=FIRST_USE_CHUNK,
+                                 predictors=missing, progress=progress)
+    except (OSError, ValueError) as err:  # no calibration text (offline, no package index), too short
+        warnings.warn(f"hf_kvcompress: could not calibrate this model on first use ({err}); lossless mode "
+                      "codes without a calibration", stacklevel=3)
+        return None, f"none: first-use calibration failed ({err})"
+    seconds = time.process_time() - started
+    calibration = fitted if existing is None else existing.with_heads_of(fitted)
+    try:
+        writable_folder(folder, "calibration folder")
+        calibration.save(folder)
+    except OSError as err:
+        _note(f"calibrated {fitted.meta['model']['name']} ({seconds:.0f} CPU-s) but could not save it: {err}", progress)
+        return calibration, f"fitted on first use, not saved ({err})"
+    _note(f"calibrated {fitted.meta['model']['name']} for lossless coding ({', '.join(missing)}: "
+          f"{fitted.meta['text']['tokens']} tokens, {seconds:.0f} CPU-s); saved to {folder}", progress)
+    # read back: as every later use, the heads then stay on disk until a save needs them
+    return Calibration.load(folder, model), f"fitted on first use, saved to {folder}"
+
+
+def _tokenizer_of(model: torch.nn.Module):
+    """The model's tokenizer from its own folder or the local hub cache (never the network), or (None, why)."""
+    source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if not source:
+        return None, "the model names no folder or hub id to find its tokenizer in"
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True), None
+    except (OSError, ValueError) as err:
+        return None, f"no tokenizer found for {source!r} ({type(err).__name__})"
+
+
+def _note(text: str, progress: bool) -> None:
+    if progress:
+        print(f"hf_kvcompress: {text}", file=sys.stderr)
+
+
 @dataclass
 class _Chunk:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, dim]
@@ -310,6 +464,7 @@ def _fit_predictor(
         n_base = zs[0].shape[1] - 2 * heads * dim
         # float32 products per chunk (fast), summed in float64; the per-feature ridge absorbs the rounding
         gram = sum((z.T @ z).double() for z in zs)
+        factor = _ridge_factor(gram)
         n = len(zs) * tokens
         z2_sum = [torch.zeros(tokens) for _ in chunks]
         z2_count = 0
@@ -319,8 +474,9 @@ def _fit_predictor(
                 n_feat = n_base
                 if recipe.inter_head:
                     n_feat += h * dim if kind == "k" else (heads + h) * dim
-                weight = _ridge(gram, n_feat, target, dim)
-                weight32 = weight.to(torch.float32)
+                weight = _ridge(gram, factor, n_feat, target, dim)
+                stored = _compact(weight)
+                weight32 = stored.to(torch.float32)  # the residuals of the weights the coder will use
                 residuals = [(z[:, target : target + dim] - z[:, :n_feat] @ weight32).double() for z in zs]
                 if z2_count:
                     surprise = [(s / z2_count).sqrt().clamp(*SURPRISE_RANGE) for s in z2_sum]
@@ -330,10 +486,11 @@ def _fit_predictor(
                     surprise = [torch.ones(tokens) for _ in chunks]
                 alpha, sigma = _fit_alpha(residuals, surprise, n)
                 key = f"{name}/L{layer}/{kind}{h}"
-                tensors[f"{key}/weight"] = weight.to(torch.float32)
+                tensors[f"{key}/weight"] = stored
                 tensors[f"{key}/sigma"] = sigma.to(torch.float32)
                 tensors[f"{key}/alpha"] = torch.tensor(alpha, dtype=torch.float32)
-                gaussian_bits.append(_gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, h))
+                gaussian_bits.append(_gaussian_bits(residuals[:ESTIMATE_CHUNKS], surprise, alpha, sigma, chunks,
+                                                    layer, kind, h))
                 for c, r in enumerate(residuals):
                     z2_sum[c] = z2_sum[c] + (r.float() / sigma).square().mean(dim=-1)
                 z2_count += 1
@@ -346,30 +503,49 @@ def _fit_predictor(
     return {"first_layer": first, "in_sample_gaussian_bits_estimate": round(mean_bits, 3)}
 
 
-def _ridge(gram: torch.Tensor, n_feat: int, target: int, dim: int) -> torch.Tensor:
-    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (column 0 is the
-    constant, not penalised)."""
-    a = gram[:n_feat, :n_feat].clone()
-    b = gram[:n_feat, target : target + dim]
-    if n_feat > 1:
-        # per-feature penalty: features differ in scale by orders of magnitude (keys vs values, layer to layer),
-        # and one global penalty would flatten the small ones
-        energy = a.diagonal()[1:].clamp_min(1e-12)
+def _compact(weight: torch.Tensor) -> torch.Tensor:
+    """A head's weights as stored: float16 (VERSION 4), float32 where a weight would not fit float16's range."""
+    half = weight.to(torch.float16)
+    return half if bool(torch.isfinite(half).all()) else weight.to(torch.float32)
+
+
+def _ridge_factor(gram: torch.Tensor) -> torch.Tensor | None:
+    """Cholesky factor of the penalised Gram matrix of a layer, or None where it is not positive definite.
+
+    The penalty is per feature: features differ in scale by orders of magnitude (keys vs values, layer to
+    layer), and one global penalty would flatten the small ones. Every stream's features are a prefix of the
+    layer's and the penalty of a feature does not depend on the prefix, so the factor of a prefix's matrix is
+    the leading block of this one: one factorisation serves all of a layer's streams."""
+    a = gram.clone()
+    if a.shape[0] > 1:
+        energy = a.diagonal()[1:].clamp_min(1e-12)  # column 0 is the constant: not penalised
         a[1:, 1:] += torch.diag(RIDGE * energy)
+    factor, info = torch.linalg.cholesky_ex(a)
+    return factor if int(info) == 0 else None
+
+
+def _ridge(gram: torch.Tensor, factor: torch.Tensor | None, n_feat: int, target: int, dim: int) -> torch.Tensor:
+    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (`_ridge_factor`)."""
+    b = gram[:n_feat, target : target + dim]
+    if factor is not None:
+        return torch.cholesky_solve(b, factor[:n_feat, :n_feat])
+    a = gram[:n_feat, :n_feat].clone()  # not positive definite in float64: a general solve of the same system
+    if n_feat > 1:
+        a[1:, 1:] += torch.diag(RIDGE * a.diagonal()[1:].clamp_min(1e-12))
     return torch.linalg.solve(a, b)
 
 
 def _fit_alpha(residuals: list[torch.Tensor], surprise: list[torch.Tensor], n: int) -> tuple[float, torch.Tensor]:
-    """The surprise exponent minimising the Gaussian code length, and the sigma that goes with it."""
-    log_g = sum(float(g.double().log().sum()) for g in surprise)
-    best = None
-    for alpha in ALPHAS:
-        ss = sum(((r / g.double().pow(alpha)[:, None]).square()).sum(dim=0) for r, g in zip(residuals, surprise))
-        var = (ss / n).clamp_min(SIGMA_FLOOR**2)
-        cost = 0.5 * float(var.log().sum()) + alpha * log_g * var.shape[0] / n
-        if best is None or cost < best[0]:
-            best = (cost, alpha, var.sqrt())
-    return best[1], best[2]
+    """The surprise exponent minimising the Gaussian code length, and the sigma that goes with it (all
+    candidate exponents at once: the weighted sums of squares are one matrix product)."""
+    g = torch.cat([s.double().reshape(-1) for s in surprise])  # [n]
+    r2 = torch.cat([r.square() for r in residuals])  # [n, dim] float64
+    alphas = torch.tensor(ALPHAS, dtype=torch.float64)
+    ss = g[None, :].pow(-2.0 * alphas[:, None]) @ r2  # [alphas, dim]
+    var = (ss / n).clamp_min(SIGMA_FLOOR**2)
+    cost = 0.5 * var.log().sum(dim=1) + alphas * float(g.log().sum()) * var.shape[1] / n
+    best = int(torch.argmin(cost))  # the first of equal costs, as the smaller exponent
+    return ALPHAS[best], var[best].sqrt()
 
 
 def _gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, head) -> float:
@@ -387,7 +563,76 @@ def _gaussian_bits(residuals, surprise, alpha, sigma, chunks, layer, kind, head)
     return total / max(count, 1)
 
 
-def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+class _GroupFile(Mapping):
+    """The tensors of a saved calibration, read one group (``context``, ``marginal``, ...) at a time and each
+    group checked against its checksum before use: a cache loads only what its predictors need."""
+
+    def __init__(self, path: Path, digests: dict[str, str]):
+        self.path = path
+        self.digests = digests
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                self.names = sorted(handle.keys())
+                self.name_set = frozenset(self.names)
+        except Exception as err:  # safetensors raises its own error types for corrupt files
+            raise CalibrationError(f"{path}: cannot read ({err})") from err
+        found = set(_group_names(self.names))
+        if found != set(digests):
+            raise CalibrationError(
+                f"{path}: tensor groups {sorted(found)} do not match the checksums' {sorted(digests)} (corrupt?)"
+            )
+        self._held: dict[str, dict[str, torch.Tensor]] = {}
+        for group in digests:  # the whole file is checked once here; only what is used stays in memory
+            self._group(group)
+            self.release()
+
+    def _group(self, group: str) -> dict[str, torch.Tensor]:
+        if group not in self._held:
+            names = [n for n in self.names if n.split("/", 1)[0] == group]
+            try:
+                with safe_open(str(self.path), framework="pt") as handle:
+                    part = {n: handle.get_tensor(n) for n in names}
+            except Exception as err:
+                raise CalibrationError(f"{self.path}: cannot read group {group!r} ({err})") from err
+            if _tensors_digest(part) != self.digests[group]:
+                raise CalibrationError(f"{self.path}: group {group!r} does not match its checksum (corrupt?)")
+            self._held[group] = part
+        return self._held[group]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        group = name.split("/", 1)[0]
+        if group not in self.digests:
+            raise KeyError(name)
+        return self._group(group)[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.name_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def loaded(self) -> list[torch.Tensor]:
+        return [t for part in self._held.values() for t in part.values()]
+
+    def release(self) -> None:
+        self._held.clear()
+
+
+def _group_names(names) -> list[str]:
+    return sorted({name.split("/", 1)[0] for name in names})
+
+
+def _groups(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        out.setdefault(name.split("/", 1)[0], {})[name] = tensor
+    return out
+
+
+def _tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous().reshape(-1)

@@ -25,13 +25,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, split: str = "evaluation"):
+    """The model and tokenizer; the ``--dataset`` is checked first, so a bad path fails before the slow load."""
+    from .data import check_source
     from .models import load_model
 
     try:
+        check_source(args.dataset, split)
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    try:
         return load_model(args.model, dtype=getattr(torch, args.dtype))
-    except (ValueError, OSError) as err:
-        raise CliError(f"unknown or unreadable model {args.model!r}: {err}") from err
+    except (ValueError, OSError, RuntimeError) as err:  # RuntimeError: the default model's download failed
+        raise CliError(str(err)) from err
 
 
 def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str = "evaluation") -> torch.LongTensor:
@@ -43,26 +49,23 @@ def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str =
         raise CliError(str(err)) from err
 
 
-def default_calibration_dir(model) -> Path:
-    """Where `calibrate` puts a model's calibration unless told otherwise (keyed by model fingerprint)."""
-    from .downloads import cache_dir
-    from .models import model_fingerprint
-
-    return cache_dir() / "calibrations" / model_fingerprint(model)
+def _writable(folder: Path, role: str) -> Path:
+    try:
+        return writable_folder(folder, role)
+    except OSError as err:
+        raise CliError(str(err)) from err
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit sigma tables, predictor heads and marginals on calibration text; save them."""
-    from .calibration import Calibration
+    from .calibration import META_FILE, Calibration, calibration_dir
 
     predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
     probe_layers = [int(k) for k in args.probe_layers.split(",") if k.strip()]
-    model, tokenizer = _load(args)
-    out = Path(args.out) if args.out else default_calibration_dir(model)
-    try:
-        writable_folder(out, "calibration folder")
-    except OSError as err:
-        raise CliError(str(err)) from err
+    if args.out:  # before the model loads: a folder that cannot be written fails at once
+        _writable(Path(args.out), "calibration folder")
+    model, tokenizer = _load(args, split=args.split)
+    out = Path(args.out) if args.out else _writable(calibration_dir(model), "calibration folder")
     try:
         calibration = Calibration.fit(
             model, tokenizer, source=args.dataset, split=args.split, tokens=args.tokens, chunk=args.chunk,
@@ -70,6 +73,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise CliError(str(err)) from err
+    if (out / META_FILE).is_file():
+        print(f"replacing the calibration in {out}: caches saved with the old one need a copy of it to load")
     calibration.save(out)
     print(f"calibration of {calibration.meta['model']['name']} ({calibration.meta['text']['tokens']} tokens, "
           f"{calibration.meta['seconds']} s) saved to {out}")
@@ -83,6 +88,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from transformers import DynamicCache
 
     from . import CompressedCache, CompressionConfig
+    from .calibration import META_FILE, CalibrationError
     from .generation import greedy_generate
 
     try:
@@ -91,31 +97,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError) as err:
         raise CliError(str(err)) from err
+    calibration: str | Path | None = "auto"  # the model's default calibration, fitted on first use
+    if args.calibration == "none":
+        calibration = None
+    elif args.calibration is not None:  # checked before the model loads
+        calibration = Path(args.calibration).expanduser()
+        if not (calibration / META_FILE).is_file():
+            raise CliError(f"--calibration {args.calibration!r}: no calibration there (expected {META_FILE})")
     model, tokenizer = _load(args)
     ids = _prompt_ids(tokenizer, args, args.prompt_tokens)
-    calibration = None
-    if args.mode == "lossless":
-        folder = Path(args.calibration) if args.calibration else default_calibration_dir(model)
-        if args.calibration or (folder / "calibration.json").is_file():
-            from .calibration import Calibration, CalibrationError
-
-            try:
-                calibration = Calibration.load(folder, model)
-            except CalibrationError as err:
-                raise CliError(str(err)) from err
-    cache = CompressedCache(config, model=model, calibration=calibration)
+    try:
+        cache = CompressedCache(config, model=model, calibration=calibration)
+    except CalibrationError as err:
+        raise CliError(str(err)) from err
     run = greedy_generate(model, ids, cache, args.new_tokens, progress=f"generating ({args.mode})")
     new_text = tokenizer.decode(run.sequences[0, ids.shape[1] :], skip_special_tokens=True)
     print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}  dtype: {args.dtype}  mode: {args.mode}")
     if args.mode == "lossless":
-        print("calibration: " + (str(calibration.meta["text"]["source"]) if calibration else
-                                 "none (per-block channel statistics; run `hf-kvcompress calibrate` for better ratios)"))
+        print(f"calibration: {cache.calibration_note}")
     print(f"prompt ({ids.shape[1]} tokens), last lines:")
     print(textwrap.indent(tokenizer.decode(ids[0, -60:]).strip(), "  | "))
     print(f"generated ({args.new_tokens} tokens, {run.tokens_per_second:.1f} tok/s):")
     print(textwrap.indent(new_text.strip(), "  > "))
     stats = cache.stats()
-    stats.pop("per_layer")
     if args.check:
         ref = greedy_generate(model, ids, DynamicCache(), args.new_tokens, progress="reference (DynamicCache)")
         stats["identical_to_DynamicCache"] = bool(torch.equal(ref.sequences, run.sequences))
@@ -144,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--residual-tokens", type=int, default=32)
     demo.add_argument("--no-check", dest="check", action="store_false", help="skip the DynamicCache comparison")
     demo.add_argument("--json", action="store_true", help="also print the stats as one JSON line")
-    demo.add_argument("--calibration", default=None, help="calibration folder (default: the model's, if fitted)")
+    demo.add_argument("--calibration", default=None,
+                      help="calibration folder, or 'none' (default: the model's, fitted on first use)")
     demo.set_defaults(func=cmd_demo)
 
     cal = sub.add_parser("calibrate", help="fit sigma tables, predictor heads and marginals on calibration text")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, ClassVar
 
 MODES = ("none", "lossless", "lossy")
@@ -35,6 +35,17 @@ def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -
         _fail(owner, name, f"must be one of {list(choices)}, got {value!r}")
 
 
+def _check_fraction(owner: str, name: str, value: Any, *, count_hint: str) -> None:
+    """A fraction in (0, 1] given as a float; an int is refused (pointing to ``count_hint``, formatted with the
+    value) because ``1`` reads as "everything" to some and "one token" to others (earlier versions read an int
+    budget as tokens)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        _fail(owner, name, f"is a fraction of the full cache, a float in (0, 1], got the int {value}; for a count of "
+                           f"token-equivalents per layer use {count_hint.format(value)}"
+                           + (" (for the whole cache write 1.0)" if value == 1 else ""))
+    _check_float(owner, name, value, low=0.0, high=1.0, low_open=True)
+
+
 class _JsonConfig:
     """Shared dict/JSON round trip for the config dataclasses (unknown keys are an error, not ignored)."""
 
@@ -47,7 +58,8 @@ class _JsonConfig:
     def from_dict(cls, data: dict[str, Any]):
         if not isinstance(data, dict):
             raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        # init-only shortcuts (e.g. CompressionConfig.budget) are accepted too; to_dict never writes them
+        known = {f.name for f in fields(cls)} | set(getattr(cls, "_shortcuts", ()))  # type: ignore[arg-type]
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(known)}")
@@ -66,12 +78,15 @@ class LosslessConfig(_JsonConfig):
         predictor: where each element's predicted mean comes from inside ``generate()``: ``"generic"``
             (per-block channel statistics as side data; needs nothing, the fastest: the default, see
             docs/lossless.md "Inside generate()"), ``"framed"`` (generic with key statistics in an
-            estimated pre-RoPE frame), ``"self"`` (generic plus key maps from the layer below that
-            the cache fits on its own sealed blocks: no model, no calibration), ``"context"`` (the layers below and earlier heads through a
-            calibration's linear maps: ~2 bits/scalar smaller, 3-5x slower steps), ``"none"`` (a calibration's
-            per-channel statistics), ``"probe"`` / ``"twin"`` (rerun the model: storage only).
+            estimated pre-RoPE frame), ``"self"`` (generic plus key maps from the layer below that the cache fits
+            on its own sealed blocks: no model, no calibration), ``"context"`` (the layers below and earlier heads
+            through a calibration's linear maps: ~2 bits/scalar smaller, 3-5x slower steps) or ``"none"`` (a
+            calibration's per-channel statistics). ``"probe"`` / ``"twin"`` are refused here: they rerun the model
+            to decode every block, so they are for storage only (``save_predictor`` or
+            ``cache.save(path, predictor=...)``).
         save_predictor: the predictor `CompressedCache.save` codes files with unless told otherwise
-            (``"context"``: the best model-free rate; per-block statistics without a calibration).
+            (``"context"``: the best model-free rate; per-block statistics without a calibration); any of
+            `PREDICTORS`, ``"probe"`` / ``"twin"`` included.
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window: the codec's window scheduler: ``"fixed"`` (measured best on SmolLM2: see docs/codec.md),
             ``"predicted"``, ``"metadata"`` or ``"causal"`` (seed 000's adaptive windows).
@@ -104,12 +119,20 @@ class LosslessConfig(_JsonConfig):
     coder: str = "lanes"
 
     PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "framed", "self", "none", "context", "probe", "twin")
+    #: predictors that rerun the model to decode a block: fine for a saved file, impractical at every step
+    STORAGE_ONLY: ClassVar[tuple[str, ...]] = ("probe", "twin")
     CODERS: ClassVar[tuple[str, ...]] = ("lanes", "ans")
     WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
 
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
         _check_choice(owner, "predictor", self.predictor, self.PREDICTORS)
+        if self.predictor in self.STORAGE_ONLY:
+            _fail(owner, "predictor", f"cannot be {self.predictor!r}: it reruns the model to decode every block, "
+                                      "which is impractical at every step of generate() (storage only); generate "
+                                      "with 'generic' or 'context' and store with "
+                                      f"LosslessConfig(save_predictor={self.predictor!r}) or "
+                                      f"cache.save(path, predictor={self.predictor!r})")
         _check_choice(owner, "save_predictor", self.save_predictor, self.PREDICTORS)
         _check_int(owner, "probe_layer", self.probe_layer, minimum=1)
         _check_choice(owner, "window", self.window, self.WINDOWS)
@@ -134,8 +157,12 @@ class LossyConfig(_JsonConfig):
         method: ``"summary"`` (entropy selection -> OLS -> SVD, seed 004) or a baseline at the same memory:
             ``"topk"`` (accumulated attention, H2O/SnapKV style), ``"streaming"`` (sinks + recent window),
             ``"svd"`` (plain per-head low rank of K and V).
-        budget: memory budget per layer. A float in (0, 1] is the fraction of the full cache's bytes that may be
-            held (side data included); an int is a count of token-equivalents per layer.
+        budget: memory budget per layer as a fraction of the full cache's bytes, a float in (0, 1] (side data
+            included; 1.0 keeps everything). Default 0.3 unless ``budget_tokens`` is given. An int is refused
+            (``budget=1`` once meant one token): a count goes in ``budget_tokens``. JSON written before
+            ``budget_tokens`` existed with an int ``budget`` is refused with the same message, not converted.
+        budget_tokens: memory budget per layer as a count of token-equivalents (bytes of that many full-cache
+            tokens), instead of ``budget``; giving both is an error.
         entropy_threshold: attention entropy (nats) above which a cached entry counts as compressible.
         error_tolerance: relative attention-output error that picks the smallest sufficient SVD rank.
         interval: new tokens between two summaries.
@@ -156,7 +183,8 @@ class LossyConfig(_JsonConfig):
     """
 
     method: str = "summary"
-    budget: float | int = 0.3
+    budget: float | None = None
+    budget_tokens: int | None = None
     entropy_threshold: float = 2.5
     error_tolerance: float = 0.05
     interval: int = 256
@@ -169,6 +197,7 @@ class LossyConfig(_JsonConfig):
     query_horizon: int = 512
     entry_format: str = "model"
 
+    DEFAULT_BUDGET: ClassVar[float] = 0.3
     METHODS: ClassVar[tuple[str, ...]] = ("summary", "topk", "streaming", "svd")
     SELECTIONS: ClassVar[tuple[str, ...]] = ("mass", "entropy")
     ENTRY_FORMATS: ClassVar[tuple[str, ...]] = ("model", "int8", "fp8")
@@ -176,12 +205,17 @@ class LossyConfig(_JsonConfig):
     def __post_init__(self) -> None:
         owner = "LossyConfig"
         _check_choice(owner, "method", self.method, self.METHODS)
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            _fail(owner, "budget", f"must be a float in (0, 1] or an int >= 1, got {self.budget!r}")
-        if isinstance(self.budget, int):
-            _check_int(owner, "budget", self.budget, minimum=1)
+        # whether the budget was given (not defaulted): CompressionConfig(budget=...) may fill a defaulted one only
+        object.__setattr__(self, "_budget_given", self.budget is not None or self.budget_tokens is not None)
+        if self.budget_tokens is not None:
+            _check_int(owner, "budget_tokens", self.budget_tokens, minimum=1)
+            if self.budget is not None:
+                _fail(owner, "budget", f"and budget_tokens are alternatives; got budget={self.budget!r} and "
+                                       f"budget_tokens={self.budget_tokens!r}")
         else:
-            _check_float(owner, "budget", self.budget, low=0.0, high=1.0, low_open=True)
+            if self.budget is None:
+                object.__setattr__(self, "budget", self.DEFAULT_BUDGET)
+            _check_fraction(owner, "budget", self.budget, count_hint="budget_tokens={}")
         _check_float(owner, "entropy_threshold", self.entropy_threshold, low=0.0, high=100.0)
         _check_float(owner, "error_tolerance", self.error_tolerance, low=0.0, high=1.0, low_open=True)
         _check_int(owner, "interval", self.interval, minimum=1)
@@ -210,6 +244,11 @@ class CompressionConfig(_JsonConfig):
             prompt at prefill (docs/lossless.md, "Inside generate()").
         lossless: parameters of lossless mode.
         lossy: parameters of lossy mode.
+        budget: shortcut for ``lossy.budget`` (lossy mode only): ``CompressionConfig(mode="lossy", budget=0.3)``.
+            Not stored twice: afterwards ``config.budget`` reads ``lossy.budget`` (None in other modes), and
+            `to_dict` writes it inside ``lossy`` only. A ``lossy`` given with its own different budget (or
+            ``budget_tokens``) is an error, not silently overridden. ``dataclasses.replace`` carries the budget
+            in force over: pass ``budget=None`` with it when changing ``mode`` or ``lossy``'s budget.
     """
 
     mode: str = "lossless"
@@ -217,10 +256,12 @@ class CompressionConfig(_JsonConfig):
     residual_tokens: int | None = None
     lossless: LosslessConfig = field(default_factory=LosslessConfig)
     lossy: LossyConfig = field(default_factory=LossyConfig)
+    budget: InitVar[float | None] = None
 
     _nested: ClassVar[dict[str, type]] = {"lossless": LosslessConfig, "lossy": LossyConfig}
+    _shortcuts: ClassVar[tuple[str, ...]] = ("budget",)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, budget: float | None) -> None:
         owner = "CompressionConfig"
         _check_choice(owner, "mode", self.mode, MODES)
         lossless = self.mode == "lossless"
@@ -236,6 +277,23 @@ class CompressionConfig(_JsonConfig):
                 object.__setattr__(self, name, sub.from_dict(value))
             elif not isinstance(value, sub):
                 _fail(owner, name, f"must be a {sub.__name__} or a dict, got {type(value).__name__}")
+        if budget is not None:
+            self._apply_budget(budget)
+
+    def _apply_budget(self, budget: Any) -> None:
+        owner = "CompressionConfig"
+        if self.mode != "lossy":
+            _fail(owner, "budget", f"applies to mode='lossy' only (the fraction of the cache a summary keeps), got "
+                                   f"budget={budget!r} with mode={self.mode!r}")
+        _check_fraction(owner, "budget", budget, count_hint="lossy=LossyConfig(budget_tokens={})")
+        lossy = self.lossy
+        if getattr(lossy, "_budget_given", False) and lossy.budget != budget:
+            given = (f"budget_tokens={lossy.budget_tokens}" if lossy.budget_tokens is not None
+                     else f"budget={lossy.budget}")
+            _fail(owner, "budget", f"({budget!r}) conflicts with lossy.{given}; give the budget once")
+        filled = dataclasses.replace(lossy, budget=float(budget), budget_tokens=None)
+        object.__setattr__(filled, "_budget_given", False)  # filled from here: a later replace() may refill it
+        object.__setattr__(self, "lossy", filled)
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -247,3 +305,13 @@ class CompressionConfig(_JsonConfig):
         except json.JSONDecodeError as err:
             raise ValueError(f"CompressionConfig.from_json: not valid JSON ({err})") from err
         return cls.from_dict(data)
+
+
+def _budget_in_force(self: CompressionConfig) -> float | None:
+    """The lossy budget fraction in force (``lossy.budget``); None outside lossy mode or with ``budget_tokens``."""
+    return self.lossy.budget if self.mode == "lossy" else None
+
+
+# `budget` is an init-only shortcut (InitVar): reading it afterwards gives the budget in force, so it is not stored
+# twice. Set after the class is built, since a property in the class body would be taken for the field's default.
+CompressionConfig.budget = property(_budget_in_force)  # type: ignore[assignment,method-assign]

@@ -49,15 +49,9 @@ def load_text_dataset(source: str | Path | None = None, split: str = "evaluation
     if source is None:
         files = shakespeare_files(split)
         return datasets.load_dataset("text", data_files=[str(p) for p in files], sample_by="document", split="train")
-    path = Path(source)
-    local = sorted(Path().glob(str(source))) if any(ch in str(source) for ch in "*?[") else []
-    if path.exists() or local:
-        _check_split(split)
-        files = local or (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
-        texts = [p for p in files if p.suffix in (".txt", ".text", ".md")]
-        jsons = [p for p in files if p.suffix in (".json", ".jsonl")]
-        if not texts and not jsons:
-            raise ValueError(f"dataset {str(source)!r}: no .txt/.md/.json/.jsonl files found")
+    local_files = check_source(source, split)
+    if local_files is not None:
+        texts, jsons = local_files
         if jsons and not texts:
             data = datasets.load_dataset("json", data_files=[str(p) for p in jsons], split="train")
             if "text" not in data.column_names:
@@ -73,6 +67,37 @@ def load_text_dataset(source: str | Path | None = None, split: str = "evaluation
     if "text" not in data.column_names:
         raise ValueError(f"dataset {str(source)!r} has no 'text' column (columns: {data.column_names})")
     return data
+
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".json", ".jsonl")
+
+
+def check_source(source: str | Path | None, split: str = "evaluation") -> tuple[list[Path], list[Path]] | None:
+    """Check a text source without reading it, so a bad one fails before a model loads: ``(text files, JSON
+    files)`` for local sources, None for the default and hub datasets (checked when loaded). A path that does
+    not exist (absolute, relative with ``./``, ``~``, a file suffix or a glob matching nothing) is a
+    ``ValueError`` naming it."""
+    if source is None:
+        _check_split(split)
+        return None
+    text = str(source)
+    path = Path(text).expanduser()
+    glob = any(ch in text for ch in "*?[")
+    local = sorted(Path().glob(text)) if glob else []
+    if not path.exists() and not local:
+        looks_local = glob or path.is_absolute() or text.startswith((".", "~")) or path.suffix in (
+            *TEXT_SUFFIXES, *JSON_SUFFIXES)
+        if looks_local:
+            raise ValueError(f"dataset {text!r}: no such file or folder")
+        return None  # a hub dataset name
+    _check_split(split)
+    files = local or (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    texts = [p for p in files if p.suffix in TEXT_SUFFIXES]
+    jsons = [p for p in files if p.suffix in JSON_SUFFIXES]
+    if not texts and not jsons:
+        raise ValueError(f"dataset {text!r}: no .txt/.md/.json/.jsonl files found")
+    return texts, jsons
 
 
 def load_text(source: str | Path | None = None, split: str = "evaluation") -> str:

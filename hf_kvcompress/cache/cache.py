@@ -10,6 +10,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
 
+from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
 from .layer import CompressedLayer
 from .lossless import sealed_raw_bytes
@@ -17,7 +18,6 @@ from .pool import storage_bytes
 from .storage import RawStorage, Storage, row_index
 
 if TYPE_CHECKING:
-    from ..calibration import Calibration
     from .coded import LosslessContext
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
@@ -31,8 +31,11 @@ class CompressedCache(Cache):
         model: the model this cache serves. Needed by predictors that rerun (part of) the model and lets the
             cache build one layer per model layer, with sliding-window layers where the model has them.
         model_config: the model's config, when the model itself is not at hand (layer types only).
-        calibration: a `Calibration` (or the folder one was saved to) for lossless mode: fitted predictor
-            heads, sigma tables and marginals. Without one, lossless mode uses per-block channel statistics.
+        calibration: for lossless mode: a `Calibration` (or the folder one was saved to) with fitted predictor
+            heads, sigma tables and marginals; ``"auto"`` (the default) takes the attached model's default
+            calibration, fitting and saving it on first use (`hf_kvcompress.calibration.calibration_for`: about
+            half a minute for SmolLM2-135M, with a progress bar); None codes without one (per-block channel
+            statistics). ``stats()["calibration"]`` says which was used.
 
     Without ``model``/``model_config`` layers are created lazily as full-attention layers, like `DynamicCache`.
     """
@@ -43,18 +46,22 @@ class CompressedCache(Cache):
         *,
         model: torch.nn.Module | None = None,
         model_config: PretrainedConfig | None = None,
-        calibration: Calibration | str | Path | None = None,
+        calibration: Calibration | str | Path | None = "auto",
     ):
         if config is None:
             config = CompressionConfig()
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"CompressedCache: config must be a CompressionConfig, got {type(config).__name__}")
+        if config.mode == "lossy":  # before any slow work: a query-scored method needs the model
+            from ..lossy.layer import require_model
+
+            require_model(config.lossy, model)
         if model is not None and model_config is None:
             model_config = getattr(model, "config", None)
         self.config = config
         self.model = model
         self.model_config = model_config
-        self.calibration = _load_calibration(calibration, model)
+        self.calibration, self.calibration_note = _resolve_calibration(calibration, model, config)
         self.lossless: LosslessContext | None = None
         if config.mode == "lossless":
             from .lossless import lossless_context
@@ -210,8 +217,9 @@ class CompressedCache(Cache):
              calibration: Calibration | str | Path | None = None, config: CompressionConfig | None = None,
              progress: bool = False) -> CompressedCache:
         """Rebuild a cache saved with `save`: bit-identical K/V; generation continues as without the round
-        trip. Raises `CacheFileError` for files from another model, calibration or library version,
-        corrupt files, or a predictor that does not reproduce here."""
+        trip. A file saved with a calibration needs that calibration: ``calibration`` or, when not given, the
+        model's default one (never fitted here). Raises `CacheFileError` for files from another model,
+        calibration or library version, corrupt files, or a predictor that does not reproduce here."""
         from .persist import load_cache
 
         return load_cache(path, model=model, calibration=calibration, config=config, progress=progress)
@@ -228,57 +236,83 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------------ reporting
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, per_layer: bool = False) -> dict[str, Any]:
         """What this cache holds against what a `DynamicCache` in the same dtype would hold.
 
         Returns a dict with ``mode``, ``tokens`` (text positions seen), ``entries`` (K/V rows attention sees,
         summed over layers), ``raw_bytes``, ``stored_bytes`` (the compressed form: blocks with their headers
         and side data, residual tensors), ``held_bytes`` (every byte the cache keeps: ``stored_bytes`` plus
         decoded blocks kept between steps, the recorded token ids and whole buffers behind any view),
-        ``decoded_bytes`` and ``token_ids_bytes`` (the parts of it no layer holds), ``bits_per_scalar`` (stored bits per cached K/V scalar), ``compression_ratio``
-        (raw / stored), ``dtype`` and ``per_layer`` (the same numbers per layer).
+        ``decoded_bytes``, ``token_ids_bytes`` and ``calibration_bytes`` (the parts of it no layer holds: the
+        calibration's tensors read so far), ``bits_per_scalar`` (stored bits per cached K/V scalar),
+        ``compression_ratio`` (raw / stored), ``dtype``, ``predictor`` (the one coding blocks in generation, as
+        it really runs) and ``calibration`` (where it came from, or why there is none). ``per_layer=True`` adds
+        ``per_layer``: the same numbers per layer, with each method's own (summaries, residual bytes, ...).
         """
-        per_layer = []
-        for idx, layer in enumerate(self.layers):
-            if isinstance(layer, CompressedLayer):
-                per_layer.append({"layer": idx, **layer.stats()})
-        raw = sum(s["raw_bytes"] for s in per_layer)
-        stored = sum(s["stored_bytes"] for s in per_layer)
-        scalars = sum(s["scalars"] for s in per_layer)
+        layers = [{"layer": idx, **layer.stats()} for idx, layer in enumerate(self.layers)
+                  if isinstance(layer, CompressedLayer)]
+        raw = sum(s["raw_bytes"] for s in layers)
+        stored = sum(s["stored_bytes"] for s in layers)
+        scalars = sum(s["scalars"] for s in layers)
         decoded = storage_bytes(self.lossless.decoded_tensors()) if self.lossless is not None else 0
         ids = storage_bytes([self.token_ids]) if self.token_ids is not None else 0
+        calibration = self.calibration.loaded_bytes() if self.calibration is not None else 0
         dtypes = {str(layer.dtype).replace("torch.", "") for layer in self.layers if getattr(layer, "dtype", None)}
-        return {
+        summary = {
             "mode": self.config.mode,
-            "tokens": max((s["tokens"] for s in per_layer), default=0),
-            "entries": sum(s["entries"] for s in per_layer),
+            "tokens": max((s["tokens"] for s in layers), default=0),
+            "entries": sum(s["entries"] for s in layers),
             "raw_bytes": raw,
             "stored_bytes": stored,
-            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in per_layer) + decoded + ids,
+            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in layers) + decoded + ids + calibration,
             "decoded_bytes": decoded,
             "token_ids_bytes": ids,
+            "calibration_bytes": calibration,
             "bits_per_scalar": 8.0 * stored / scalars if scalars else 0.0,
             "compression_ratio": raw / stored if stored else 1.0,
             "dtype": ",".join(sorted(dtypes)) or None,
-            "per_layer": per_layer,
+            "predictor": self._predictor_in_use(),
+            "calibration": self.calibration_note,
         }
+        if per_layer:
+            summary["per_layer"] = layers
+        return summary
+
+    def _predictor_in_use(self) -> str | None:
+        if self.lossless is None:
+            return None
+        predictor = self.lossless.predictor
+        if getattr(predictor, "calibrated", True):
+            return predictor.name
+        return f"{predictor.name} without a calibration (per-block statistics, as 'generic')"
 
     def __repr__(self) -> str:
         return f"CompressedCache(mode={self.config.mode!r}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
 
 
-def _load_calibration(calibration, model) -> Calibration | None:
+def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple[Calibration | None, str]:
+    """The calibration a cache uses and a note of where it came from (``stats()["calibration"]``)."""
+    if isinstance(calibration, str) and calibration == "auto":
+        if config.mode != "lossless":
+            return None, "none: not used in this mode"
+        settings = config.lossless
+        if not ({settings.predictor, settings.save_predictor} - {"generic"}):
+            return None, "none: the configured predictors need none"
+        if model is None:
+            return None, "none: no model attached (pass model= to use its calibration)"
+        return calibration_for(model)
     if calibration is None:
-        return None
-    from ..calibration import Calibration
-
+        return None, "none"
     if isinstance(calibration, (str, Path)):
-        return Calibration.load(calibration, model)
+        return Calibration.load(calibration, model), str(calibration)
     if not isinstance(calibration, Calibration):
-        raise TypeError(f"CompressedCache: calibration must be a Calibration or a folder, got {type(calibration).__name__}")
+        raise TypeError(
+            "CompressedCache: calibration must be a Calibration, a folder, 'auto' or None, got "
+            f"{type(calibration).__name__}"
+        )
     if model is not None:
         calibration.check_model(model)
-    return calibration
+    return calibration, "given"
 
 
 class _TokenRecorder:

@@ -15,16 +15,13 @@ def lossless_context(cache) -> LosslessContext:
     predictor = make_predictor(
         settings.predictor, calibration=cache.calibration, model=cache.model, probe_layer=settings.probe_layer
     )
-    if not predictor.practical_in_generation:
-        raise ValueError(
-            f"LosslessConfig.predictor='{settings.predictor}' reruns the model to decode every block, which is "
-            "impractical for every step of generate(); generate with predictor 'context' (or 'none') and store "
-            f"with cache.save(path, predictor='{settings.predictor}')"
-        )
+    # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
     _check_layer_chain(cache, predictor)
     codec = codec_config(settings)
     marginals = None
-    if cache.calibration is not None:
+    if cache.calibration is not None and getattr(predictor, "calibrated", False):
+        # only a calibrated predictor reads the calibration in generation (the marginals gain 0.001 bit/scalar
+        # for `generic`: not worth holding them); `save` reads what it needs then
         marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
     return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
                            decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)

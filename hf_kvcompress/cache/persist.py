@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..calibration import CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
 from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
@@ -137,7 +138,14 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         out.write(blob)
         out.write(payload)
         out.write(digest.digest())
+    if cache.calibration is not None and not uses_calibration(cache):
+        cache.calibration.release()  # heads read for this save only: generation does not hold them
     return target
+
+
+def uses_calibration(cache: CompressedCache) -> bool:
+    """Whether ``cache``'s in-generation predictor codes with its calibration (else only saves read it)."""
+    return cache.lossless is not None and bool(getattr(cache.lossless.predictor, "calibrated", False))
 
 
 def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibration=None,
@@ -177,6 +185,26 @@ def stream_bytes(header: dict[str, Any]) -> list[dict[str, int]]:
 # ---------------------------------------------------------------------- loading
 
 
+def _default_calibration(header: dict[str, Any], model):
+    """The calibration a file names when the caller gave none: the model's default one, or None for a file
+    saved without one (looked up, never fitted: a new fit would not be the one the file was coded with)."""
+    want = header["calibration_sha256"]
+    if want is None:
+        return None
+    if model is None:
+        raise CacheFileError(f"saved with calibration {want}: pass calibration= (or model= to use its default one)")
+    try:
+        found = find_calibration(model)
+    except CalibrationError as err:
+        raise CacheFileError(f"saved with calibration {want}; the model's default one is unusable: {err}") from err
+    if found is None or found.digest != want:
+        raise CacheFileError(
+            f"saved with calibration {want}, but the model's default calibration in {calibration_dir(model)} is "
+            f"{'missing' if found is None else found.digest}; pass the calibration it was saved with"
+        )
+    return found
+
+
 @dataclass
 class _Saved:
     """A file whose checksum and header structure have been verified (see `_check_header`)."""
@@ -196,6 +224,8 @@ def _load(path: Path, model, calibration, config, progress) -> CompressedCache:
     if header["library_version"] != __version__:
         raise CacheFileError(f"saved by hf_kvcompress {header['library_version']}, this is {__version__}; re-save it")
     _check_model(saved, model)
+    if calibration is None:
+        calibration = _default_calibration(header, model)
     try:
         target = CompressedCache(config or saved.config, model=model, calibration=calibration)
     except (ValueError, TypeError) as err:  # CalibrationError included: a calibration for another model

@@ -48,10 +48,6 @@ def check_output_folder(out: Path) -> None:
         raise EvalError(str(err)) from err
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~", ".\\")) or name.endswith((".txt", ".json", ".jsonl", ".md"))
-
-
 @contextlib.contextmanager
 def _quiet_hub() -> Iterator[None]:
     """Hide huggingface_hub's retry warnings while a hub name is tried (the error says what failed)."""
@@ -67,15 +63,14 @@ def _quiet_hub() -> Iterator[None]:
 
 
 def load_model_checked(suite: Suite):
-    from ..models import load_model
+    from ..models import UnknownModelError, load_model
 
     name = suite.model.name or None
-    if name and _looks_like_path(name) and not Path(name).expanduser().exists():
-        raise EvalError(f"unknown model {name!r}: no such folder")
-    try:
+    try:  # load_model checks the name first (models.resolve_model_source): no folder, no hub id -> one line
         with _quiet_hub():
-            return load_model(Path(name).expanduser() if name and _looks_like_path(name) else name,
-                              dtype=getattr(torch, suite.model.dtype))
+            return load_model(name, dtype=getattr(torch, suite.model.dtype))
+    except UnknownModelError as err:
+        raise EvalError(f"unknown model {name!r}: {_first_line(err)}") from err
     except (ValueError, OSError) as err:
         raise EvalError(f"unknown or unreadable model {name!r}: {_first_line(err)}") from err
 
@@ -86,11 +81,14 @@ def _first_line(err: BaseException) -> str:
 
 
 def check_dataset_path(suite: Suite) -> None:
-    """Fail fast (before loading the model) on a dataset path that does not exist."""
-    source = suite.data.source
-    if source and _looks_like_path(source) and not any(ch in source for ch in "*?[") \
-            and not Path(source).expanduser().exists():
-        raise EvalError(f"unknown dataset {source!r}: no such file or folder")
+    """Fail fast (before loading the model) on a dataset path that does not exist (`data.check_source`)."""
+    from ..data import check_source
+
+    source = suite.data.source or None
+    try:
+        check_source(source, suite.data.split)
+    except ValueError as err:
+        raise EvalError(f"unknown dataset {source!r}: {_first_line(err)}") from err
 
 
 def evaluation_stream(tokenizer, suite: Suite) -> torch.Tensor:
@@ -114,27 +112,30 @@ def resolve_calibration(suite: Suite, model, tokenizer, out: Path, progress: boo
                         sample: torch.Tensor) -> tuple[Any, dict[str, Any] | None]:
     """The calibration the suite's lossless rows need (None if none): the model's default one, a given folder,
     or a fresh fit saved under ``out/calibration``."""
-    from ..calibration import Calibration, CalibrationError
-    from ..cli import default_calibration_dir
+    from ..calibration import (
+        FIRST_USE_PREDICTORS,
+        Calibration,
+        CalibrationError,
+        calibration_dir,
+        calibration_for,
+    )
 
     needed = suite.calibration_predictors()
     if not needed:
         return None, None
     use = suite.calibration.use
-    if use == "auto":
-        folder = default_calibration_dir(model)
-        if (folder / "calibration.json").is_file():
-            try:
-                calibration = Calibration.load(folder, model)
-            except CalibrationError:
-                calibration = None
-            if calibration is not None and set(needed) <= set(calibration.predictors):
-                problem = calibration_problem(model, calibration, needed, sample, out)
-                if problem is None:
-                    return calibration, _calibration_info(calibration, folder, "the model's default calibration")
-                logging.getLogger(__name__).warning(
-                    "the model's default calibration in %s does not work with this version (%s): fitting a new one",
-                    folder, problem)
+    if use == "auto":  # the lookup CompressedCache uses: the model's default calibration, fitted on first use
+        with _quiet_hub():
+            calibration, note = calibration_for(model, tokenizer=tokenizer, predictors=needed,
+                                                fit=set(needed) <= set(FIRST_USE_PREDICTORS), progress=progress)
+        if calibration is not None:
+            problem = calibration_problem(model, calibration, needed, sample, out)
+            if problem is None:
+                return calibration, _calibration_info(calibration, calibration_dir(model),
+                                                      f"the model's default calibration ({note})")
+            logging.getLogger(__name__).warning(
+                "the model's default calibration (%s) does not work with this version (%s): fitting one for this run",
+                note, problem)
         use = "fit"
     if use == "fit":
         names = set(suite.calibration.predictors)

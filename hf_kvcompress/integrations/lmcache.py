@@ -54,7 +54,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "see docs/lmcache.md for the install lines"
     ) from err
 
-from ..calibration import Calibration
+from ..calibration import Calibration, calibration_dir
 from .kv_chunk import HEADER, ChunkCoder, ChunkError, default_rope
 
 SERDE_NAME = "hf_kvcompress"
@@ -168,11 +168,9 @@ def _calibration(kwargs: dict[str, Any]) -> Calibration | None:
     if path is not None and fingerprint is not None:
         raise ValueError("hf_kvcompress serde: give calibration or calibration_fingerprint, not both")
     if fingerprint is not None:
-        from ..downloads import cache_dir
-
         if not isinstance(fingerprint, str) or not fingerprint.isalnum():
             raise ValueError(f"hf_kvcompress serde: calibration_fingerprint must be a model fingerprint, got {fingerprint!r}")
-        path = cache_dir() / "calibrations" / fingerprint  # where `hf-kvcompress calibrate` saves by default
+        path = calibration_dir(fingerprint)  # the model's default calibration
     if path is None:
         return None
     calibration = Calibration.load(str(path))

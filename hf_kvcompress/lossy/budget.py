@@ -20,12 +20,17 @@ def token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
 def budget_bytes(config: LossyConfig, seen_tokens: int, per_token: int) -> int:
     """Bytes one batch row of a layer may hold after a summary.
 
-    A float budget is a fraction of what the full cache would hold for ``seen_tokens`` positions; an int budget
-    is a number of token-equivalents. Side data (biases, factors, masks) counts against it.
+    ``budget`` is a fraction of what the full cache would hold for ``seen_tokens`` positions; ``budget_tokens``
+    a number of token-equivalents. Side data (biases, factors, masks) counts against it.
     """
-    if isinstance(config.budget, float):
-        return math.floor(config.budget * seen_tokens * per_token)
-    return config.budget * per_token
+    if config.budget_tokens is not None:
+        return config.budget_tokens * per_token
+    return math.floor(config.budget * seen_tokens * per_token)
+
+
+def full_budget(config: LossyConfig) -> bool:
+    """A budget fraction of 1.0: everything fits, nothing is ever summarised."""
+    return config.budget_tokens is None and config.budget >= 1.0
 
 
 def entry_bytes(

@@ -10,9 +10,10 @@ import torch
 
 from ..cache.layer import CompressedLayer
 from ..cache.storage import Block, RawStorage, tensor_nbytes
+from ..config import LossyConfig
 from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
 from .blocks import LossyBlock, block_bias
-from .budget import budget_bytes, token_bytes
+from .budget import budget_bytes, full_budget, token_bytes
 from .methods import METHODS
 from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
 from .region import FitContext, Region
@@ -44,7 +45,7 @@ class LossyLayer(CompressedLayer):
         config = cache.config
         self.lossy = config.lossy
         model = getattr(cache, "model", None)
-        keeps_queries = model is not None and self.lossy.method in QUERY_METHODS and not _full_budget(self.lossy)
+        keeps_queries = model is not None and self.lossy.method in QUERY_METHODS and not full_budget(self.lossy)
         # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer.
         # Between summaries only the queries the next fit can use are kept (a summary forgets them)
         self.query_buffer = QueryBuffer(min(self.lossy.kept_queries, self.lossy.interval) if keeps_queries else 0)
@@ -191,8 +192,8 @@ class LossyLayer(CompressedLayer):
 
     @property
     def compresses(self) -> bool:
-        """False at a float budget of 1.0: the whole cache fits, nothing is ever summarised (and no queries kept)."""
-        return not _full_budget(self.lossy)
+        """False at a budget fraction of 1.0: the whole cache fits, nothing is ever summarised (and no queries kept)."""
+        return not full_budget(self.lossy)
 
     @property
     def token_bytes(self) -> int:
@@ -435,9 +436,15 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _full_budget(config) -> bool:
-    """A float budget of 1.0: everything fits, nothing to summarise."""
-    return isinstance(config.budget, float) and config.budget >= 1.0
+def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
+    """Refuse a query-scored method (`QUERY_METHODS`) without a model, before any work: the cache alone never sees
+    queries, and the key stand-ins lose to the query-free baselines (measured: docs/lossy.md, at the top)."""
+    if model is None and config.method in QUERY_METHODS and not full_budget(config):
+        raise ValueError(
+            f"CompressedCache: lossy method {config.method!r} scores entries by the model's queries; pass the model: "
+            "CompressedCache(config, model=model). Without a model use method 'streaming' or 'svd' "
+            "(LossyConfig(method=...)), which need no queries"
+        )
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ fitting, `reposition` rotates every buffered query from its own position to a po
 ``query_horizon`` tokens (RoPE rotations compose: ``R(p') = R(p' - p) R(p)``). On SmolLM2 this halves the
 held-out attention error of fitted summaries against using the raw past queries (see docs/lossy.md).
 
-Without a model (``CompressedCache(config)`` alone) there are no queries: `proxy_queries` uses the cached keys
-themselves as stand-ins, which is much weaker.
+Without a model there are no queries: `CompressedCache` refuses the query-scored methods then
+(`layer.require_model`); `proxy_queries` (the cached keys as stand-ins, much weaker) serves only a `LossyLayer`
+driven directly without a model.
 """
 
 from __future__ import annotations

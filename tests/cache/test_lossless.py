@@ -11,7 +11,7 @@ from helpers import random_ids, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
-from hf_kvcompress.cache.persist import CacheFileError
+from hf_kvcompress.cache.persist import CacheFileError, read_header
 from hf_kvcompress.calibration import Calibration, CalibrationError
 
 MODEL = "llama-gqa"
@@ -73,7 +73,7 @@ def test_sealed_blocks_hold_bytes_not_tensors():
         model(random_ids(1, 100), cache=cache)
     layer = cache.layers[1]
     assert all(not hasattr(block, "keys") for block in layer.blocks)
-    stats = cache.stats()
+    stats = cache.stats(per_layer=True)
     assert stats["stored_bytes"] == sum(s["stored_bytes"] for s in stats["per_layer"])
     assert stats["raw_bytes"] == 2 * 2 * 2 * 100 * 16 * 2  # layers * kv * heads * tokens * dim * bf16
 
@@ -193,12 +193,32 @@ def test_calibration_round_trip_and_refusals(tmp_path):
     del model
 
 
-def test_model_running_predictors_are_refused_inside_generation():
+@pytest.mark.parametrize("predictor", ["probe", "twin"])
+def test_model_running_predictors_are_refused_inside_generation(predictor):
+    """Refused by the config (storage only), before a cache, a model or a calibration is looked at."""
+    with pytest.raises(ValueError, match=f"LosslessConfig.predictor cannot be '{predictor}'.*storage only"):
+        lossless(predictor)
+
+
+def test_save_predictor_probe_is_the_default_of_save(tmp_path):
+    """Where the refused in-generation setting points: LosslessConfig(save_predictor='probe') codes save() files."""
     model = tiny_model(MODEL, torch.bfloat16)
-    with pytest.raises(ValueError, match="impractical for every step"):
-        CompressedCache(lossless("probe", probe_layer=1), model=model, calibration=calibration())
-    with pytest.raises(ValueError, match="needs a calibration"):
-        CompressedCache(lossless("twin"), model=model)
+    cache = CompressedCache(lossless(save_predictor="probe", probe_layer=1), model=model, calibration=calibration())
+    with torch.no_grad():
+        model(random_ids(1, 40), cache=cache)
+    path = cache.save(tmp_path / "probe.kvc")
+    assert read_header(path)["predictor"] == {"name": "probe", "probe_layer": 1}
+    loaded = CompressedCache.load(path, model=model, calibration=calibration())
+    assert same_bits(loaded.layers[0].keys, cache.layers[0].keys)
+
+
+def test_a_file_saved_with_probe_loads_with_the_default_config(saved):
+    """The saved config is the one generate() ran with; the probe is the file's own predictor."""
+    path, model = saved
+    assert read_header(path)["predictor"]["name"] == "probe"
+    loaded = CompressedCache.load(path, model=model, calibration=calibration())
+    assert loaded.config.lossless.predictor == "context"
+    assert loaded.get_seq_length() > 0
 
 
 def test_stale_calibration_heads_are_a_clear_error():

@@ -132,7 +132,7 @@ def test_an_unexpected_attention_call_is_an_error():
 
 
 def test_a_batch_without_a_model_is_refused():
-    lossy = LossyConfig(method="topk", budget=0.5, interval=4)
+    lossy = LossyConfig(method="streaming", budget=0.5, interval=4)
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=4, lossy=lossy))
     states = torch.zeros(2, 2, 5, 16)
     with pytest.raises(ValueError, match="without a model: the cache cannot see the attention mask"):

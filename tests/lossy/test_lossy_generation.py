@@ -13,7 +13,8 @@ METHODS = ["summary", "topk", "streaming", "svd"]
 
 
 def lossy_cache(model, method, budget=0.4, **kwargs):
-    lossy = LossyConfig(method=method, budget=budget, interval=8, sinks=2, reference_queries=64, **kwargs)
+    budget = {"budget_tokens": budget} if isinstance(budget, int) else {"budget": budget}
+    lossy = LossyConfig(method=method, interval=8, sinks=2, reference_queries=64, **budget, **kwargs)
     return CompressedCache(CompressionConfig(mode="lossy", residual_tokens=8, lossy=lossy), model=model)
 
 
@@ -32,7 +33,7 @@ def test_generate_batch_one(tiny_model, method):
     cache = lossy_cache(tiny_model, method)
     out = tiny_model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, cache=cache, pad_token_id=0)
     assert out.shape == (1, 72)
-    stats = cache.stats()
+    stats = cache.stats(per_layer=True)
     assert stats["tokens"] == 71  # the last generated token is never fed back
     assert stats["stored_bytes"] < 0.6 * stats["raw_bytes"]
     assert all(s["summaries"] >= 2 for s in stats["per_layer"])
@@ -75,9 +76,21 @@ def test_padded_row_matches_unpadded_run(llama):
     assert torch.equal(both[1, 5:], alone[0])
 
 
+@pytest.mark.parametrize("method", ["summary", "topk"])
+def test_query_methods_without_a_model_are_refused_at_construction(method):
+    lossy = LossyConfig(method=method, budget=0.4)
+    with pytest.raises(ValueError, match=rf"lossy method '{method}' scores entries by the model's queries; pass the "
+                                         r"model: CompressedCache\(config, model=model\)"):
+        CompressedCache(CompressionConfig(mode="lossy", lossy=lossy))
+    with pytest.raises(ValueError, match="pass the model"):  # the shortcut's default method is a query method
+        CompressedCache(CompressionConfig(mode="lossy", budget=0.3))
+    # a budget of 1.0 never summarises: nothing needs queries
+    assert CompressedCache(CompressionConfig(mode="lossy", budget=1.0, lossy={"method": method})).stats()["mode"] == "lossy"
+
+
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
-@pytest.mark.parametrize("method", METHODS)
-def test_generate_without_model_uses_key_proxies(llama, method):
+@pytest.mark.parametrize("method", ["streaming", "svd"])
+def test_query_free_methods_generate_without_a_model(llama, method):
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
     lossy = LossyConfig(method=method, budget=0.4, interval=8, sinks=2, reference_queries=32)
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=8, lossy=lossy))
@@ -94,12 +107,12 @@ def test_budget_holds_right_after_prefill(llama):
         cache = lossy_cache(llama, method, budget=0.3)
         with torch.no_grad():
             llama(ids, cache=cache)
-        stats = cache.stats()
+        stats = cache.stats(per_layer=True)
         assert stats["stored_bytes"] <= 0.3 * stats["raw_bytes"], method
         assert all(s["summaries"] == 1 for s in stats["per_layer"])
 
 
-def test_int_budget_is_token_equivalents(llama):
+def test_budget_tokens_are_token_equivalents(llama):
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(6))
     cache = lossy_cache(llama, "topk", budget=30)
     with torch.no_grad():

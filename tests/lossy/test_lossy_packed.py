@@ -45,7 +45,7 @@ def test_packed_entries_fit_more_in_the_budget(method):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                              cache=cache, pad_token_id=0)
         assert out.shape == (2, 70)
-        stats = cache.stats()
+        stats = cache.stats(per_layer=True)
         for layer, layer_stats in zip(cache.layers, stats["per_layer"]):
             kept = layer.blocks[-1]
             assert isinstance(kept.keys, Packed) == (fmt == "int8")

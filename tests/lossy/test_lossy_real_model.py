@@ -28,7 +28,7 @@ def test_long_prefill_is_summarised_to_budget(smollm2):
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=64, lossy=lossy), model=model)
     with torch.inference_mode():
         model(ids, cache=cache, logits_to_keep=1)
-    stats = cache.stats()
+    stats = cache.stats(per_layer=True)
     assert stats["tokens"] == 1024
     assert stats["stored_bytes"] <= 0.3 * stats["raw_bytes"]
     assert all(layer["summaries"] == 1 and layer["summary_seconds"] > 0 for layer in stats["per_layer"])
