@@ -268,7 +268,7 @@ def run_cache(keys, values, token_counts: list[int], predictors=("generic", "fra
                     exact = exact and torch.equal(k[0].view(torch.int16), keys[layer, :, :tokens].view(torch.int16))
                     exact = exact and torch.equal(v[0].view(torch.int16), values[layer, :, :tokens].view(torch.int16))
                 read = time.time() - t
-            stats = cache.stats()
+            stats = cache.stats(per_layer=True)
             scalars = sum(s["scalars"] for s in stats["per_layer"])
             row = {"predictor": name, "tokens": tokens, "bits_per_scalar": round(stats["bits_per_scalar"], 3),
                    "held_bits_per_scalar": round(8.0 * stats["held_bytes"] / scalars, 3),
