@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 
 from .region import FitContext, Region
-from .solvers import nnls, ridge_lstsq
+from .solvers import nnls, ridge_lstsq, ridge_solve
 
 
 class Kernel:
@@ -96,18 +96,32 @@ def fit_row(
     base = base * torch.where(live, (-kept.bias).exp(), torch.zeros_like(kept.bias))[..., None, :]
     root_w = kernel.query_weight.sqrt()
     weight = torch.where(live, kept.bias.exp(), torch.zeros_like(kept.bias))
+    # each query's rows scaled by sqrt(query weight) / Z: the NNLS design, and (times the weights) the value
+    # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
+    scaled = base * (root_w / kernel.full_z)[..., None]
+    gram = scaled[0].transpose(-1, -2) @ scaled[0] if ridge > 0 or use_bias else None
     if use_bias and bool((kernel.query_weight > 0).any()):
-        scale = (root_w / kernel.full_z)[..., None]
         target = (kernel.region_z * root_w / kernel.full_z)[0]
-        weight = nnls((base * scale)[0], target, init=weight[0], iters=iters)[None].float() * live
+        weight = nnls(scaled[0], target, init=weight[0], iters=iters, gram=gram)[None].float() * live
     bias = torch.where(weight > 0, weight.clamp_min(1e-30).log(), torch.full_like(weight, float("-inf")))
     design = base * weight[..., None, :]
     summary_z = kernel.context_z + design.sum(-1)
-    row_scale = (root_w / summary_z)[..., None]
-    target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
     prior = kept.values.float()
     try:
-        values = ridge_lstsq((design * row_scale)[0], target[0], ridge=ridge, prior=prior[0])[None].float()
+        if ridge == 0:
+            # the seed's plain OLS, as written: rows weighted by sqrt(query weight) / Z^
+            row_scale = (root_w / summary_z)[..., None]
+            target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
+            values = ridge_lstsq((design * row_scale)[0], target[0], ridge=0, prior=prior[0])[None].float()
+        else:
+            # sum_j (w_j e_qj / Z^) c_j ~ o - N_ctx / Z^, each query's row multiplied by sqrt(query weight) Z^ / Z:
+            # the same model, the queries weighted by sqrt(w) / Z instead of sqrt(w) / Z^ (Z^ ~ Z once NNLS has
+            # fitted the mass), so the Gram is the NNLS one
+            target = (kernel.output * summary_z[..., None] - kernel.context_n) * (root_w / kernel.full_z)[..., None]
+            w = weight[0]
+            rhs = (scaled[0] * w[..., None, :]).transpose(-1, -2) @ target[0]
+            values = ridge_solve(gram * w[..., :, None] * w[..., None, :], rhs, ridge=ridge, prior=prior[0],
+                                 design=scaled[0] * w[..., None, :], target=target[0])[None].float()
     except FloatingPointError:
         values = prior
     # an ill-conditioned fit (ridge=0) can still overflow: such heads keep their entries' own values

@@ -119,15 +119,17 @@ def nnls(
     *,
     init: torch.Tensor | None = None,
     iters: int = 200,
+    gram: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``argmin_{w >= 0} ||A w - z||`` for ``A`` = design ``[G, m, t]`` (non-negative), ``z`` = target ``[G, m]``.
 
     Multiplicative updates (Lee & Seung): every step keeps ``w`` non-negative without an active set, works on the
     whole batch at once and only needs ``A^T A`` and ``A^T z`` (t x t), so it stays cheap for thousands of queries.
+    ``gram``: ``A^T A`` when the caller has it already (a summary fit shares it with the value refit).
     """
     a = design.float()
     # float32 on purpose: the iteration is a memory-bound batched mat-vec; the update is self-correcting
-    gram = a.transpose(-1, -2) @ a
+    gram = a.transpose(-1, -2) @ a if gram is None else gram.float()
     atz = (a.transpose(-1, -2) @ target.float()[..., None])[..., 0].clamp_min(0.0)
     w = torch.ones(a.shape[0], a.shape[-1]) if init is None else init.float().clone()
     # a zero start can never move under multiplicative updates: give such weights a small foothold
