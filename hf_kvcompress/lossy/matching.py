@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 
 from .region import FitContext, Region
-from .solvers import nnls, ridge_lstsq, ridge_solve
+from .solvers import nnls, ridge_lstsq, ridge_solve, symmetric_gram
 
 
 class Kernel:
@@ -99,7 +99,7 @@ def fit_row(
     # each query's rows scaled by sqrt(query weight) / Z: the NNLS design, and (times the weights) the value
     # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
     scaled = base * (root_w / kernel.full_z)[..., None]
-    gram = scaled[0].transpose(-1, -2) @ scaled[0] if ridge > 0 or use_bias else None
+    gram = symmetric_gram(scaled[0]) if ridge > 0 or use_bias else None
     if use_bias and bool((kernel.query_weight > 0).any()):
         target = (kernel.region_z * root_w / kernel.full_z)[0]
         weight = nnls(scaled[0], target, init=weight[0], iters=iters, gram=gram)[None].float() * live

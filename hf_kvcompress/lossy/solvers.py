@@ -9,6 +9,8 @@ float32 *and* float64 LU on CPU (MKL) was seen to fail outright on such matrices
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 
@@ -41,6 +43,21 @@ def ridge_lstsq(
     # the products over thousands of queries run in the inputs' precision (fast)
     gram = a.transpose(-1, -2) @ a
     return ridge_solve(gram, a.transpose(-1, -2) @ y, ridge=ridge, prior=prior, design=a, target=y)
+
+
+def symmetric_gram(a: torch.Tensor, blocks: int = 3) -> torch.Tensor:
+    """``A^T A`` for ``a`` ``[G, m, t]`` from the block rows on and right of the diagonal only (BLAS's syrk, which
+    torch does not expose): with 3 column blocks 6 of the 9 block products, ~25 % faster than one matmul on CPU."""
+    t = a.shape[-1]
+    if t < 64 * blocks:
+        return a.transpose(-1, -2) @ a
+    edges = [t * i // blocks for i in range(blocks + 1)]
+    gram = a.new_empty(*a.shape[:-2], t, t)
+    for lo, hi in pairwise(edges):
+        row = a[..., lo:hi].transpose(-1, -2) @ a[..., lo:]  # [G, hi - lo, t - lo]
+        gram[..., lo:hi, lo:] = row
+        gram[..., hi:, lo:hi] = row[..., hi - lo:].transpose(-1, -2)
+    return gram
 
 
 #: work counters of `ridge_solve` (tests count work, never time): systems solved by the float32 Cholesky, systems
