@@ -77,7 +77,9 @@ class Fit:
 
     values: torch.Tensor
     bias: torch.Tensor
-    weights: torch.Tensor
+    weights: torch.Tensor | None
+    #: ``[h, t, t]`` the Gram of the kept entries' scaled kernel columns (what `fit_row` reuses for a superset)
+    gram: torch.Tensor | None = None
 
 
 #: multiplicative NNLS updates per fit: measured offline on SmolLM2 (issue 12), 25 instead of 100 iterations cost
@@ -86,9 +88,21 @@ NNLS_ITERS = 25
 
 
 def fit_row(
-    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = NNLS_ITERS
+    kernel: Kernel,
+    region: Region,
+    index: torch.Tensor,
+    *,
+    use_bias: bool,
+    ridge: float,
+    iters: int = NNLS_ITERS,
+    prefix: Fit | None = None,
+    weights: bool = True,
 ) -> Fit:
-    """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``."""
+    """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``.
+
+    ``prefix``: an earlier fit of the same kernel whose entries are the first ``index`` entries of every head: its
+    Gram is that block of this one, so only the new entries' rows of the Gram are computed (the value-rank refit
+    with more entries). ``weights``: also return the kept entries' normalised attention weights."""
     kept = region.gather(index)
     live = kept.live
     # the kept entries' kernel columns without their old bias (plain exp(logit - top)); 0 where dead
@@ -99,7 +113,9 @@ def fit_row(
     # each query's rows scaled by sqrt(query weight) / Z: the NNLS design, and (times the weights) the value
     # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
     scaled = base * (root_w / kernel.full_z)[..., None]
-    gram = symmetric_gram(scaled[0]) if ridge > 0 or use_bias else None
+    gram = None
+    if ridge > 0 or use_bias:
+        gram = symmetric_gram(scaled[0]) if prefix is None or prefix.gram is None else _extend_gram(prefix.gram, scaled[0])
     if use_bias and bool((kernel.query_weight > 0).any()):
         target = (kernel.region_z * root_w / kernel.full_z)[0]
         weight = nnls(scaled[0], target, init=weight[0], iters=iters, gram=gram)[None].float() * live
@@ -127,7 +143,18 @@ def fit_row(
     # an ill-conditioned fit (ridge=0) can still overflow: such heads keep their entries' own values
     finite = torch.isfinite(values).all(-1).all(-1)[..., None, None]
     values = torch.where(finite, values, prior)
-    return Fit(values, bias, design / summary_z[..., None])
+    return Fit(values, bias, design / summary_z[..., None] if weights else None, gram)
+
+
+def _extend_gram(known: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """``scaled^T scaled`` (``[h, m, t]``) when ``known`` is already that of the first ``t0`` columns."""
+    t0, t = known.shape[-1], scaled.shape[-1]
+    gram = scaled.new_empty(scaled.shape[0], t, t)
+    gram[:, :t0, :t0] = known
+    rows = scaled[..., t0:].transpose(-1, -2) @ scaled  # [h, t - t0, t]
+    gram[:, t0:, :] = rows
+    gram[:, :t0, t0:] = rows[..., :t0].transpose(-1, -2)
+    return gram
 
 
 def row(region: Region, index: int) -> Region:
