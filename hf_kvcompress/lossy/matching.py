@@ -72,14 +72,26 @@ class Kernel:
 
 @dataclass
 class Fit:
-    """A fitted summary of one row: float32 ``values`` ``[1, h, t, d]``, ``bias`` ``[1, h, t]`` and the normalised
-    attention ``weights`` ``[1, h, m, t]`` the reference queries give the kept entries."""
+    """A fitted summary of one row: float32 ``values`` ``[1, h, t, d]``, ``bias`` ``[1, h, t]``; the normalised
+    attention the reference queries give the kept entries is ``columns * weight / summary_z`` (``[1, h, m, t]``,
+    see `weights`; None after reordering)."""
 
     values: torch.Tensor
     bias: torch.Tensor
-    weights: torch.Tensor | None
+    columns: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    summary_z: torch.Tensor | None = None
     #: ``[h, t, t]`` the Gram of the kept entries' scaled kernel columns (what `fit_row` reuses for a superset)
     gram: torch.Tensor | None = None
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """``[1, h, m, t]``: the kept entries' normalised attention weights."""
+        return self.columns * self.weight[..., None, :] / self.summary_z[..., None]
+
+    def weights_times(self, u: torch.Tensor) -> torch.Tensor:
+        """``weights @ u`` for ``u`` ``[1, h, t, k]`` without the ``[m, t]`` weights."""
+        return (self.columns @ (self.weight[..., None] * u)) / self.summary_z[..., None]
 
 
 #: multiplicative NNLS updates per fit: measured offline on SmolLM2 (issue 12), 25 instead of 100 iterations cost
@@ -107,43 +119,47 @@ def fit_row(
     live = kept.live
     # the kept entries' kernel columns without their old bias (plain exp(logit - top)); 0 where dead
     base = torch.gather(kernel.region_exp, -1, index[..., None, :].expand(*kernel.region_exp.shape[:-1], -1))
-    base = base * torch.where(live, (-kept.bias).exp(), torch.zeros_like(kept.bias))[..., None, :]
+    if bool(kept.bias.any()):  # plain tokens (bias 0) need no pass
+        base.mul_(torch.where(live, (-kept.bias).exp(), torch.zeros_like(kept.bias))[..., None, :])
     root_w = kernel.query_weight.sqrt()
     weight = torch.where(live, kept.bias.exp(), torch.zeros_like(kept.bias))
     # each query's rows scaled by sqrt(query weight) / Z: the NNLS design, and (times the weights) the value
     # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
-    scaled = base * (root_w / kernel.full_z)[..., None]
+    row_scale = root_w / kernel.full_z
+    scaled = base * row_scale[..., None]
     gram = None
     if ridge > 0 or use_bias:
-        gram = symmetric_gram(scaled[0]) if prefix is None or prefix.gram is None else _extend_gram(prefix.gram, scaled[0])
+        known = None if prefix is None else prefix.gram
+        gram = symmetric_gram(scaled[0]) if known is None else _extend_gram(known, scaled[0])
     if use_bias and bool((kernel.query_weight > 0).any()):
-        target = (kernel.region_z * root_w / kernel.full_z)[0]
+        target = (kernel.region_z * row_scale)[0]
         weight = nnls(scaled[0], target, init=weight[0], iters=iters, gram=gram)[None].float() * live
     bias = torch.where(weight > 0, weight.clamp_min(1e-30).log(), torch.full_like(weight, float("-inf")))
-    design = base * weight[..., None, :]
-    summary_z = kernel.context_z + design.sum(-1)
+    summary_z = kernel.context_z + (base @ weight[..., None])[..., 0]
     prior = kept.values.float()
     try:
         if ridge == 0:
             # the seed's plain OLS, as written: rows weighted by sqrt(query weight) / Z^
-            row_scale = (root_w / summary_z)[..., None]
+            design = base * weight[..., None, :] * (root_w / summary_z)[..., None]
             target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
-            values = ridge_lstsq((design * row_scale)[0], target[0], ridge=0, prior=prior[0])[None].float()
+            values = ridge_lstsq(design[0], target[0], ridge=0, prior=prior[0])[None].float()
         else:
             # sum_j (w_j e_qj / Z^) c_j ~ o - N_ctx / Z^, each query's row multiplied by sqrt(query weight) Z^ / Z:
             # the same model, the queries weighted by sqrt(w) / Z instead of sqrt(w) / Z^ (Z^ ~ Z once NNLS has
-            # fitted the mass), so the Gram is the NNLS one
-            target = (kernel.output * summary_z[..., None] - kernel.context_n) * (root_w / kernel.full_z)[..., None]
+            # fitted the mass), so the Gram is the NNLS one: design diag(w), Gram diag(w) G diag(w)
+            target = (kernel.output * summary_z[..., None] - kernel.context_n) * row_scale[..., None]
             w = weight[0]
-            rhs = (scaled[0] * w[..., None, :]).transpose(-1, -2) @ target[0]
+            rhs = w[..., None] * (scaled[0].transpose(-1, -2) @ target[0])
             values = ridge_solve(gram * w[..., :, None] * w[..., None, :], rhs, ridge=ridge, prior=prior[0],
-                                 design=scaled[0] * w[..., None, :], target=target[0])[None].float()
+                                 design=lambda: scaled[0] * w[..., None, :], target=target[0])[None].float()
     except FloatingPointError:
         values = prior
     # an ill-conditioned fit (ridge=0) can still overflow: such heads keep their entries' own values
     finite = torch.isfinite(values).all(-1).all(-1)[..., None, None]
     values = torch.where(finite, values, prior)
-    return Fit(values, bias, design / summary_z[..., None] if weights else None, gram)
+    if not weights:
+        return Fit(values, bias, gram=gram)
+    return Fit(values, bias, base, weight, summary_z, gram)
 
 
 def _extend_gram(known: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ float32 *and* float64 LU on CPU (MKL) was seen to fail outright on such matrices
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 
 import torch
@@ -77,7 +78,7 @@ def ridge_solve(
     *,
     ridge: float,
     prior: torch.Tensor | None = None,
-    design: torch.Tensor | None = None,
+    design: torch.Tensor | Callable[[], torch.Tensor] | None = None,
     target: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ridge solve from the normal equations: ``(G + lam I) X = R + lam X0`` for ``G`` = ``gram`` ``[G, t, t]``
@@ -85,8 +86,8 @@ def ridge_solve(
 
     A float32 Cholesky first (all systems in one batched call); the systems whose pivots say float32 cannot
     resolve them (or that fail or give non-finite solutions) are solved again by a float64 Cholesky; what fails
-    even there (the ridge underflowed) goes to ``gelsd`` on the stacked system, which needs ``design`` and
-    ``target``. Returns float32 (float64 where ``gram`` is float64)."""
+    even there (the ridge underflowed) goes to ``gelsd`` on the stacked system, which needs ``design`` (or a
+    function making it: built only then) and ``target``. Returns float32 (float64 where ``gram`` is float64)."""
     t = gram.shape[-1]
     out_dtype = torch.promote_types(gram.dtype, torch.float32)
     lam = ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None, None]
@@ -122,6 +123,7 @@ def ridge_solve(
     if design is None or target is None:
         raise FloatingPointError("ridge_solve: singular system and no design to fall back on")
     SOLVE_COUNTS["gelsd"] += len(idx)
+    design = design() if callable(design) else design
     a, y = design[idx].double(), target[idx].double()
     root = lam64.sqrt() * eye64.expand_as(g64)
     stacked_a = torch.cat([a, root], dim=-2)

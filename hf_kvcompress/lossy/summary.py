@@ -91,7 +91,7 @@ def truncation_errors(kernel: Kernel, fit: Fit) -> torch.Tensor:
     of the tail energies (float64 here cost 2.3 s of a 2,048-token prefill, issue 12)."""
     qw = kernel.query_weight[..., None]
     u, s, _ = torch.linalg.svd(fit.values.float(), full_matrices=False)
-    parts = (fit.weights @ u) * s[..., None, :]  # [1, h, m, k]: each component's output contribution
+    parts = fit.weights_times(u) * s[..., None, :]  # [1, h, m, k]: each component's output contribution
     energy = (parts.pow(2) * qw).sum(-2)  # [1, h, k]
     tail = torch.cat([energy.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(energy[..., :1])], dim=-1)
     total = (kernel.output.pow(2) * qw).sum((-1, -2)).clamp_min(1e-30)[..., None]
@@ -107,7 +107,7 @@ def smallest_rank(errors: torch.Tensor, tolerance: float) -> int:
 def _in_position_order(index: torch.Tensor, fit: Fit) -> tuple[torch.Tensor, Fit]:
     order = index.argsort(dim=-1)
     values = torch.gather(fit.values, 2, order[..., None].expand_as(fit.values))
-    return torch.gather(index, -1, order), Fit(values, torch.gather(fit.bias, -1, order), None)
+    return torch.gather(index, -1, order), Fit(values, torch.gather(fit.bias, -1, order))
 
 
 def _stack(region: Region, fits: list[tuple[torch.Tensor, Fit]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
