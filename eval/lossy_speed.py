@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> None:
 
         runs = [prefill(model, ids, make) for _ in range(args.repeat)]
         seconds, cache = min(runs, key=lambda r: r[0])
-        stats = cache.stats(per_layer=True)
+        try:
+            stats = cache.stats(per_layer=True)
+        except TypeError:  # the code before issue 12 (comparison runs): per-layer stats from the layers
+            stats = cache.stats()
+            stats["per_layer"] = [layer.stats() for layer in cache.layers]
         if "held_bytes" not in stats:  # a version before issue 12 (comparison runs): K/V plus the query buffers
             stats["held_bytes"] = stats["stored_bytes"] + sum(s.get("query_bytes", 0) for s in stats["per_layer"])
         summary_s = sum(s["summary_seconds"] for s in stats["per_layer"])

@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 
 from .region import FitContext, Region
-from .solvers import nnls, ridge_lstsq
+from .solvers import nnls, ridge_lstsq, ridge_solve, symmetric_gram
 
 
 class Kernel:
@@ -72,12 +72,26 @@ class Kernel:
 
 @dataclass
 class Fit:
-    """A fitted summary of one row: float32 ``values`` ``[1, h, t, d]``, ``bias`` ``[1, h, t]`` and the normalised
-    attention ``weights`` ``[1, h, m, t]`` the reference queries give the kept entries."""
+    """A fitted summary of one row: float32 ``values`` ``[1, h, t, d]``, ``bias`` ``[1, h, t]``; the normalised
+    attention the reference queries give the kept entries is ``columns * weight / summary_z`` (``[1, h, m, t]``,
+    see `weights`; None after reordering)."""
 
     values: torch.Tensor
     bias: torch.Tensor
-    weights: torch.Tensor
+    columns: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    summary_z: torch.Tensor | None = None
+    #: ``[h, t, t]`` the Gram of the kept entries' scaled kernel columns (what `fit_row` reuses for a superset)
+    gram: torch.Tensor | None = None
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """``[1, h, m, t]``: the kept entries' normalised attention weights."""
+        return self.columns * self.weight[..., None, :] / self.summary_z[..., None]
+
+    def weights_times(self, u: torch.Tensor) -> torch.Tensor:
+        """``weights @ u`` for ``u`` ``[1, h, t, k]`` without the ``[m, t]`` weights."""
+        return (self.columns @ (self.weight[..., None] * u)) / self.summary_z[..., None]
 
 
 #: multiplicative NNLS updates per fit: measured offline on SmolLM2 (issue 12), 25 instead of 100 iterations cost
@@ -86,34 +100,77 @@ NNLS_ITERS = 25
 
 
 def fit_row(
-    kernel: Kernel, region: Region, index: torch.Tensor, *, use_bias: bool, ridge: float, iters: int = NNLS_ITERS
+    kernel: Kernel,
+    region: Region,
+    index: torch.Tensor,
+    *,
+    use_bias: bool,
+    ridge: float,
+    iters: int = NNLS_ITERS,
+    prefix: Fit | None = None,
+    weights: bool = True,
 ) -> Fit:
-    """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``."""
+    """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``.
+
+    ``prefix``: an earlier fit of the same kernel whose entries are the first ``index`` entries of every head: its
+    Gram is that block of this one, so only the new entries' rows of the Gram are computed (the value-rank refit
+    with more entries). ``weights``: also return the kept entries' normalised attention weights."""
     kept = region.gather(index)
     live = kept.live
     # the kept entries' kernel columns without their old bias (plain exp(logit - top)); 0 where dead
     base = torch.gather(kernel.region_exp, -1, index[..., None, :].expand(*kernel.region_exp.shape[:-1], -1))
-    base = base * torch.where(live, (-kept.bias).exp(), torch.zeros_like(kept.bias))[..., None, :]
+    if bool(kept.bias.any()):  # plain tokens (bias 0) need no pass
+        base.mul_(torch.where(live, (-kept.bias).exp(), torch.zeros_like(kept.bias))[..., None, :])
     root_w = kernel.query_weight.sqrt()
     weight = torch.where(live, kept.bias.exp(), torch.zeros_like(kept.bias))
+    # each query's rows scaled by sqrt(query weight) / Z: the NNLS design, and (times the weights) the value
+    # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
+    row_scale = root_w / kernel.full_z
+    scaled = base * row_scale[..., None]
+    gram = None
+    if ridge > 0 or use_bias:
+        known = None if prefix is None else prefix.gram
+        gram = symmetric_gram(scaled[0]) if known is None else _extend_gram(known, scaled[0])
     if use_bias and bool((kernel.query_weight > 0).any()):
-        scale = (root_w / kernel.full_z)[..., None]
-        target = (kernel.region_z * root_w / kernel.full_z)[0]
-        weight = nnls((base * scale)[0], target, init=weight[0], iters=iters)[None].float() * live
+        target = (kernel.region_z * row_scale)[0]
+        weight = nnls(scaled[0], target, init=weight[0], iters=iters, gram=gram)[None].float() * live
     bias = torch.where(weight > 0, weight.clamp_min(1e-30).log(), torch.full_like(weight, float("-inf")))
-    design = base * weight[..., None, :]
-    summary_z = kernel.context_z + design.sum(-1)
-    row_scale = (root_w / summary_z)[..., None]
-    target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
+    summary_z = kernel.context_z + (base @ weight[..., None])[..., 0]
     prior = kept.values.float()
     try:
-        values = ridge_lstsq((design * row_scale)[0], target[0], ridge=ridge, prior=prior[0])[None].float()
+        if ridge == 0:
+            # the seed's plain OLS, as written: rows weighted by sqrt(query weight) / Z^
+            design = base * weight[..., None, :] * (root_w / summary_z)[..., None]
+            target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
+            values = ridge_lstsq(design[0], target[0], ridge=0, prior=prior[0])[None].float()
+        else:
+            # sum_j (w_j e_qj / Z^) c_j ~ o - N_ctx / Z^, each query's row multiplied by sqrt(query weight) Z^ / Z:
+            # the same model, the queries weighted by sqrt(w) / Z instead of sqrt(w) / Z^ (Z^ ~ Z once NNLS has
+            # fitted the mass), so the Gram is the NNLS one: design diag(w), Gram diag(w) G diag(w)
+            target = (kernel.output * summary_z[..., None] - kernel.context_n) * row_scale[..., None]
+            w = weight[0]
+            rhs = w[..., None] * (scaled[0].transpose(-1, -2) @ target[0])
+            values = ridge_solve(gram * w[..., :, None] * w[..., None, :], rhs, ridge=ridge, prior=prior[0],
+                                 design=lambda: scaled[0] * w[..., None, :], target=target[0])[None].float()
     except FloatingPointError:
         values = prior
     # an ill-conditioned fit (ridge=0) can still overflow: such heads keep their entries' own values
     finite = torch.isfinite(values).all(-1).all(-1)[..., None, None]
     values = torch.where(finite, values, prior)
-    return Fit(values, bias, design / summary_z[..., None])
+    if not weights:
+        return Fit(values, bias, gram=gram)
+    return Fit(values, bias, base, weight, summary_z, gram)
+
+
+def _extend_gram(known: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """``scaled^T scaled`` (``[h, m, t]``) when ``known`` is already that of the first ``t0`` columns."""
+    t0, t = known.shape[-1], scaled.shape[-1]
+    gram = scaled.new_empty(scaled.shape[0], t, t)
+    gram[:, :t0, :t0] = known
+    rows = scaled[..., t0:].transpose(-1, -2) @ scaled  # [h, t - t0, t]
+    gram[:, t0:, :] = rows
+    gram[:, :t0, t0:] = rows[..., :t0].transpose(-1, -2)
+    return gram
 
 
 def row(region: Region, index: int) -> Region:

@@ -70,7 +70,8 @@ class FitContext:
         """``[b, h, m, n]`` float32 attention logits of the reference queries against ``keys``."""
         # the scale goes on the [m, d] queries, not on the [m, n] product
         out = (self.queries * self.scaling) @ keys.float().transpose(-1, -2)
-        return out if bias is None else out + bias[..., None, :]
+        # plain tokens have bias 0 (a 2,048-token prefill's regions): skip an [m, n] pass
+        return out if bias is None or not bool(bias.any()) else out.add_(bias[..., None, :])
 
 
 def dead_bias_or_none(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -52,10 +52,16 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
         per_entry = entry_bytes(h, d, elem, with_bias=store_bias, value_rank=rank, fmt=fmt)
         more = min(n, (budget - h * rank * d * elem) // per_entry)
         if more > count:
-            fits = []
-            for kernel, score, (sub, _) in zip(kernels, scores, rows):
-                index = top_entries(score, more)
-                fits.append((index, fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge)))
+            # the refit keeps the first fit's entries and adds the next best: only the added entries' rows of the
+            # Gram are new; the entries are put back in position order afterwards
+            refits = []
+            for kernel, score, (sub, _), (first, fit) in zip(kernels, scores, rows, fits):
+                taken = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, first, True)
+                added = top_entries(score.masked_fill(taken, float("-inf")), more - first.shape[-1])
+                index = torch.cat([first, added], dim=-1)
+                refit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge, prefix=fit, weights=False)
+                refits.append(_in_position_order(index, refit))
+            fits = refits
             keys, values, bias = _stack(region, fits)
             factors = _factors(values, rank, region.values.dtype)
             bias = _stored_bias(bias, keys.dtype, store_bias)
@@ -85,7 +91,7 @@ def truncation_errors(kernel: Kernel, fit: Fit) -> torch.Tensor:
     of the tail energies (float64 here cost 2.3 s of a 2,048-token prefill, issue 12)."""
     qw = kernel.query_weight[..., None]
     u, s, _ = torch.linalg.svd(fit.values.float(), full_matrices=False)
-    parts = (fit.weights @ u) * s[..., None, :]  # [1, h, m, k]: each component's output contribution
+    parts = fit.weights_times(u) * s[..., None, :]  # [1, h, m, k]: each component's output contribution
     energy = (parts.pow(2) * qw).sum(-2)  # [1, h, k]
     tail = torch.cat([energy.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(energy[..., :1])], dim=-1)
     total = (kernel.output.pow(2) * qw).sum((-1, -2)).clamp_min(1e-30)[..., None]
@@ -96,6 +102,12 @@ def smallest_rank(errors: torch.Tensor, tolerance: float) -> int:
     """The first rank whose error is within ``tolerance`` (the full rank if none is)."""
     ok = (errors <= tolerance).nonzero()
     return int(ok[0]) if len(ok) else errors.shape[0] - 1
+
+
+def _in_position_order(index: torch.Tensor, fit: Fit) -> tuple[torch.Tensor, Fit]:
+    order = index.argsort(dim=-1)
+    values = torch.gather(fit.values, 2, order[..., None].expand_as(fit.values))
+    return torch.gather(index, -1, order), Fit(values, torch.gather(fit.bias, -1, order))
 
 
 def _stack(region: Region, fits: list[tuple[torch.Tensor, Fit]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
