@@ -2,7 +2,6 @@
 
 from .cache import CompressedCache
 from .config import CompressionConfig, LosslessConfig, LossyConfig
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "__version__"]

@@ -13,10 +13,7 @@ from pathlib import Path
 import torch
 
 from .downloads import writable_folder
-
-
-class CliError(Exception):
-    """A user-facing problem: printed as one line, exit status 2."""
+from .errors import CliError
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
 from .layer import CompressedLayer
 from .lossless import sealed_raw_bytes
+from .persist import load_cache, save_cache
 from .pool import storage_bytes
 from .storage import RawStorage, Storage, row_index
 
@@ -208,8 +209,6 @@ class CompressedCache(Cache):
         """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
         token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"context"``;
         ``"probe"``/``"twin"`` rerun the model here and at load)."""
-        from .persist import save_cache
-
         return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
 
     @classmethod
@@ -220,9 +219,7 @@ class CompressedCache(Cache):
         trip. A file saved with a calibration needs that calibration: ``calibration`` or, when not given, the
         model's default one (never fitted here). Raises `CacheFileError` for files from another model,
         calibration or library version, corrupt files, or a predictor that does not reproduce here."""
-        from .persist import load_cache
-
-        return load_cache(path, model=model, calibration=calibration, config=config, progress=progress)
+        return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config, progress=progress)
 
     def layer(self, layer_idx: int) -> CompressedLayer:
         """The `CompressedLayer` at ``layer_idx`` (a clear error where there is none)."""

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from .. import __version__
 from ..calibration import CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
 from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
+from ..version import __version__
 from .coded import SCALE_MAX, SCALE_MIN, CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
 from .storage import Block
 
@@ -148,12 +148,12 @@ def uses_calibration(cache: CompressedCache) -> bool:
     return cache.lossless is not None and bool(getattr(cache.lossless.predictor, "calibrated", False))
 
 
-def load_cache(path: str | Path, *, model: torch.nn.Module | None = None, calibration=None,
-               config: CompressionConfig | None = None, progress: bool = False) -> CompressedCache:
+def load_cache(path: str | Path, *, cache_class: type[CompressedCache], model: torch.nn.Module | None = None,
+               calibration=None, config: CompressionConfig | None = None, progress: bool = False) -> CompressedCache:
     """Rebuild a saved cache: bit-identical keys and values, held per ``config`` (default: the saved one).
     Every failure is a `CacheFileError` that says what is wrong."""
     try:
-        return _load(Path(path), model, calibration, config, progress)
+        return _load(Path(path), cache_class, model, calibration, config, progress)
     except CacheFileError as err:
         raise CacheFileError(f"{path}: {err}") from err.__cause__
 
@@ -216,9 +216,7 @@ class _Saved:
     model: ModelIdentity | None
 
 
-def _load(path: Path, model, calibration, config, progress) -> CompressedCache:
-    from .cache import CompressedCache
-
+def _load(path: Path, cache_class, model, calibration, config, progress) -> CompressedCache:
     saved = _read(path)
     header = saved.header
     if header["library_version"] != __version__:
@@ -227,7 +225,7 @@ def _load(path: Path, model, calibration, config, progress) -> CompressedCache:
     if calibration is None:
         calibration = _default_calibration(header, model)
     try:
-        target = CompressedCache(config or saved.config, model=model, calibration=calibration)
+        target = cache_class(config or saved.config, model=model, calibration=calibration)
     except (ValueError, TypeError) as err:  # CalibrationError included: a calibration for another model
         raise CacheFileError(f"cannot build the cache to load into: {err}") from err
     _check_layers(header, target)

@@ -9,26 +9,8 @@ import constriction
 import numpy as np
 import torch
 
-from .detmath import det_exp
-from .model import TOTAL, quantize_int
+from .model import BUDGET, N_PATTERNS, TOTAL, default_marginal_weights, quantize_int
 from .symbols import FP16, Format, format_of, split_bits, tensor_bits
-
-N_PATTERNS = 1 << 16
-BUDGET = TOTAL - N_PATTERNS  # weights sum; every pattern's frequency is weight + 1 >= 1 (no zero probability)
-
-
-@functools.lru_cache(maxsize=1)
-def default_marginal_weights() -> np.ndarray:
-    """The generic p_hat, built deterministically: finite values log-normally spread over binades (centred
-    on |x| ~ 2^-3, 8 binades wide, uniform over sign and mantissa), +-0 a little extra, and every other
-    pattern (inf, every NaN payload, far subnormals) only the floor frequency 1/2^24."""
-    pattern = np.arange(N_PATTERNS)
-    exp_field = (pattern >> 7) & 0xFF
-    g = det_exp(-0.5 * ((exp_field - 124.0) / 8.0) ** 2)  # in (0, 1]: exact-op-order, reproducible
-    p = np.floor(g * 2.0**20).astype(np.int64)
-    p[exp_field == 0xFF] = 0  # inf / NaN
-    p[(pattern & 0x7FFF) == 0] = 1 << 14  # +-0
-    return quantize_int(p, BUDGET)
 
 
 @functools.lru_cache(maxsize=1)

@@ -29,7 +29,7 @@ from fractions import Fraction
 import constriction
 import numpy as np
 
-from .detmath import det_erfc_nonneg
+from .detmath import det_erfc_nonneg, det_exp
 
 PRECISION = 24  # constriction's default Categorical precision
 TOTAL = 1 << PRECISION
@@ -201,6 +201,24 @@ def build_weights() -> list[np.ndarray]:
     return [quantize(m, TOTAL - m.size) for m in masses]
 
 
+N_PATTERNS = 1 << 16
+BUDGET = TOTAL - N_PATTERNS  # weights sum; every pattern's frequency is weight + 1 >= 1 (no zero probability)
+
+
+@functools.lru_cache(maxsize=1)
+def default_marginal_weights() -> np.ndarray:
+    """The generic p_hat (the escape path's default marginal; part of the tables' contract, so it lives here), built deterministically: finite values log-normally spread over binades (centred
+    on |x| ~ 2^-3, 8 binades wide, uniform over sign and mantissa), +-0 a little extra, and every other
+    pattern (inf, every NaN payload, far subnormals) only the floor frequency 1/2^24."""
+    pattern = np.arange(N_PATTERNS)
+    exp_field = (pattern >> 7) & 0xFF
+    g = det_exp(-0.5 * ((exp_field - 124.0) / 8.0) ** 2)  # in (0, 1]: exact-op-order, reproducible
+    p = np.floor(g * 2.0**20).astype(np.int64)
+    p[exp_field == 0xFF] = 0  # inf / NaN
+    p[(pattern & 0x7FFF) == 0] = 1 << 14  # +-0
+    return quantize_int(p, BUDGET)
+
+
 def tables_digest(weights: list[np.ndarray], extra: bytes = b"") -> str:
     h = hashlib.sha256(b"hf_kvcompress.codec tables v1\n")
     h.update(json.dumps(constants(), sort_keys=True).encode())
@@ -215,7 +233,6 @@ def tables_digest(weights: list[np.ndarray], extra: bytes = b"") -> str:
 def get_tables() -> Tables:
     """Build (once per process) and verify the tables."""
     from . import table_cache
-    from .marginal import default_marginal_weights  # the default p_hat is part of the same contract
 
     marginal_bytes = default_marginal_weights().astype("<i4").tobytes()
     weights = table_cache.load(TABLES_SHA256)

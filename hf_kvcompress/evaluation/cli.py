@@ -6,6 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
+from ..errors import CliError
+
 SECTIONS = ("lossless", "generation", "lossy")
 
 
@@ -32,7 +34,6 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..cli import CliError
     from .runner import EvalError, failed_rows, run_suite
     from .suite import SuiteError, load_suite
 
