@@ -27,12 +27,9 @@ from hf_kvcompress.calibration import calibration_dir
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.downloads import cache_dir
 from hf_kvcompress.evaluation.env import machine, versions
+from hf_kvcompress.evaluation.lossless import same_bits
 from hf_kvcompress.generation import greedy_generate
 from hf_kvcompress.models import load_model
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def main() -> None:

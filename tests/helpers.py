@@ -56,3 +56,11 @@ tiny_model = functools.cache(fresh_tiny_model)
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, 128, (batch, length), generator=generator)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality of two tensors (dtype and shape too; NaN payloads, infinities, -0.0 and subnormals)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from cache_file_util import DIGEST, byte_classes, reseal, seal, split
-from helpers import fresh_tiny_model, random_ids, tiny_model
+from helpers import fresh_tiny_model, random_ids, same_bits, tiny_model
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import LEGACY_MAGIC, CacheFileError, read_header, stream_bytes
@@ -25,9 +25,6 @@ MODEL = "llama-gqa"
 CONFIG = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4)
 FUZZ_CASES = int(os.environ.get("KVC_FUZZ_CASES", "300"))
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 from cache_file_util import seal, split
-from helpers import random_ids, tiny_model
+from helpers import random_ids, same_bits, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -27,9 +27,6 @@ def calibration(kind: str = MODEL) -> Calibration:
 def lossless(predictor: str = "context", **kwargs) -> CompressionConfig:
     return CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4, lossless={"predictor": predictor, **kwargs})
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def generate(model, ids, cache, **kwargs):

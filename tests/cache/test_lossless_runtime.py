@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids
+from helpers import fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -40,9 +40,6 @@ def lossless(budget: float = 0.0, predictor: str = "context") -> CompressionConf
 def make_cache(budget: float = 0.0, calibrated: bool = False) -> CompressedCache:
     return CompressedCache(lossless(budget), model=model6(), calibration=calibration6() if calibrated else None)
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def generate(cache, ids, **kwargs):

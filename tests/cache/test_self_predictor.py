@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids
+from helpers import fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -39,9 +39,6 @@ def config(predictor: str = "self", budget: float = 0.0, block: int = BLOCK, res
     return CompressionConfig(mode="lossless", block_tokens=block, residual_tokens=residual,
                              lossless={"predictor": predictor, "decoded_budget": budget})
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def generate(cache, ids, **kwargs):

@@ -15,10 +15,6 @@ from hf_kvcompress.predictors.runner import run_decoder
 SMOLLM2_SHAPE = (2, 30, 256, 192)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality (NaN payloads and signed zeros included)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
 
 def channel_chunk(shape=(2, 3, 64, 32), dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
     """Gaussian values with a mean and spread per (k/v, layer, channel), spread also varying by token."""

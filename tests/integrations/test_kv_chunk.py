@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 import torch
-from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, noise_chunk, same_bits, tiny_calibrated
-from helpers import random_ids
+from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, noise_chunk, tiny_calibrated
+from helpers import random_ids, same_bits
 
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.integrations.kv_chunk import (

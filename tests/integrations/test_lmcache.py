@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("lmcache.v1.distributed.serde", reason="LMCache is not installed (extra: lmcache)")
 pytestmark = pytest.mark.lmcache
 
-from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, same_bits, tiny_calibrated  # noqa: E402
+from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, tiny_calibrated  # noqa: E402
+from helpers import same_bits  # noqa: E402
 from lmcache.v1.distributed.api import MemoryLayoutDesc  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
     add_l2_adapters_args,
