@@ -1,9 +1,9 @@
 """Issue 11, "the cache calibrates itself": what a lossless cache with no model and no calibration can learn
 from its own sealed blocks, on SmolLM2's K/V of held-out text.
 
-Two parts:
+Three parts:
 
-``--part sim``   candidate schemes, simulated with Gaussian code lengths (bits = -log2 of the density times
+``--part sim``   candidate schemes, estimated with Gaussian code lengths (bits = -log2 of the density times
                  the bf16 bin width, clamped at 0.05; one quarter-octave std scale per stream and block, as the
                  cache's scale byte). Blocks of 128 tokens; block b of layer l may use every layer's blocks
                  before b (causal) and its own block one layer down. Side data and held maps are counted.

@@ -64,3 +64,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def assert_continues_identically(model, reference, cache, more: torch.Tensor) -> None:
+    """Feed ``more`` to ``model`` with ``reference`` (a DynamicCache) and with ``cache``: the logits and every
+    layer's keys and values afterwards must be the same bits."""
+    with torch.no_grad():
+        want = model(more, cache=reference, use_cache=True).logits
+        got = model(more, cache=cache, use_cache=True).logits
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    for layer, ref in zip(cache.kv_layers(), reference.layers):
+        assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)

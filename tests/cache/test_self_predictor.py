@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids, same_bits
+from helpers import assert_continues_identically, fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -120,12 +120,7 @@ def test_crop_then_continue_is_identical(budget):
     reference.crop(-40)  # 90 -> 50 tokens: reaches into sealed blocks and past an epoch start (64)
     cache.crop(-40)
     more = random_ids(1, 30, seed=8)  # re-seals blocks of the 32-token epoch and starts the 64-token one again
-    with torch.no_grad():
-        want = model6()(more, cache=reference, use_cache=True).logits
-        got = model6()(more, cache=cache, use_cache=True).logits
-    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
-    for layer, ref in zip(cache.kv_layers(), reference.layers):
-        assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
+    assert_continues_identically(model6(), reference, cache, more)
 
 
 def test_beam_search_and_padded_batch_are_identical():
@@ -167,15 +162,19 @@ def fill(cache, keys, values):
         assert same_bits(out_k, k) and same_bits(out_v, v)
 
 
+def coded(predictor: str, keys, values) -> CompressedCache:
+    """A model-free cache of ``predictor`` (32-token blocks) holding ``keys``/``values``, read back (decoded) and
+    checked bit for bit."""
+    cache = CompressedCache(config(predictor, block=32, residual=0))
+    fill(cache, keys, values)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        assert same_bits(cache.layers[layer].keys, k) and same_bits(cache.layers[layer].values, v)
+    return cache
+
+
 def test_self_fitted_maps_beat_block_statistics_on_correlated_layers():
     keys, values = correlated_kv()
-    rates = {}
-    for predictor in ("generic", "self"):
-        cache = CompressedCache(config(predictor, block=32, residual=0))
-        fill(cache, keys, values)
-        rates[predictor] = cache.stats()["bits_per_scalar"]
-        for layer, (k, v) in enumerate(zip(keys, values)):  # read back (decoded) bit for bit
-            assert same_bits(cache.layers[layer].keys, k) and same_bits(cache.layers[layer].values, v)
+    rates = {p: coded(p, keys, values).stats()["bits_per_scalar"] for p in ("generic", "self")}
     # keys of layers 1..5 after the first block cost ~3 bits less (noise 0.02 against unit spread)
     assert rates["self"] < rates["generic"] - 1.0, rates
 
@@ -213,16 +212,10 @@ def test_framed_statistics_find_the_rope_frame_and_beat_generic():
     from hf_kvcompress.predictors.framed import BASES, FRAME
 
     keys, values = rotated_keys()
-    rates = {}
-    for predictor in ("generic", "framed"):
-        cache = CompressedCache(config(predictor, block=32, residual=0))
-        fill(cache, keys, values)
-        rates[predictor] = cache.stats()["bits_per_scalar"]
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            assert same_bits(cache.layers[layer].keys, k) and same_bits(cache.layers[layer].values, v)
-        if predictor == "framed":
-            chosen = {int(row.side[FRAME]) for layer in cache.kv_layers() for block in layer.blocks for row in block.rows}
-            assert chosen == {BASES.index(10000.0)}
+    caches = {p: coded(p, keys, values) for p in ("generic", "framed")}
+    rates = {p: cache.stats()["bits_per_scalar"] for p, cache in caches.items()}
+    blocks = [block for layer in caches["framed"].kv_layers() for block in layer.blocks]
+    assert {int(row.side[FRAME]) for block in blocks for row in block.rows} == {BASES.index(10000.0)}
     # the spinning mean of the fast pairs (4 against a spread of 0.5) costs generic ~1 bit per key scalar
     # (measured 11.11 -> 10.57 over keys and values; the slow pairs barely turn within a block)
     assert rates["framed"] < rates["generic"] - 0.3, rates
