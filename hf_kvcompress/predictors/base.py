@@ -102,6 +102,19 @@ class PredictorSession(ABC):
         """The block's values at this layer, as the next layer's ``below`` input."""
 
 
+class PlainSession(PredictorSession):
+    """A session whose predictions never read the stream values it is shown: `observe` does nothing and every
+    token's surprise is 1 (neutral) for the layer above. Needs ``self.inputs`` (its `BlockInputs`)."""
+
+    inputs: BlockInputs
+
+    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
+        pass
+
+    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
+        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
+
+
 class Predictor(ABC):
     """A source of means and spreads for sealed blocks."""
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, LayerValues, Predictor, PredictorSession
+from .base import BlockInputs, PlainSession, Predictor, PredictorSession
 from .linear import FeatureRecipe, LinearSession
 from .rope import RopeFrame
 
 BLOCK_MEAN, BLOCK_STD = "block_mean", "block_std"
 
 
-class BlockStatsSession(PredictorSession):
+class BlockStatsSession(PlainSession):
     """Mean and std per (row, head, channel) of the block itself, sent as bf16 side data."""
 
     independent = True
@@ -41,12 +41,6 @@ class BlockStatsSession(PredictorSession):
             return t.permute(1, 2, 0, 3).reshape(2 * heads, t.shape[0], 1, t.shape[3])
 
         return streams(self.mean), streams(self.std)
-
-    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
-        pass
-
-    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
-        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
 def block_stats(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, LayerValues, Predictor, PredictorSession
+from .base import BlockInputs, PlainSession, Predictor, PredictorSession
 from .context import BLOCK_MEAN, BLOCK_STD, block_stats
 from .rope import RopeFrame
 
@@ -55,7 +55,7 @@ def framed_stats(keys: torch.Tensor, values: torch.Tensor, start: int) -> dict[s
     return stats
 
 
-class FramedStatsSession(PredictorSession):
+class FramedStatsSession(PlainSession):
     """Block statistics, key means rotated back from each row's frame (see module docstring)."""
 
     independent = True
@@ -95,12 +95,6 @@ class FramedStatsSession(PredictorSession):
         means, stds = self.predict_all(heads)
         index = head if kind == "k" else heads + head
         return means[index], stds[index].expand(-1, self.inputs.positions.shape[0], -1)
-
-    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
-        pass
-
-    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
-        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
 class FramedStatsPredictor(Predictor):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, ExtrasSource, LayerValues, PredictorSession
+from .base import BlockInputs, ExtrasSource, PlainSession, PredictorSession
 from .context import CalibratedLinearPredictor
 from .linear import FeatureRecipe, _flat_heads
 from .runner import build_twin, run_decoder
@@ -38,7 +38,7 @@ class CacheExtras(ExtrasSource):
         return out
 
 
-class ExactSession(PredictorSession):
+class ExactSession(PlainSession):
     """Layers the decoder recomputes itself: the mean is the recomputed value and the spread a quarter of
     a bf16 ulp (the storage scales it up where the recomputation differs, e.g. for tokens that were
     generated one at a time and are now recomputed in one batch)."""
@@ -53,12 +53,6 @@ class ExactSession(PredictorSession):
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         mean = (self.keys if kind == "k" else self.values)[:, head]
         return mean, mean.abs().clamp_min(1e-6) * 2.0**-9
-
-    def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
-        pass
-
-    def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
-        return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
 class ProbePredictor(CalibratedLinearPredictor):
