@@ -1,0 +1,90 @@
+"""Today's formats, pinned: every stream, cache file, calibration and LMCache chunk payload under
+tests/fixtures/formats/ (written by tests/fixtures/make_fixtures.py) decodes bit for bit, and coding the same
+inputs again gives the same bytes. A restructuring that changes a byte fails here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import same_bits
+from safetensors.torch import load_file
+
+from hf_kvcompress import CompressedCache, codec
+from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.evaluation.lossless import layer_kv
+from hf_kvcompress.integrations.kv_chunk import ChunkCoder
+
+FORMATS = Path(__file__).resolve().parent / "fixtures" / "formats"
+STREAMS = json.loads((FORMATS / "streams.json").read_text())
+CACHES = json.loads((FORMATS / "caches.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def stream_tensors():
+    return load_file(str(FORMATS / "streams.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    return Calibration.load(FORMATS / "calibration")
+
+
+def _inputs(tensors, entry):
+    x = tensors[f"{entry['input']}/x"]
+    if not entry["model"]:
+        return x, None, None
+    return x, tensors[f"{entry['input']}/mean"], tensors[f"{entry['input']}/std"]
+
+
+@pytest.mark.parametrize("entry", STREAMS, ids=[e["name"] for e in STREAMS])
+def test_pinned_stream_decodes_bit_exactly_and_recodes_byte_identically(stream_tensors, entry):
+    config = CodecConfig(**entry["config"])
+    blob = stream_tensors[f"stream/{entry['name']}"].numpy().tobytes()
+    x, mean, std = _inputs(stream_tensors, entry)
+    if "batch" in entry:
+        i = entry["batch"]
+        x, mean, std = x[i], mean[i], std[i]
+        decoded = codec.decode_batch([blob], mean[None], std[None], config)[0]
+        assert codec.encode_batch(x[None], mean[None], std[None], config)[0] == blob
+    else:
+        decoded = codec.decode(blob, mean, std, config=config)
+        assert codec.encode(x, mean, std, config) == blob
+    assert decoded.dtype == x.dtype and decoded.shape == x.shape
+    assert same_bits(decoded, x)
+
+
+@pytest.mark.parametrize("entry", CACHES, ids=[e["name"] for e in CACHES])
+def test_pinned_cache_file_loads_bit_exactly_and_resaves_byte_identically(calibration, entry, tmp_path):
+    path = FORMATS / f"{entry['name']}.kvc"
+    expected = load_file(str(FORMATS / "caches_kv.safetensors"))
+    cache = CompressedCache.load(path, calibration=calibration if entry["calibration"] else None)
+    kv = layer_kv(cache)
+    assert len(kv) == 6
+    for layer, (k, v) in enumerate(kv):
+        assert same_bits(k, expected[f"{entry['name']}/L{layer}/k"])
+        assert same_bits(v, expected[f"{entry['name']}/L{layer}/v"])
+    again = cache.save(tmp_path / "again.kvc")
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_pinned_calibration_loads_and_its_checksum_holds(calibration):
+    assert calibration.predictors == ["context", "none"]
+    assert calibration.meta["version"] == 4
+    heads = calibration.stream_heads("context", 5)
+    assert len(heads) == 2 * calibration.meta["model"]["kv_heads"]
+
+
+def test_pinned_lmcache_chunks_decode_bit_exactly_and_recode_byte_identically(calibration):
+    tensors = load_file(str(FORMATS / "chunks.safetensors"))
+    chunk = tensors["chunk/input"]
+    _, layers, _, _ = chunk.shape
+    kv_heads = calibration.meta["model"]["kv_heads"]
+    plain = ChunkCoder(layers=layers, kv_heads=kv_heads, head_dim=calibration.meta["model"]["head_dim"])
+    calibrated = ChunkCoder(calibration)
+    for name, coder, kwargs in (("plain", plain, {}), ("calibrated", calibrated, {"first_position": 0})):
+        payload = tensors[f"chunk/{name}"].numpy().tobytes()
+        assert same_bits(coder.decode(payload), chunk)
+        assert coder.encode(chunk, **kwargs) == payload
