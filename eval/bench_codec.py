@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress.evaluation.baselines import baselines, timed
+from hf_kvcompress_eval.baselines import baselines, timed
 
 FIXED_SIZES = (64, 256, 1024, 4096)
 ADAPTIVE_MODES = ("metadata", "predicted", "causal")

@@ -1,6 +1,6 @@
 """Lossless benchmark: bits per scalar of every predictor on held-out text, their cost against a bf16
 prefill, and lossless generation speed against DynamicCache (a command line over
-hf_kvcompress.evaluation.lossless; `hf-kvcompress eval` runs the same code).
+hf_kvcompress_eval.lossless; `hf-kvcompress eval` runs the same code).
 
     python eval/bench_lossless.py [--calibration DIR] [--tokens 2048] [--out results/lossless]
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from hf_kvcompress.calibration import Calibration, calibration_dir
 from hf_kvcompress.data import token_ids
-from hf_kvcompress.evaluation.env import machine, versions
-from hf_kvcompress.evaluation.lossless import generation_rows, run_lossless
-from hf_kvcompress.evaluation.report import (
+from hf_kvcompress_eval.env import machine, versions
+from hf_kvcompress_eval.lossless import generation_rows, run_lossless
+from hf_kvcompress_eval.report import (
     generation_table,
     lossless_table,
     per_layer_table,

@@ -27,14 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
-from hf_kvcompress.evaluation.lossy import (
+from hf_kvcompress_eval.lossy import (
     build_settings,
     empty_results,
     run_needles,
     run_perplexity,
     summarise,
 )
-from hf_kvcompress.evaluation.suite import LossySection
+from hf_kvcompress_eval.suite import LossySection
 from hf_kvcompress.models import load_model
 
 #: label -> LossyConfig fields

@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
-from hf_kvcompress.evaluation.lossy import (
+from hf_kvcompress_eval.lossy import (
     Setting,
     empty_results,
     lossy_setting,
@@ -37,7 +37,7 @@ from hf_kvcompress.evaluation.lossy import (
     run_perplexity,
     summarise,
 )
-from hf_kvcompress.evaluation.suite import LossySection
+from hf_kvcompress_eval.suite import LossySection
 from hf_kvcompress.models import load_model
 
 #: name -> LossyConfig fields. "summary-seed" is the seed's pipeline as written (entropy selection, plain OLS

@@ -249,7 +249,7 @@ def run_sim(keys, values, tokens: int) -> list[dict]:
 
 def run_cache(keys, values, token_counts: list[int], predictors=("generic", "framed", "self")) -> list[dict]:
     from hf_kvcompress import CompressedCache, CompressionConfig
-    from hf_kvcompress.evaluation.env import walk_held_bytes
+    from hf_kvcompress_eval.env import walk_held_bytes
 
     out = []
     torch.set_num_threads(1)

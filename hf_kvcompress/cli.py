@@ -11,9 +11,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
+from .cache import CompressedCache
+from .calibration import META_FILE, Calibration, CalibrationError, calibration_dir
+from .config import CompressionConfig
+from .data import check_source, token_ids
 from .downloads import writable_folder
 from .errors import CliError
+from .generation import greedy_generate
+from .models import load_model
+
+#: the evaluation harness: a separate top-level package (kept outside the library, as kvpress does), installed
+#: from the same source tree; `hf-kvcompress eval` imports it on demand
+EVAL_PACKAGE = "hf_kvcompress_eval"
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +35,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace, split: str = "evaluation"):
     """The model and tokenizer; the ``--dataset`` is checked first, so a bad path fails before the slow load."""
-    from .data import check_source
-    from .models import load_model
-
     try:
         check_source(args.dataset, split)
     except ValueError as err:
@@ -38,8 +46,6 @@ def _load(args: argparse.Namespace, split: str = "evaluation"):
 
 
 def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str = "evaluation") -> torch.LongTensor:
-    from .data import token_ids
-
     try:
         return token_ids(tokenizer, n_tokens, source=args.dataset, split=split)
     except ValueError as err:
@@ -55,8 +61,6 @@ def _writable(folder: Path, role: str) -> Path:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit sigma tables, predictor heads and marginals on calibration text; save them."""
-    from .calibration import META_FILE, Calibration, calibration_dir
-
     predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
     probe_layers = [int(k) for k in args.probe_layers.split(",") if k.strip()]
     if args.out:  # before the model loads: a folder that cannot be written fails at once
@@ -82,12 +86,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Generate with a CompressedCache on the default model and text; print the text and the cache stats."""
-    from transformers import DynamicCache
-
-    from . import CompressedCache, CompressionConfig
-    from .calibration import META_FILE, CalibrationError
-    from .generation import greedy_generate
-
     try:
         config = CompressionConfig(
             mode=args.mode, block_tokens=args.block_tokens, residual_tokens=args.residual_tokens
@@ -159,15 +157,33 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
     cal.set_defaults(func=cmd_calibrate)
 
-    from .evaluation.cli import add_eval_parser
-
-    add_eval_parser(sub)
+    _add_eval_parser(sub)
     return parser
+
+
+def _add_eval_parser(sub) -> None:
+    """The ``eval`` subcommand from the harness package, or one that says how to install it."""
+    try:
+        from hf_kvcompress_eval.cli import add_eval_parser  # optional: the harness lives outside the library
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != EVAL_PACKAGE:
+            raise
+        missing = sub.add_parser("eval", help=f"measure what compression costs (needs the {EVAL_PACKAGE} package)")
+        missing.set_defaults(func=_eval_missing)  # takes any arguments (see main): the error is about the package
+        return
+    add_eval_parser(sub)
+
+
+def _eval_missing(args: argparse.Namespace) -> int:
+    raise CliError(f"the evaluation harness ({EVAL_PACKAGE}) is not installed: install hf_kvcompress from its "
+                   "source tree, which holds both packages, with pip install -e \".[eval]\"")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.func is not _eval_missing:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # what parse_args says
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -21,7 +21,7 @@ from hf_kvcompress.calibration import (
     calibration_dir,
     calibration_for,
 )
-from hf_kvcompress.evaluation.env import walk_held_bytes
+from hf_kvcompress_eval.env import walk_held_bytes
 from hf_kvcompress.generation import greedy_generate
 
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16)

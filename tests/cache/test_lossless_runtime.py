@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import read_header
 from hf_kvcompress.calibration import Calibration
-from hf_kvcompress.evaluation.env import walk_held_bytes
+from hf_kvcompress_eval.env import walk_held_bytes
 
 LAYERS = 6
 BLOCK, RESIDUAL = 16, 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvcompress.evaluation.baselines import baseline_bits, baselines, exponent_bound_bits
+from hf_kvcompress_eval.baselines import baseline_bits, baselines, exponent_bound_bits
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

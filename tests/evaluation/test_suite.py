@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_kvcompress.evaluation import BUILTIN_SUITES, SuiteError, load_suite, parse_suite
+from hf_kvcompress_eval import BUILTIN_SUITES, SuiteError, load_suite, parse_suite
 
 
 @pytest.mark.parametrize("name", BUILTIN_SUITES)

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .. import CompressedCache, CompressionConfig
-from ..cache.persist import read_header, stream_bytes
-from ..generation import greedy_generate
-from ..predictors import make_predictor
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.cache.persist import read_header, stream_bytes
+from hf_kvcompress.codec import CodecConfig, encode_with_stats
+from hf_kvcompress.generation import greedy_generate
+from hf_kvcompress.predictors import make_predictor
+
 from .baselines import baseline_bits, timed
 from .env import PeakMemory
 
@@ -138,8 +140,6 @@ def baseline_rows(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], methods: Sequ
 
 
 def parse_window(spec: str):
-    from ..codec import CodecConfig
-
     if spec.startswith("fixed-"):
         return CodecConfig(window="fixed", fixed_window=int(spec.split("-")[1]))
     return CodecConfig(window=spec)
@@ -150,8 +150,6 @@ def window_rows(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], schedulers: Seq
     """The codec's window scheduler on real K/V: all layers' keys as one tensor, values as another (the first
     ``tokens`` tokens), per-(layer, head, channel) mean/std of those tokens as the prediction; per scheduler the
     rate and the histogram of window lengths (`codec.encode_with_stats`)."""
-    from ..codec import encode_with_stats
-
     keys = torch.stack([k[..., :tokens, :] for k, _ in kv]).contiguous()
     values = torch.stack([v[..., :tokens, :] for _, v in kv]).contiguous()
     rows = []

@@ -7,7 +7,9 @@ import contextlib
 import datetime as _dt
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..downloads import writable_folder
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.calibration import (
+    FIRST_USE_PREDICTORS,
+    Calibration,
+    CalibrationError,
+    calibration_dir,
+    calibration_for,
+)
+from hf_kvcompress.data import check_source, token_ids
+from hf_kvcompress.downloads import writable_folder
+from hf_kvcompress.models import UnknownModelError, load_model
+
 from . import lossless as lossless_mod
 from . import lossy as lossy_mod
 from .env import machine, threads, versions
@@ -63,8 +76,6 @@ def _quiet_hub() -> Iterator[None]:
 
 
 def load_model_checked(suite: Suite):
-    from ..models import UnknownModelError, load_model
-
     name = suite.model.name or None
     try:  # load_model checks the name first (models.resolve_model_source): no folder, no hub id -> one line
         with _quiet_hub():
@@ -82,8 +93,6 @@ def _first_line(err: BaseException) -> str:
 
 def check_dataset_path(suite: Suite) -> None:
     """Fail fast (before loading the model) on a dataset path that does not exist (`data.check_source`)."""
-    from ..data import check_source
-
     source = suite.data.source or None
     try:
         check_source(source, suite.data.split)
@@ -93,8 +102,6 @@ def check_dataset_path(suite: Suite) -> None:
 
 def evaluation_stream(tokenizer, suite: Suite) -> torch.Tensor:
     """One ``[1, n]`` stream of evaluation tokens, long enough for every enabled section (laid out in order)."""
-    from ..data import token_ids
-
     source = suite.data.source or None
     check_dataset_path(suite)
     needed = max(1, suite.evaluation_tokens())
@@ -112,14 +119,6 @@ def resolve_calibration(suite: Suite, model, tokenizer, out: Path, progress: boo
                         sample: torch.Tensor) -> tuple[Any, dict[str, Any] | None]:
     """The calibration the suite's lossless rows need (None if none): the model's default one, a given folder,
     or a fresh fit saved under ``out/calibration``."""
-    from ..calibration import (
-        FIRST_USE_PREDICTORS,
-        Calibration,
-        CalibrationError,
-        calibration_dir,
-        calibration_for,
-    )
-
     needed = suite.calibration_predictors()
     if not needed:
         return None, None
@@ -177,10 +176,6 @@ def resolve_calibration(suite: Suite, model, tokenizer, out: Path, progress: boo
 def calibration_problem(model, calibration, needed: list[str], sample: torch.Tensor, out: Path) -> str | None:
     """Code a few tokens with every needed predictor; the error (one line) if that fails, else None. Catches
     calibrations fitted by an older predictor layout that still load."""
-    import tempfile
-
-    from .. import CompressedCache, CompressionConfig
-
     ids = sample[:, :16]
     config = CompressionConfig(mode="none", block_tokens=max(1, ids.shape[1] // 2), residual_tokens=0)
     try:
@@ -330,8 +325,6 @@ def _calibration_line(info: dict[str, Any] | None) -> str | None:
 
 
 def _loadavg() -> list[float] | None:
-    import os
-
     try:
         return list(os.getloadavg())
     except OSError:

@@ -19,7 +19,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from ..config import LossyConfig
+from hf_kvcompress.config import LossyConfig
 
 BUILTIN_SUITES = ("quick", "full")
 PREDICTOR_RE = re.compile(r"^(generic|none|context|twin|probe:(\d+))$")

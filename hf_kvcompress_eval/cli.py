@@ -6,7 +6,10 @@ import argparse
 import re
 from pathlib import Path
 
-from ..errors import CliError
+from hf_kvcompress.errors import CliError
+
+from .runner import EvalError, failed_rows, run_suite
+from .suite import SuiteError, load_suite
 
 SECTIONS = ("lossless", "generation", "lossy")
 
@@ -34,9 +37,6 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .runner import EvalError, failed_rows, run_suite
-    from .suite import SuiteError, load_suite
-
     try:
         suite = load_suite(args.suite)
     except SuiteError as err:

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, QuantizedCache
 
-from .. import CompressedCache, CompressionConfig, LossyConfig
+from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
+from hf_kvcompress.lossy.blocks import block_bias
+
 from .capture import Captured, capture, replay
 from .needles import answer_correct, make_needles
 
@@ -53,8 +55,6 @@ def lossy_setting(model, label: str, fields: dict[str, Any], budget: float, *, w
 
 def quantized_setting(model, spec: str, *, window: int, group: int) -> Setting | dict[str, str]:
     """A `QuantizedCache` setting, or ``{"method", "reason"}`` when the backend does not work here."""
-    from transformers import QuantizedCache
-
     backend, _, bits = spec.partition("-")
     kwargs: dict[str, Any] = {}
     if backend != "fp8":
@@ -124,8 +124,6 @@ def held_entries(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, tor
     blocks = getattr(layer, "blocks", None)
     if not blocks and getattr(layer, "residual_valid", None) is None:
         return keys, values, None
-    from ..lossy.blocks import block_bias
-
     b, h = keys.shape[:2]
     parts = []
     for block in blocks or []:
