@@ -100,11 +100,6 @@ def check_source(source: str | Path | None, split: str = "evaluation") -> tuple[
     return texts, jsons
 
 
-def load_text(source: str | Path | None = None, split: str = "evaluation") -> str:
-    """All documents of `load_text_dataset` joined by blank lines."""
-    return "\n\n".join(load_text_dataset(source, split)["text"])
-
-
 def token_ids(
     tokenizer,
     n_tokens: int,

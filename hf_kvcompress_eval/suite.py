@@ -159,9 +159,6 @@ class Suite:
             needed.add("context")
         return sorted(needed)
 
-    def needs_calibration(self) -> bool:
-        return bool(self.calibration_predictors())
-
     def evaluation_tokens(self) -> int:
         """Tokens of evaluation text the suite reads (laid out one after another, never reused)."""
         total = 0
