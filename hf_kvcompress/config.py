@@ -5,34 +5,29 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import InitVar, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
+
+from .codec import CodecConfig
+from .validation import check_bool, check_choice, check_int, check_number, fail
 
 MODES = ("none", "lossless", "lossy")
 
 
-def _fail(owner: str, name: str, problem: str) -> None:
-    raise ValueError(f"{owner}.{name} {problem}")
+# the shared checks of `validation`, with the field named as ``Owner.field``
+def _fail(owner: str, name: str, problem: str) -> NoReturn:
+    fail(f"{owner}.{name}", problem)
 
 
 def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(owner, name, f"must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        _fail(owner, name, f"must be >= {minimum}, got {value}")
+    check_int(f"{owner}.{name}", value, minimum=minimum)
 
 
 def _check_float(owner: str, name: str, value: Any, *, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(owner, name, f"must be a number, got {type(value).__name__} {value!r}")
-    bad_low = value <= low if low_open else value < low
-    if bad_low or value > high or value != value:
-        bracket = "(" if low_open else "["
-        _fail(owner, name, f"must lie in {bracket}{low}, {high}], got {value}")
+    check_number(f"{owner}.{name}", value, low=low, high=high, low_open=low_open)
 
 
 def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        _fail(owner, name, f"must be one of {list(choices)}, got {value!r}")
+    check_choice(f"{owner}.{name}", value, choices)
 
 
 def _check_fraction(owner: str, name: str, value: Any, *, count_hint: str) -> None:
@@ -88,19 +83,26 @@ class LosslessConfig(_JsonConfig):
             (``"context"``: the best model-free rate; per-block statistics without a calibration); any of
             `PREDICTORS`, ``"probe"`` / ``"twin"`` included.
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
-        window: the codec's window scheduler: ``"fixed"`` (measured best on SmolLM2: see docs/codec.md),
-            ``"predicted"``, ``"metadata"`` or ``"causal"`` (seed 000's adaptive windows).
-        fixed_window: window size in elements when ``window == "fixed"`` (65536, the codec's maximum: one
-            window per 64 x 256-token stream, the fastest and smallest setting measured).
-        header: codec stream header, ``"compact"`` (~40 bytes; the cache knows the codec config) or ``"full"``
-            (self-describing, ~450 bytes).
-        mean_steps: resolution of the codec's wide tables in ``|mean| / std`` (8, 4 or 2 steps per std; 4
-            costs 0.002 bit/scalar against 8 and codes ~20 % faster).
-        workers: parallel decoders: threads over a block's streams for the ``lanes`` coder, forked processes
-            over windows for ``ans`` (1 = in this thread).
-        coder: the codec's entropy coder: ``"lanes"`` (compiled interleaved rANS, one call per block; the
-            default) or ``"ans"`` (constriction, one call per stream and table; files saved before 0.2 use it
-            and still load). Both give the same rate; docs/codec.md section 12.
+        window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
+            codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
+            source for their choices and bounds. The defaults differ from `CodecConfig`'s on purpose: the
+            codec's defaults are those of its first stream format (its streams record only the fields that
+            differ from them, so streams of the default config keep their bytes), while these are the settings
+            measured best inside the cache, where blocks are small and the cache keeps the config:
+            ``window="fixed"`` (measured best on SmolLM2, docs/codec.md); ``fixed_window=65536``, the codec's
+            largest window (one window per 64 x 256-token stream, the fastest and smallest setting measured;
+            the ``lanes`` coder codes a stream as one window whatever it is); ``header="compact"`` (~40 bytes
+            where the self-describing ``"full"`` takes ~450; ``lanes`` has its own ~24-byte header);
+            ``mean_steps=4`` (0.002 bit/scalar more than 8, coded ~20 % faster); ``coder="lanes"`` (compiled
+            interleaved rANS, one call per block; ``"ans"``, constriction, one call per stream, the same rate;
+            files saved before 0.2 use it and still load; docs/codec.md section 12).
+        workers: how many threads or processes code a block's streams; 1 (the default) codes in the calling
+            thread. With ``coder="lanes"``: threads, over the block's streams, when encoding and decoding
+            (``codec.encode_batch`` / ``decode_batch``'s ``threads``). With ``coder="ans"``: forked processes
+            over the windows of one stream, when decoding only (``codec.decode``'s ``workers``), which run only
+            when a stream holds more than one window: ``fixed_window`` below a block's ``block_tokens *
+            head_dim`` elements (never at the default 65536 with 128-token blocks). docs/lossless.md measures
+            ``workers=2``.
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
@@ -121,8 +123,8 @@ class LosslessConfig(_JsonConfig):
     PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "framed", "self", "none", "context", "probe", "twin")
     #: predictors that rerun the model to decode a block: fine for a saved file, impractical at every step
     STORAGE_ONLY: ClassVar[tuple[str, ...]] = ("probe", "twin")
-    CODERS: ClassVar[tuple[str, ...]] = ("lanes", "ans")
-    WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
+    #: the fields that are `CodecConfig`'s (same names, same meaning, validated there)
+    CODEC_FIELDS: ClassVar[tuple[str, ...]] = ("window", "fixed_window", "header", "mean_steps", "coder")
 
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
@@ -135,18 +137,17 @@ class LosslessConfig(_JsonConfig):
                                       f"cache.save(path, predictor={self.predictor!r})")
         _check_choice(owner, "save_predictor", self.save_predictor, self.PREDICTORS)
         _check_int(owner, "probe_layer", self.probe_layer, minimum=1)
-        _check_choice(owner, "window", self.window, self.WINDOWS)
-        _check_int(owner, "fixed_window", self.fixed_window, minimum=64)
-        if self.fixed_window > 65536:
-            _fail(owner, "fixed_window", f"must be <= 65536 (the codec's largest window), got {self.fixed_window}")
-        _check_choice(owner, "header", self.header, ("compact", "full"))
-        if self.mean_steps not in (2, 4, 8) or isinstance(self.mean_steps, bool):
-            _fail(owner, "mean_steps", f"must be one of [2, 4, 8], got {self.mean_steps!r}")
         _check_int(owner, "workers", self.workers, minimum=1)
         _check_float(owner, "decoded_budget", self.decoded_budget, low=0.0, high=1.0)
-        _check_choice(owner, "coder", self.coder, self.CODERS)
-        if self.coder == "lanes" and self.window != "fixed":
-            _fail(owner, "window", f"must be 'fixed' with coder='lanes' (one window per stream), got {self.window!r}")
+        try:
+            self.codec_config()
+        except ValueError as err:  # ConfigTypeError too; the fields have CodecConfig's names: name them as ours
+            message = str(err).replace("CodecConfig.", f"{owner}.").replace("CodecConfig(", f"{owner}(")
+            raise type(err)(message) from err
+
+    def codec_config(self) -> CodecConfig:
+        """The `CodecConfig` of these settings (the codec's defaults for every field not set here)."""
+        return CodecConfig(**{name: getattr(self, name) for name in self.CODEC_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,7 @@ class LossyConfig(_JsonConfig):
         _check_int(owner, "reference_queries", self.reference_queries, minimum=1)
         _check_int(owner, "kept_queries", self.kept_queries, minimum=0)
         _check_choice(owner, "selection", self.selection, self.SELECTIONS)
-        if not isinstance(self.fit_bias, bool):
-            _fail(owner, "fit_bias", f"must be a bool, got {type(self.fit_bias).__name__} {self.fit_bias!r}")
+        check_bool(f"{owner}.fit_bias", self.fit_bias)
         _check_float(owner, "ridge", self.ridge, low=0.0, high=1e6)
         _check_int(owner, "query_horizon", self.query_horizon, minimum=0)
         _check_choice(owner, "entry_format", self.entry_format, self.ENTRY_FORMATS)

@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from hf_kvcompress.config import LossyConfig
+from hf_kvcompress.validation import check_bool, check_choice, check_int, check_number, fail
 
 BUILTIN_SUITES = ("quick", "full")
 PREDICTOR_RE = re.compile(r"^(generic|none|context|twin|probe:(\d+))$")
@@ -210,9 +211,14 @@ def parse_suite(text: str, origin: str = "<string>") -> Suite:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise SuiteError(f"{origin}: not valid TOML ({err})") from err
-    suite = _build(Suite, data, "", origin)
+    try:
+        suite = _build(Suite, data, "", origin)
+        _validate(suite, origin)
+    except SuiteError:
+        raise
+    except ValueError as err:  # the shared field checks (hf_kvcompress.validation): same message, our type
+        raise SuiteError(str(err)) from err
     suite.origin, suite.text = origin, text
-    _validate(suite, origin)
     return suite
 
 
@@ -236,66 +242,59 @@ def _build(cls, data: dict[str, Any], prefix: str, origin: str):
 
 
 def _check_type(value: Any, default: Any, path: str, origin: str) -> Any:
-    def fail(want: str) -> SuiteError:
-        return SuiteError(f"{origin}: {path} must be {want}, got {value!r}")
-
+    """``value`` if it has the type of the key's ``default`` (bool, int, str or list); the bounds come later."""
+    where = f"{origin}: {path}"
     if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise fail("true or false")
+        check_bool(where, value)
     elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise fail("an integer")
-    elif isinstance(default, str):
-        if not isinstance(value, str):
-            raise fail("a string")
+        check_int(where, value)
+    elif isinstance(default, str) and not isinstance(value, str):
+        fail(where, f"must be a string, got {value!r}")
     elif isinstance(default, list) and not isinstance(value, list):
-        raise fail("a list")
+        fail(where, f"must be a list, got {value!r}")
     return value
 
 
 def _validate(suite: Suite, origin: str) -> None:
-    def fail(path: str, problem: str) -> None:
-        raise SuiteError(f"{origin}: {path} {problem}")
+    """Bounds and choices of every key; raises ``ValueError`` (`parse_suite` makes it a `SuiteError`)."""
+
+    def where(path: str) -> str:
+        return f"{origin}: {path}"
 
     def positive(path: str, value: int, minimum: int = 1) -> None:
-        if value < minimum:
-            fail(path, f"must be >= {minimum}, got {value}")
+        check_int(where(path), value, minimum=minimum)
 
-    if suite.model.dtype not in DTYPES:
-        fail("model.dtype", f"must be one of {list(DTYPES)}, got {suite.model.dtype!r}")
+    check_choice(where("model.dtype"), suite.model.dtype, DTYPES)
     positive("threads", suite.threads, 0)
     cal = suite.calibration
     positive("calibration.chunk", cal.chunk, 16)
     if cal.tokens < cal.chunk:
-        fail("calibration.tokens", f"must be >= calibration.chunk ({cal.chunk}), got {cal.tokens}")
-    for p in cal.predictors:
-        if p not in ("none", "context", "probe", "twin"):
-            fail("calibration.predictors", f"entries must be none/context/probe/twin, got {p!r}")
-    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in cal.probe_layers):
-        fail("calibration.probe_layers", f"must be integers >= 1, got {cal.probe_layers}")
+        fail(where("calibration.tokens"), f"must be >= calibration.chunk ({cal.chunk}), got {cal.tokens}")
+    for i, p in enumerate(cal.predictors):
+        check_choice(where(f"calibration.predictors[{i}]"), p, ("none", "context", "probe", "twin"))
+    for i, k in enumerate(cal.probe_layers):
+        positive(f"calibration.probe_layers[{i}]", k)
     ll = suite.lossless
     positive("lossless.tokens", ll.tokens)
     positive("lossless.block_tokens", ll.block_tokens)
     positive("lossless.window_tokens", ll.window_tokens)
     if ll.window_tokens > ll.tokens:
-        fail("lossless.window_tokens", f"must be <= lossless.tokens ({ll.tokens})")
+        fail(where("lossless.window_tokens"), f"must be <= lossless.tokens ({ll.tokens})")
     for spec in ll.predictors:
         if not isinstance(spec, str) or not PREDICTOR_RE.match(spec):
-            fail("lossless.predictors", f"entries must be generic/none/context/twin/probe:K, got {spec!r}")
-    for spec in ll.baselines:
-        if spec not in BASELINES:
-            fail("lossless.baselines", f"entries must be among {list(BASELINES)}, got {spec!r}")
+            fail(where("lossless.predictors"), f"entries must be generic/none/context/twin/probe:K, got {spec!r}")
+    for i, spec in enumerate(ll.baselines):
+        check_choice(where(f"lossless.baselines[{i}]"), spec, BASELINES)
     for spec in ll.windows:
         if not isinstance(spec, str) or not WINDOW_RE.match(spec):
-            fail("lossless.windows", f"entries must be metadata/predicted/causal/fixed-N, got {spec!r}")
+            fail(where("lossless.windows"), f"entries must be metadata/predicted/causal/fixed-N, got {spec!r}")
     gen = suite.generation
     positive("generation.prompt_tokens", gen.prompt_tokens)
     positive("generation.new_tokens", gen.new_tokens)
     positive("generation.block_tokens", gen.block_tokens)
     positive("generation.residual_tokens", gen.residual_tokens, 0)
-    for spec in gen.caches:
-        if spec not in GENERATION_CACHES:
-            fail("generation.caches", f"entries must be among {list(GENERATION_CACHES)}, got {spec!r}")
+    for i, spec in enumerate(gen.caches):
+        check_choice(where(f"generation.caches[{i}]"), spec, GENERATION_CACHES)
     ly = suite.lossy
     for name in ("context", "continuation", "segments", "interval", "heldout_stride", "needle_context",
                  "needle_batch", "q_group_size"):
@@ -303,14 +302,13 @@ def _validate(suite: Suite, origin: str) -> None:
     positive("lossy.window", ly.window, 0)
     positive("lossy.sinks", ly.sinks, 0)
     positive("lossy.needles", ly.needles, 0)
-    if ly.continuation < 2:
-        fail("lossy.continuation", "must be >= 2")
-    for b in ly.budgets:
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 1):
-            fail("lossy.budgets", f"entries must be fractions in (0, 1], got {b!r}")
+    positive("lossy.continuation", ly.continuation, 2)
+    for i, b in enumerate(ly.budgets):
+        check_number(where(f"lossy.budgets[{i}]"), b, low=0.0, high=1.0, low_open=True)
     for spec in ly.quantized:
         if not isinstance(spec, str) or not QUANTIZED_RE.match(spec):
-            fail("lossy.quantized", f"entries must be fp8, hqq-N (N in 1,2,3,4,8) or quanto-N (2, 4), got {spec!r}")
+            fail(where("lossy.quantized"),
+                 f"entries must be fp8, hqq-N (N in 1,2,3,4,8) or quanto-N (2, 4), got {spec!r}")
     labels = set()
     for entry in ly.methods:
         if isinstance(entry, str):
@@ -319,11 +317,11 @@ def _validate(suite: Suite, origin: str) -> None:
             fields = {k: v for k, v in entry.items() if k != "name"}
             label = entry["name"]
         else:
-            fail("lossy.methods", f"entries must be method names or tables with a 'name', got {entry!r}")
+            fail(where("lossy.methods"), f"entries must be method names or tables with a 'name', got {entry!r}")
         if label in labels:
-            fail("lossy.methods", f"has two methods named {label!r}")
+            fail(where("lossy.methods"), f"has two methods named {label!r}")
         labels.add(label)
         try:
             LossyConfig.from_dict({**fields, "budget": 0.5})
         except (TypeError, ValueError) as err:
-            fail("lossy.methods", f"entry {label!r}: {err}")
+            fail(where("lossy.methods"), f"entry {label!r}: {err}")

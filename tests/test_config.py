@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hf_kvcompress import CompressionConfig, LosslessConfig, LossyConfig
+from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.codec.config import HEADERS, MAX_WINDOW, MEAN_STEPS, WINDOW_MODES
+from hf_kvcompress.validation import ConfigTypeError
 
 
 def test_defaults_and_json_round_trip():
@@ -62,3 +65,45 @@ def test_sub_configs_are_frozen():
     config = LosslessConfig()
     with pytest.raises(AttributeError):
         config.predictor = "twin"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: LosslessConfig(fixed_window=64.0), "LosslessConfig.fixed_window"),
+    (lambda: LossyConfig(interval="256"), "LossyConfig.interval"),
+    (lambda: LossyConfig(fit_bias=1), "LossyConfig.fit_bias"),
+    (lambda: CodecConfig(fixed_window=64.0), "CodecConfig.fixed_window"),
+    (lambda: CodecConfig(tau_smooth="0.1"), "CodecConfig.tau_smooth"),
+])
+def test_a_wrong_type_is_one_error_for_every_config(make, field):
+    """Every config reports a wrong type the same way: a `ConfigTypeError`, which is a TypeError (what the codec
+    always raised) and a ValueError (what CompressionConfig's errors are documented as)."""
+    with pytest.raises(ConfigTypeError, match=field.replace(".", r"\.") + " must be") as err:
+        make()
+    assert isinstance(err.value, TypeError) and isinstance(err.value, ValueError)
+
+
+def test_lossless_codec_fields_take_the_codecs_choices_and_bounds():
+    """The fields LosslessConfig shares with CodecConfig are validated by CodecConfig: whatever the codec accepts
+    is accepted (and becomes that CodecConfig), whatever it refuses is refused, named as LosslessConfig's field."""
+    for window in WINDOW_MODES:
+        config = LosslessConfig(window=window, coder="ans")
+        assert config.codec_config() == CodecConfig(window=window, coder="ans", fixed_window=65536,
+                                                    header="compact", mean_steps=4)
+    for steps in MEAN_STEPS:
+        assert LosslessConfig(mean_steps=steps).codec_config().mean_steps == steps
+    for header in HEADERS:
+        assert LosslessConfig(header=header).codec_config().header == header
+    assert LosslessConfig(fixed_window=MAX_WINDOW, coder="ans").fixed_window == MAX_WINDOW
+    assert LosslessConfig(fixed_window=1, coder="ans").fixed_window == 1
+    with pytest.raises(ValueError, match=rf"LosslessConfig\.fixed_window must lie in \[1, {MAX_WINDOW}\]"):
+        LosslessConfig(fixed_window=MAX_WINDOW + 1)
+    with pytest.raises(ValueError, match=r"LosslessConfig\(coder='lanes'\).*window must be 'fixed'"):
+        LosslessConfig(window="metadata")
+
+
+def test_lossless_defaults_and_their_json_form_are_unchanged():
+    """Saved caches embed this dict: its keys, order and default values are part of the file format."""
+    assert LosslessConfig().to_dict() == {
+        "predictor": "generic", "save_predictor": "context", "probe_layer": 8, "window": "fixed",
+        "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": 1, "decoded_budget": 0.05,
+        "coder": "lanes"}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, ClassVar
 
+from ..validation import check_int, check_number
 from .marginal import Marginal
 
 MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
@@ -20,17 +21,11 @@ CODERS = ("ans", "lanes")
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"CodecConfig.{name} must be an int, got {type(v).__name__} {v!r}")
-    if not lo <= v <= hi:
-        raise ValueError(f"CodecConfig.{name} must lie in [{lo}, {hi}], got {v}")
+    check_int(f"CodecConfig.{name}", v, minimum=lo, maximum=hi)  # a wrong type: ConfigTypeError, a TypeError
 
 
 def _float(name: str, v: Any, lo: float, hi: float) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"CodecConfig.{name} must be a number, got {type(v).__name__} {v!r}")
-    if not (math.isfinite(v) and lo < v <= hi):
-        raise ValueError(f"CodecConfig.{name} must lie in ({lo}, {hi}], got {v}")
+    check_number(f"CodecConfig.{name}", v, low=lo, high=hi, low_open=True)
 
 
 def eighth_octaves(ratio: float) -> int:
