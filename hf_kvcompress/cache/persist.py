@@ -36,7 +36,7 @@ from .coded import SCALE_MAX, SCALE_MIN, CodedBlock, CodedRow, LosslessContext, 
 from .storage import Block
 
 if TYPE_CHECKING:
-    from ..models import ModelIdentity
+    from ..identity import ModelIdentity
     from .cache import CompressedCache
 
 MAGIC = b"\x89HFKVC\r\n"
@@ -70,7 +70,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
                progress: bool = False) -> Path:
     """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
     ``save_predictor``)."""
-    from ..models import model_identity
+    from ..identity import model_identity
 
     layers = cache.kv_layers()
     if not layers or layers[0].seen_tokens == 0:
@@ -284,7 +284,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
 
 def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
     """Refuse another model (naming what differs) before anything is built or decoded."""
-    from ..models import model_identity
+    from ..identity import model_identity
 
     if saved.model is None:
         return
@@ -377,7 +377,7 @@ def _read(path: Path) -> _Saved:
 
 def _check_header(header: object, payload: bytes) -> _Saved:
     """Every header field, against the others and the payload: nothing later trusts an unchecked value."""
-    from ..models import ModelIdentity
+    from ..identity import ModelIdentity
 
     h = _dict(header, "header", {"format", "version", "library_version", "config", "predictor", "model",
                                  "calibration_sha256", "dtype", "kv_layers", "rows", "kv_heads", "head_dim",
