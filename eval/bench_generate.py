@@ -35,8 +35,8 @@ from transformers import DynamicCache
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.data import token_ids
-from hf_kvcompress_eval.env import PeakMemory, machine, versions, walk_held_bytes
 from hf_kvcompress.models import load_model
+from hf_kvcompress_eval.env import PeakMemory, machine, versions, walk_held_bytes
 
 #: predictors that read a calibration fitted here (``generic`` and ``self`` need none)
 CALIBRATED = ("none", "context")

@@ -29,6 +29,8 @@ import torch
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
 
 LANES = CodecConfig(coder="lanes")
 ANS = CodecConfig(header="compact", fixed_window=65536)
@@ -49,9 +51,6 @@ def synthetic_block(batch: int, seed: int = 0):
 
 
 def real_block(batch: int, layer: int):
-    from hf_kvcompress.data import token_ids
-    from hf_kvcompress.models import load_model
-
     model, tok = load_model()
     ids = token_ids(tok, 256 * batch, split="evaluation")
     with torch.no_grad():

@@ -51,7 +51,7 @@ from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, se
 
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.data import token_ids
-from hf_kvcompress.integrations.kv_chunk import estimate_first_position
+from hf_kvcompress.integrations.kv_chunk import ChunkCoder, estimate_first_position, max_payload_bytes
 from hf_kvcompress.integrations.lmcache import SERDE_NAME
 from hf_kvcompress.models import load_model
 from hf_kvcompress.predictors.runner import run_decoder
@@ -245,8 +245,6 @@ def main() -> None:
         ("hf_kvcompress, calibrated (context)", {"calibration": str(cal_dir)}),
     ]
     # compile the codec's kernels (numba, cached on disk after the first run) outside the timings
-    from hf_kvcompress.integrations.kv_chunk import ChunkCoder
-
     for coder in (ChunkCoder(), ChunkCoder(calibration)):
         coder.decode(coder.encode(chunks[0]))
     bench = Bench(chunks[0].shape, chunks[0].dtype)
@@ -289,8 +287,6 @@ def main() -> None:
         })
 
     with tempfile.TemporaryDirectory() as tmp:
-        from hf_kvcompress.integrations.kv_chunk import max_payload_bytes
-
         payload = ChunkCoder(calibration).encode(chunks[0])
         padding = padding_cost(payload, max_payload_bytes(chunks[0].shape, chunks[0].dtype), Path(tmp))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hf_kvcompress.calibration import Calibration, calibration_dir
 from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
 from hf_kvcompress_eval.env import machine, versions
 from hf_kvcompress_eval.lossless import generation_rows, run_lossless
 from hf_kvcompress_eval.report import (
@@ -21,7 +22,6 @@ from hf_kvcompress_eval.report import (
     per_layer_table,
     plot_bits_per_layer,
 )
-from hf_kvcompress.models import load_model
 
 PREDICTORS = "generic,none,context,probe:8,probe:15,probe:22,twin"
 

@@ -26,10 +26,10 @@ from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import calibration_dir
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.downloads import cache_dir
-from hf_kvcompress_eval.env import machine, versions
-from hf_kvcompress_eval.lossless import same_bits
 from hf_kvcompress.generation import greedy_generate
 from hf_kvcompress.models import load_model
+from hf_kvcompress_eval.env import machine, versions
+from hf_kvcompress_eval.lossless import same_bits
 
 
 def main() -> None:

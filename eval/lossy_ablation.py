@@ -16,9 +16,9 @@ from lossy_experiment import FULL
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
 from hf_kvcompress_eval.capture import capture, replay
 from hf_kvcompress_eval.lossy import attention_errors, continuation_nll, lossy_setting
-from hf_kvcompress.models import load_model
 
 VARIANTS: dict[str, dict] = {
     "topk": {"method": "topk"},

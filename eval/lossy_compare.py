@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
 from hf_kvcompress_eval.lossy import (
     build_settings,
     empty_results,
@@ -35,7 +36,6 @@ from hf_kvcompress_eval.lossy import (
     summarise,
 )
 from hf_kvcompress_eval.suite import LossySection
-from hf_kvcompress.models import load_model
 
 #: label -> LossyConfig fields
 METHODS: dict[str, dict] = {

@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
 from hf_kvcompress_eval.lossy import (
     Setting,
     empty_results,
@@ -38,7 +39,6 @@ from hf_kvcompress_eval.lossy import (
     summarise,
 )
 from hf_kvcompress_eval.suite import LossySection
-from hf_kvcompress.models import load_model
 
 #: name -> LossyConfig fields. "summary-seed" is the seed's pipeline as written (entropy selection, plain OLS
 #: by gelsd, no biases, the most recent queries at their own positions); "summary" is the improved default.

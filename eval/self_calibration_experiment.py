@@ -31,16 +31,19 @@ from pathlib import Path
 
 import torch
 
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
+from hf_kvcompress.predictors.rope import RopeFrame
+from hf_kvcompress.predictors.runner import run_decoder
+from hf_kvcompress_eval.env import walk_held_bytes
+
 LN2 = math.log(2)
 BLOCK = 128
 
 
 def held_out_kv(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """SmolLM2 keys and values ``[layers, kv_heads, tokens, head_dim]`` (bf16, keys post-RoPE as cached)."""
-    from hf_kvcompress.data import token_ids
-    from hf_kvcompress.models import load_model
-    from hf_kvcompress.predictors.runner import run_decoder
-
     model, tok = load_model()
     ids = torch.as_tensor(token_ids(tok, tokens, split="evaluation")).reshape(1, -1)[:, :tokens]
     cache, _ = run_decoder(model, ids)
@@ -182,8 +185,6 @@ def in_sample_bound(keys: torch.Tensor, values: torch.Tensor, frame_theta: float
     heads with ``inter_head``) is fitted on the very tokens it codes: no causality, no map cost, per-channel
     sigma; layer 0 coded against the constant only. ``frame_theta``: un-rotate keys with RoPE of that base
     (SmolLM2: 100000; a model-free cache does not know it), None: keys as cached."""
-    from hf_kvcompress.predictors.rope import RopeFrame
-
     K, V = keys.float(), values.float()
     layers, heads, tokens, dim = K.shape
     positions = torch.arange(tokens)
@@ -248,9 +249,6 @@ def run_sim(keys, values, tokens: int) -> list[dict]:
 
 
 def run_cache(keys, values, token_counts: list[int], predictors=("generic", "framed", "self")) -> list[dict]:
-    from hf_kvcompress import CompressedCache, CompressionConfig
-    from hf_kvcompress_eval.env import walk_held_bytes
-
     out = []
     torch.set_num_threads(1)
     for tokens in token_counts:

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from hf_kvcompress import CompressedCache, codec
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress_eval.lossless import layer_kv
 from hf_kvcompress.integrations.kv_chunk import ChunkCoder
+from hf_kvcompress_eval.lossless import layer_kv
 
 FORMATS = Path(__file__).resolve().parent / "fixtures" / "formats"
 STREAMS = json.loads((FORMATS / "streams.json").read_text())

@@ -21,8 +21,8 @@ from hf_kvcompress.calibration import (
     calibration_dir,
     calibration_for,
 )
-from hf_kvcompress_eval.env import walk_held_bytes
 from hf_kvcompress.generation import greedy_generate
+from hf_kvcompress_eval.env import walk_held_bytes
 
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16)
 

@@ -18,8 +18,8 @@ from transformers import DynamicCache
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import read_header
 from hf_kvcompress.cache.pool import storage_bytes
-from hf_kvcompress_eval.env import walk_held_bytes
 from hf_kvcompress.predictors import selffit
+from hf_kvcompress_eval.env import walk_held_bytes
 
 LAYERS = 6
 BLOCK, RESIDUAL = 16, 8
