@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import LossyConfig
-from .entropy import top_entries
 from .packed import vector_bytes
 from .region import Region
+from .scores import top_entries
+
+if TYPE_CHECKING:
+    from ..config import LossyConfig
 
 
 def token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:

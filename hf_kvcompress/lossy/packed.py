@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: ``LossyConfig.entry_format`` values: the cache dtype as it is, or 8-bit codes with a float16 scale per vector
-ENTRY_FORMATS = ("model", "int8", "fp8")
+from .registry import ENTRY_FORMATS
+
 _CODE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 SCALE_DTYPE = torch.float16
 

@@ -1,4 +1,4 @@
-"""Batched least-squares solvers for summary fits.
+"""Batched least-squares solvers for summary fits, and the truncated SVD (summary values, plain SVD method).
 
 Everything here works on a leading batch dimension (batch rows x KV heads, one batched call for all of them). The
 systems are ill-conditioned (attention kernels of neighbouring keys are nearly collinear): the ridge solve runs a
@@ -162,3 +162,11 @@ def nnls(
         denom = torch.bmm(gram, w[..., None])[..., 0]
         w = w * atz / denom.clamp_min(1e-30)
     return w
+
+
+def truncated_svd(x: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U S, W)`` of the rank-``rank`` truncated SVD of ``x`` (``[..., n, d]``, computed in float32), in ``dtype``:
+    ``x ~ (U S) @ W`` with ``U S`` ``[..., n, rank]`` and ``W`` ``[..., rank, d]`` (Eckart-Young: the best rank-r
+    approximation in Frobenius norm)."""
+    u, s, vh = torch.linalg.svd(x.float(), full_matrices=False)
+    return (u[..., :rank] * s[..., None, :rank]).to(dtype), vh[..., :rank, :].contiguous().to(dtype)

@@ -8,9 +8,9 @@ import torch
 
 from hf_kvcompress.config import LossyConfig
 from hf_kvcompress.lossy import solvers
-from hf_kvcompress.lossy.entropy import top_entries
 from hf_kvcompress.lossy.matching import Kernel, fit_row
 from hf_kvcompress.lossy.region import FitContext, Region
+from hf_kvcompress.lossy.scores import top_entries
 from hf_kvcompress.lossy.solvers import ridge_solve, symmetric_gram
 
 

@@ -1,4 +1,5 @@
-"""StreamingLLM baseline (Xiao et al. 2023): attention sinks plus the most recent tokens, nothing else.
+"""StreamingLLM (Xiao et al. 2023, https://arxiv.org/abs/2309.17453): attention sinks plus the most recent
+tokens, nothing else.
 
 The layer already keeps the sinks and the recent window exact; this method spends the rest of the budget on the
 newest entries of the region, so the cache is ``sinks + a longer recent window``.
@@ -6,12 +7,14 @@ newest entries of the region, so the cache is ``sinks + a longer recent window``
 
 from __future__ import annotations
 
-from ..cache.storage import Block
-from .blocks import kept_block
-from .budget import keep_within
-from .region import FitContext, Region, dead_bias_or_none
+from ...layer.storage import Block
+from ..blocks import kept_block
+from ..budget import keep_within
+from ..region import FitContext, Region, dead_bias_or_none
+from ..registry import register
 
 
+@register("streaming", paper="https://arxiv.org/abs/2309.17453", needs_queries=False)
 def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]:
     """Keep the newest entries of ``region`` that fit in ``budget`` bytes per batch row."""
     fmt = "model" if ctx is None else ctx.config.entry_format

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .pool import owned, storage_bytes
-from .storage import Block, Storage, row_index, tensor_nbytes
+from .storage import Block, Storage, owned, row_index, storage_bytes, tensor_nbytes
 
 
 class CompressedLayer(CacheLayerMixin):
