@@ -1,4 +1,5 @@
-"""Lossy mode composed with 8-bit kept entries against transformers' `QuantizedCache` at the same memory (issue 12).
+"""Lossy mode composed with 8-bit kept entries against transformers' `QuantizedCache` at the same memory
+(docs/lossy.md, *Composed with 8-bit entries*).
 
 Methods: the summary, Top-K and StreamingLLM, each with kept entries in the cache dtype or in int8 / fp8
 (`LossyConfig.entry_format`), at budgets 0.5, 0.25 and 0.125 of the full cache's bytes; `QuantizedCache` with

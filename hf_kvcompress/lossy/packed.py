@@ -1,5 +1,6 @@
 """Kept entries stored in 8 bits: a summary (or Top-K / StreamingLLM selection) whose kept keys and values are
-then quantized, the composition issue 12 asks for.
+then quantized (measured against transformers' `QuantizedCache` in docs/lossy.md, *Composed with 8-bit
+entries*).
 
 Each key or value vector (one entry of one KV head) is stored as ``head_dim`` 8-bit codes and one float16 scale:
 ``int8`` symmetric absmax (scale = absmax / 127, as in LLM.int8(), Dettmers et al. 2022,

@@ -1,4 +1,4 @@
-"""The summary fit's numerical paths (issue 12): the float32 Cholesky and its float64 fallback, the symmetric Gram,
+"""The summary fit's numerical paths (docs/lossy.md, *Numerics*): the float32 Cholesky and its float64 fallback, the symmetric Gram,
 one Gram shared by NNLS and the value refit, and the refit that reuses the first fit's Gram. Work is counted
 (`solvers.SOLVE_COUNTS`), never timed."""
 
