@@ -8,18 +8,12 @@ newest entries of the region, so the cache is ``sinks + a longer recent window``
 from __future__ import annotations
 
 from ...layer.storage import Block
-from ..blocks import kept_block
-from ..budget import keep_within
-from ..region import FitContext, Region, dead_bias_or_none
+from ..budget import kept_blocks
+from ..region import FitContext, Region
 from ..registry import register
 
 
 @register("streaming", paper="https://arxiv.org/abs/2309.17453", needs_queries=False)
 def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]:
     """Keep the newest entries of ``region`` that fit in ``budget`` bytes per batch row."""
-    fmt = "model" if ctx is None else ctx.config.entry_format
-    kept = keep_within(region, budget, None, fmt)
-    if kept is None:
-        return []
-    bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
-    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt)]
+    return kept_blocks(region, budget, None, "model" if ctx is None else ctx.config.entry_format)

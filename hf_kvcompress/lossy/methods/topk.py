@@ -5,9 +5,8 @@ as they are; drop the rest. Selection is per batch row and KV head (the group's 
 from __future__ import annotations
 
 from ...layer.storage import Block
-from ..blocks import kept_block
-from ..budget import keep_within
-from ..region import FitContext, Region, dead_bias_or_none
+from ..budget import kept_blocks
+from ..region import FitContext, Region
 from ..registry import register
 from ..scores import attention_mass
 
@@ -17,9 +16,4 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the most attended entries of ``region`` that fit in ``budget`` bytes per batch row."""
     if region.entries == 0:
         return []
-    fmt = ctx.config.entry_format
-    kept = keep_within(region, budget, attention_mass(region, ctx), fmt)
-    if kept is None:
-        return []
-    bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
-    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt)]
+    return kept_blocks(region, budget, attention_mass(region, ctx), ctx.config.entry_format)
