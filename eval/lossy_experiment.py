@@ -40,8 +40,9 @@ from hf_kvcompress.evaluation.lossy import (
 from hf_kvcompress.evaluation.suite import LossySection
 from hf_kvcompress.models import load_model
 
-#: name -> LossyConfig fields. "summary-seed" is the pipeline of the proposal lossy mode started from, as written (entropy selection, plain OLS
-#: by gelsd, no biases, the most recent queries at their own positions); "summary" is the improved default.
+#: name -> LossyConfig fields. "summary-seed" is the pipeline of the proposal lossy mode started from, as written
+#: (docs/lossy.md: entropy selection, plain OLS by gelsd, no biases, the most recent queries at their own
+#: positions); "summary" is the improved default.
 METHODS: dict[str, dict] = {
     "streaming": {"method": "streaming"},
     "topk": {"method": "topk"},
