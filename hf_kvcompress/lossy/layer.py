@@ -12,8 +12,8 @@ blocks' `Block` interface), and overrides:
   state (the residual's padding mask, the sink block, the kept queries);
 - ``stats``: adds the summaries, their timings and the kept queries.
 
-Its blocks are `LossyBlock` / `LowRankBlock` (``exact = False``, so a crop never reaches into them). The storage it
-hands the base class is a `RawStorage` that never seals anything (``update`` never calls the base's sealing).
+Its blocks are `LossyBlock` / `LowRankBlock` (``exact = False``, so a crop never reaches into them). It hands the
+base class a `RawStorage`, which only reads the blocks back (``read_all``): ``update`` never seals.
 """
 
 from __future__ import annotations
