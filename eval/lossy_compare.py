@@ -1,4 +1,5 @@
-"""Lossy mode composed with 8-bit kept entries against transformers' `QuantizedCache` at the same memory (issue 12).
+"""Lossy mode composed with 8-bit kept entries against transformers' `QuantizedCache` at the same memory
+(docs/lossy.md, *Composed with 8-bit entries*).
 
 Methods: the summary, Top-K and StreamingLLM, each with kept entries in the cache dtype or in int8 / fp8
 (`LossyConfig.entry_format`), at budgets 0.5, 0.25 and 0.125 of the full cache's bytes; `QuantizedCache` with
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from lossy_experiment import NEEDLE_OFFSET, SEGMENT_STRIDE  # the same text segments and needles
 from tqdm.auto import tqdm
 
 from hf_kvcompress.data import token_ids
@@ -46,8 +48,6 @@ METHODS: dict[str, dict] = {
     "streaming+int8": {"method": "streaming", "entry_format": "int8"},
 }
 QUANTIZED = ["fp8", "quanto-4", "quanto-2", "hqq-4", "hqq-2"]
-SEGMENT_STRIDE = 10_000  # as eval/lossy_experiment.py
-NEEDLE_OFFSET = 40_000
 
 #: the reduced setting (the full eval/lossy_experiment.py setting took 43 min on an idle machine)
 SECTION = LossySection(context=1024, continuation=256, segments=1, interval=128, window=64, sinks=4, heldout_stride=4,

@@ -1,4 +1,4 @@
-"""Lossy mode on SmolLM2 + Shakespeare: how the seed-004 summary compares with Top-K, StreamingLLM and plain SVD
+"""Lossy mode on SmolLM2 + Shakespeare: how the summary (docs/lossy.md) compares with Top-K, StreamingLLM and plain SVD
 at the same memory.
 
 For each method and keep ratio (fraction of the full cache's bytes, side data included) it measures:
@@ -40,8 +40,9 @@ from hf_kvcompress_eval.lossy import (
 )
 from hf_kvcompress_eval.suite import LossySection
 
-#: name -> LossyConfig fields. "summary-seed" is the seed's pipeline as written (entropy selection, plain OLS
-#: by gelsd, no biases, the most recent queries at their own positions); "summary" is the improved default.
+#: name -> LossyConfig fields. "summary-seed" is the pipeline of the proposal lossy mode started from, as written
+#: (docs/lossy.md: entropy selection, plain OLS by gelsd, no biases, the most recent queries at their own
+#: positions); "summary" is the improved default.
 METHODS: dict[str, dict] = {
     "streaming": {"method": "streaming"},
     "topk": {"method": "topk"},
@@ -92,7 +93,7 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> None:
               ("needle_acc", "needle accuracy"), ("sec_per_summary", "seconds per summary (all layers)")]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     full = rows[0]
-    # a diverging method (the seed's plain pipeline reaches ppl 1e10) would flatten everything else
+    # a diverging method (the proposal's plain pipeline reaches ppl 1e10) would flatten everything else
     ppl_top = 1.5 * full["ppl"]
     for ax, (key, title) in zip(axes, panels):
         for method in methods:

@@ -1,4 +1,4 @@
-"""Prefill time and memory of lossy mode against `DynamicCache` (issue 12): SmolLM2, one prefill of ``--context``
+"""Prefill time and memory of lossy mode against `DynamicCache` (docs/lossy.md, *Speed and queries*): SmolLM2, one prefill of ``--context``
 tokens of the evaluation split; the lossy cache summarises right after each layer's attention.
 
 Prints, per method: prefill seconds (best of ``--repeat``), the ratio to `DynamicCache`'s prefill, seconds spent in
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> None:
         seconds, cache = min(runs, key=lambda r: r[0])
         try:
             stats = cache.stats(per_layer=True)
-        except TypeError:  # the code before issue 12 (comparison runs): per-layer stats from the layers
+        except TypeError:  # the code before that page's speed work (248945f, comparison runs): per-layer stats from the layers
             stats = cache.stats()
             stats["per_layer"] = [layer.stats() for layer in cache.layers]
-        if "held_bytes" not in stats:  # a version before issue 12 (comparison runs): K/V plus the query buffers
+        if "held_bytes" not in stats:  # a version before that speed work (comparison runs): K/V plus the query buffers
             stats["held_bytes"] = stats["stored_bytes"] + sum(s.get("query_bytes", 0) for s in stats["per_layer"])
         summary_s = sum(s["summary_seconds"] for s in stats["per_layer"])
         print(f"{method:<10} {seconds:>9.2f} {seconds / full_s:>9.2f} {summary_s:>9.2f} "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, ClassVar, NoReturn
 
 from .codec import CodecConfig
+from .lossy import registry as lossy_registry
 from .validation import check_bool, check_choice, check_int, check_number, fail
 
 MODES = ("none", "lossless", "lossy")
@@ -199,13 +201,14 @@ class LossyConfig(_JsonConfig):
     entry_format: str = "model"
 
     DEFAULT_BUDGET: ClassVar[float] = 0.3
-    METHODS: ClassVar[tuple[str, ...]] = ("summary", "topk", "streaming", "svd")
+    #: the registered lossy methods by name (`hf_kvcompress.lossy.registry`)
+    METHODS: ClassVar[Mapping[str, lossy_registry.LossyMethod]] = lossy_registry.METHODS
     SELECTIONS: ClassVar[tuple[str, ...]] = ("mass", "entropy")
-    ENTRY_FORMATS: ClassVar[tuple[str, ...]] = ("model", "int8", "fp8")
+    ENTRY_FORMATS: ClassVar[tuple[str, ...]] = lossy_registry.ENTRY_FORMATS
 
     def __post_init__(self) -> None:
         owner = "LossyConfig"
-        _check_choice(owner, "method", self.method, self.METHODS)
+        _check_choice(owner, "method", self.method, tuple(self.METHODS))
         # whether the budget was given (not defaulted): CompressionConfig(budget=...) may fill a defaulted one only
         object.__setattr__(self, "_budget_given", self.budget is not None or self.budget_tokens is not None)
         if self.budget_tokens is not None:

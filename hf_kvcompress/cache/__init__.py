@@ -1,7 +1,6 @@
-"""The transformers seam: `CompressedCache`, its per-layer class and the block storages."""
+"""The transformers seam: `CompressedCache`, lossless mode's coded storage, and cache files. The layer and
+its block storages are `hf_kvcompress.layer`; lossy mode's layer is `hf_kvcompress.lossy`."""
 
 from .cache import CompressedCache
-from .layer import CompressedLayer
-from .storage import Block, RawBlock, RawStorage, Storage
 
-__all__ = ["Block", "CompressedCache", "CompressedLayer", "RawBlock", "RawStorage", "Storage"]
+__all__ = ["CompressedCache"]

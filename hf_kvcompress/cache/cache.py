@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -12,14 +12,12 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 
 from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
-from .layer import CompressedLayer
-from .lossless import sealed_raw_bytes
+from ..layer import CompressedLayer, RawStorage, Storage
+from ..layer.storage import row_index, storage_bytes
+from ..lossy.layer import LossyLayer, require_model
+from .coded import CodedStorage, LosslessContext
+from .lossless import lossless_context, sealed_raw_bytes
 from .persist import load_cache, save_cache
-from .pool import storage_bytes
-from .storage import RawStorage, Storage, row_index
-
-if TYPE_CHECKING:
-    from .coded import LosslessContext
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -54,8 +52,6 @@ class CompressedCache(Cache):
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"CompressedCache: config must be a CompressionConfig, got {type(config).__name__}")
         if config.mode == "lossy":  # before any slow work: a query-scored method needs the model
-            from ..lossy.layer import require_model
-
             require_model(config.lossy, model)
         if model is not None and model_config is None:
             model_config = getattr(model, "config", None)
@@ -65,8 +61,6 @@ class CompressedCache(Cache):
         self.calibration, self.calibration_note = _resolve_calibration(calibration, model, config)
         self.lossless: LosslessContext | None = None
         if config.mode == "lossless":
-            from .lossless import lossless_context
-
             self.lossless = lossless_context(self)
         self._layer_count: int | None = None
         layers: list[Any] = []
@@ -103,8 +97,6 @@ class CompressedCache(Cache):
 
     def _new_layer(self, layer_idx: int, sliding_window: int | None = None) -> CompressedLayer:
         if self.config.mode == "lossy":
-            from ..lossy.layer import LossyLayer
-
             return LossyLayer(self, layer_idx=layer_idx, sliding_window=sliding_window)
         return CompressedLayer(
             self._storage_for(layer_idx),
@@ -116,8 +108,6 @@ class CompressedCache(Cache):
 
     def _storage_for(self, layer_idx: int) -> Storage:
         if self.lossless is not None:
-            from .coded import CodedStorage
-
             return CodedStorage(self.lossless, layer_idx)
         return RawStorage()
 

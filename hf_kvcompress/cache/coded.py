@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, decode_batch, encode, encode_batch
+from ..layer.storage import Block, Storage, owned
 from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor, stream_order
-from .pool import DecodedPool, flat_values, owned, values_tensors
-from .storage import Block, Storage
+from .pool import DecodedPool, flat_values, values_tensors
 
 SCALE_MIN, SCALE_MAX = -32, 63  # std scale exponents (quarter octaves) one byte can hold
 
@@ -471,6 +471,4 @@ def choose_scale(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> int:
 
 
 def _with_marginal(config: CodecConfig, marginal: Marginal) -> CodecConfig:
-    from dataclasses import replace
-
     return replace(config, marginal=marginal)

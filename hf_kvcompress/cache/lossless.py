@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from transformers.cache_utils import get_layer_types_and_kwargs
+
 from ..codec import CodecConfig
 from ..predictors import make_predictor
 from .coded import CodedBlock, LosslessContext
@@ -50,8 +52,6 @@ def _check_layer_chain(cache, predictor) -> None:
     config = cache.model_config
     if not uses_below or config is None:
         return
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(

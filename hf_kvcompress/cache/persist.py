@@ -29,14 +29,16 @@ from ..calibration import CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
 from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
+from ..identity import ModelIdentity, model_identity
+from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
+from ..predictors.runner import decoder_layers
 from ..version import __version__
 from .coded import SCALE_MAX, SCALE_MIN, CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
-from .storage import Block
+from .lossless import codec_config
 
 if TYPE_CHECKING:
-    from ..identity import ModelIdentity
     from .cache import CompressedCache
 
 MAGIC = b"\x89HFKVC\r\n"
@@ -70,8 +72,6 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
                progress: bool = False) -> Path:
     """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
     ``save_predictor``)."""
-    from ..identity import model_identity
-
     layers = cache.kv_layers()
     if not layers or layers[0].seen_tokens == 0:
         raise ValueError("save: the cache is empty")
@@ -284,8 +284,6 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
 
 def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
     """Refuse another model (naming what differs) before anything is built or decoded."""
-    from ..identity import model_identity
-
     if saved.model is None:
         return
     if model is None:
@@ -377,8 +375,6 @@ def _read(path: Path) -> _Saved:
 
 def _check_header(header: object, payload: bytes) -> _Saved:
     """Every header field, against the others and the payload: nothing later trusts an unchecked value."""
-    from ..identity import ModelIdentity
-
     h = _dict(header, "header", {"format", "version", "library_version", "config", "predictor", "model",
                                  "calibration_sha256", "dtype", "kv_layers", "rows", "kv_heads", "head_dim",
                                  "tokens", "token_ids", "reproducibility", "layers", "payload_bytes"})
@@ -514,8 +510,6 @@ def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
 
 
 def _coding_context(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessContext, dict]:
-    from .lossless import codec_config
-
     blocks: dict[tuple[int, int], Block] = {}
     codec = codec_config(settings)
     marginals = cache.calibration.marginal if cache.calibration is not None else None
@@ -564,8 +558,6 @@ def _read_row(entry: dict[str, Any], payload: bytes) -> CodedRow:
 def _layer_device(model: torch.nn.Module | None, layer: int) -> torch.device:
     if model is None:
         return torch.device("cpu")
-    from ..predictors.runner import decoder_layers
-
     try:
         return next(decoder_layers(model)[layer].parameters()).device
     except (StopIteration, IndexError, ValueError):

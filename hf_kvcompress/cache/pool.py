@@ -15,42 +15,15 @@ Everything stored here is an owned, compact copy (`owned`), never a view into a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
+from ..layer.storage import owned
 from ..predictors.base import LayerValues
-
-
-def owned(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself when it owns exactly its storage, else a compact copy (a view would pin the whole
-    buffer it was cut from, e.g. the residual a block was sealed out of)."""
-    if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
-            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def flat_values(values: LayerValues) -> LayerValues:
     """``values`` without its ``below`` chain, every tensor owned (what the pool and the memo keep)."""
     return LayerValues(owned(values.keys), owned(values.values), owned(values.surprise), None)
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes of the storages behind ``tensors``, each storage counted once (also across calls sharing
-    ``seen``): what the process really holds for them, including any larger buffer a view keeps alive."""
-    seen = set() if seen is None else seen
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() == 0:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
 
 
 def kv_bytes(values: LayerValues) -> int:

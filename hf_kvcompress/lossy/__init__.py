@@ -1,15 +1,16 @@
-"""Lossy mode: periodic summaries of old cache entries (seed 004) and the baselines they are measured against.
+"""Lossy mode: periodic summaries of old cache entries and the baselines they are measured against
+(docs/lossy.md).
 
-One module per job: `layer` (the cache layer), `attention` (the attention function that feeds queries in and
-applies per-entry biases), `queries` (reference-query buffer and RoPE repositioning), `budget` (byte accounting),
-`entropy` (per-entry scores), `matching` + `solvers` (the least-squares fits), `packed` (kept entries in 8 bits),
-and one module per method:
-`summary`, `topk`, `streaming`, `svd`. See docs/lossy.md.
+`layer` (the cache layer), `attention` (the attention function that feeds queries in and applies per-entry
+biases), `queries` (reference-query buffer and RoPE repositioning), `budget` (byte accounting), `scores` (per-entry
+scores), `matching` + `solvers` (the least-squares fits), `blocks` / `packed` (what is kept, in 8 bits if asked),
+`registry` (every method by name) and `methods/` (one module per method: `summary`, `topk`, `streaming`, `svd`).
+
+This module stays light (`hf_kvcompress.config` reads the registry through it): it exports the attention switch
+and the registry, not the layer.
 """
 
 from .attention import attach, detach
-from .blocks import LossyBlock, LowRankBlock
-from .layer import LossyLayer
-from .methods import METHODS
+from .registry import METHODS, LossyMethod, register
 
-__all__ = ["METHODS", "LossyBlock", "LossyLayer", "LowRankBlock", "attach", "detach"]
+__all__ = ["METHODS", "LossyMethod", "attach", "detach", "register"]

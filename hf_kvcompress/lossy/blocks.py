@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.storage import Block, tensor_nbytes
+from ..layer.storage import Block, tensor_nbytes
 from .packed import Packed, pack, unpack
 
 Values = torch.Tensor | Packed | tuple[torch.Tensor, torch.Tensor]

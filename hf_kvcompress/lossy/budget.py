@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import LossyConfig
-from .entropy import top_entries
+from ..layer.storage import Block
+from .blocks import kept_block
 from .packed import vector_bytes
-from .region import Region
+from .region import Region, dead_bias_or_none
+from .scores import top_entries
+
+if TYPE_CHECKING:
+    from ..config import LossyConfig
 
 
 def token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
@@ -64,3 +69,13 @@ def keep_within(region: Region, budget: int, order: torch.Tensor | None, fmt: st
         if with_bias or bool((kept.bias == 0).all()):
             return kept
     return kept
+
+
+def kept_blocks(region: Region, budget: int, order: torch.Tensor | None, fmt: str) -> list[Block]:
+    """What a selection method returns: the best entries of ``region`` (by ``order``, see `keep_within`) that fit
+    in ``budget`` bytes per row, kept as they are in entry format ``fmt`` (no block if none fits)."""
+    kept = keep_within(region, budget, order, fmt)
+    if kept is None:
+        return []
+    bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
+    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt)]

@@ -1,16 +1,31 @@
-"""`LossyLayer`: a cache layer that keeps sinks and a recent window exact and periodically summarises the rest."""
+"""`LossyLayer`: a cache layer that keeps sinks and a recent window exact and periodically summarises the rest.
+
+Why a subclass of `CompressedLayer` and not a `Storage` plug-in: a `Storage` seals one fixed-size run of tokens
+at a time from its keys and values alone (``hold(keys, values, start)``), while a summary replaces *every* old
+block at once, within a byte budget for the whole layer, fitted on the queries of the forward in progress and on
+the exact context around the region. So the layer keeps the base class's residual, block list, ``keys``/``values``
+views, ``get_mask_sizes``, beam/batch row selection, offloading and crop of the exact tail (all through its
+blocks' `Block` interface), and overrides:
+
+- ``update``: append to the residual and mark a summary as due (instead of sealing fixed-size blocks);
+- ``reset`` / ``crop`` / ``_select_rows`` / ``_move`` / ``_replace``: the base's work, plus this layer's own
+  state (the residual's padding mask, the sink block, the kept queries);
+- ``stats``: adds the summaries, their timings and the kept queries.
+
+Its blocks are `LossyBlock` / `LowRankBlock` (``exact = False``, so a crop never reaches into them). It hands the
+base class a `RawStorage`, which only reads the blocks back (``read_all``): ``update`` never seals.
+"""
 
 from __future__ import annotations
 
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cache.layer import CompressedLayer
-from ..cache.storage import Block, RawStorage, tensor_nbytes
-from ..config import LossyConfig
+from ..layer.layer import CompressedLayer
+from ..layer.storage import Block, RawStorage, owned, tensor_nbytes
 from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
 from .blocks import LossyBlock, block_bias
 from .budget import budget_bytes, full_budget, token_bytes
@@ -18,8 +33,10 @@ from .methods import METHODS
 from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
 from .region import FitContext, Region
 
+if TYPE_CHECKING:
+    from ..config import LossyConfig
+
 NEG_INF = float("-inf")
-QUERY_METHODS = ("summary", "topk")
 
 
 class LossyLayer(CompressedLayer):
@@ -44,8 +61,10 @@ class LossyLayer(CompressedLayer):
             )
         config = cache.config
         self.lossy = config.lossy
+        #: the registered method (`registry.LossyMethod`) this layer's summaries run
+        self.method = METHODS[self.lossy.method]
         model = getattr(cache, "model", None)
-        keeps_queries = model is not None and self.lossy.method in QUERY_METHODS and not full_budget(self.lossy)
+        keeps_queries = model is not None and self.method.needs_queries and not full_budget(self.lossy)
         # set before the base __init__: transformers' layer __init__ assigns `keys`, which resets the layer.
         # Between summaries only the queries the next fit can use are kept (a summary forgets them)
         self.query_buffer = QueryBuffer(min(self.lossy.kept_queries, self.lossy.interval) if keeps_queries else 0)
@@ -57,7 +76,6 @@ class LossyLayer(CompressedLayer):
             residual_tokens=config.residual_tokens,
             layer_idx=layer_idx,
         )
-        self.method = METHODS[self.lossy.method]
         self.model = model
         self.q_heads = 0 if model is None else model.config.get_text_config(decoder=True).num_attention_heads
         self.attached = self.model is not None
@@ -245,7 +263,7 @@ class LossyLayer(CompressedLayer):
         window = max(0, min(window, (budget - sink_bytes) // (per_token + valid_bytes)))
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
-        if self.lossy.method in QUERY_METHODS:
+        if self.method.needs_queries:
             queries, weight = self._reference_queries(current)
         else:  # streaming and plain SVD never look at queries
             queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
@@ -260,14 +278,14 @@ class LossyLayer(CompressedLayer):
             self.lossy,
         )
         middle = max(0, budget - sink_bytes - window * (per_token + valid_bytes))
-        made = self.method(region, middle, ctx)
+        made = self.method.compress(region, middle, ctx)
         self.blocks = ([self.sink_block] if self.sink_block is not None else []) + made
         self.block_starts = [0] * len(self.blocks)
         keep = self.residual_length - window
-        self.residual_keys = _owned(self.residual_keys[..., keep:, :])
-        self.residual_values = _owned(self.residual_values[..., keep:, :])
+        self.residual_keys = owned(self.residual_keys[..., keep:, :])
+        self.residual_values = owned(self.residual_values[..., keep:, :])
         if self.residual_valid is not None:
-            self.residual_valid = _owned(self.residual_valid[:, keep:])
+            self.residual_valid = owned(self.residual_valid[:, keep:])
             if bool(self.residual_valid.all()):
                 self.residual_valid = None
         self.query_buffer.clear()
@@ -398,9 +416,9 @@ class LossyLayer(CompressedLayer):
         super().crop(tokens_to_remove)
         if not self.is_initialized:
             return
-        self.residual_keys, self.residual_values = _owned(self.residual_keys), _owned(self.residual_values)
+        self.residual_keys, self.residual_values = owned(self.residual_keys), owned(self.residual_values)
         if self.residual_valid is not None:
-            self.residual_valid = _owned(self.residual_valid[:, : self.residual_length])
+            self.residual_valid = owned(self.residual_valid[:, : self.residual_length])
         self.query_buffer.drop_after(self.seen_tokens)
 
     def _select_rows(self, indices: torch.Tensor) -> None:
@@ -429,20 +447,14 @@ class LossyLayer(CompressedLayer):
         self.sink_block = None
 
 
-def _owned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in storage of its own size: a slice (even a contiguous one) would pin the whole buffer it views."""
-    if x.untyped_storage().nbytes() == tensor_nbytes(x):
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
-
-
 def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
-    """Refuse a query-scored method (`QUERY_METHODS`) without a model, before any work: the cache alone never sees
+    """Refuse a query-scored method (``needs_queries``) without a model, before any work: the cache alone never sees
     queries, and the key stand-ins lose to the query-free baselines (measured: docs/lossy.md, at the top)."""
-    if model is None and config.method in QUERY_METHODS and not full_budget(config):
+    if model is None and METHODS[config.method].needs_queries and not full_budget(config):
+        free = " or ".join(repr(name) for name, method in METHODS.items() if not method.needs_queries)
         raise ValueError(
             f"CompressedCache: lossy method {config.method!r} scores entries by the model's queries; pass the model: "
-            "CompressedCache(config, model=model). Without a model use method 'streaming' or 'svd' "
+            f"CompressedCache(config, model=model). Without a model use method {free} "
             "(LossyConfig(method=...)), which need no queries"
         )
 

@@ -7,7 +7,7 @@ The summary keeps entries ``j`` with key ``k_j``, weight ``w_j = exp(bias_j)`` a
 1. weights (Attention Matching, Zweiger et al. 2026): non-negative least squares so the kept entries carry the
    region's attention mass, ``sum_j w_j e_qj ~ Z_reg(q)``, each query's residual scaled by ``1 / Z_tot(q)`` (what
    matters is the region's share of the query's attention). Only when the attention path applies biases.
-2. values (the seed's OLS "compensation"): with ``Z^(q) = Z_ctx + sum_j w_j e_qj``, solve
+2. values (the OLS "compensation" of the proposal `methods/summary.py` starts from): with ``Z^(q) = Z_ctx + sum_j w_j e_qj``, solve
    ``sum_j (w_j e_qj / Z^) c_j ~ o(q) - N_ctx / Z^`` by ridge least squares, shrinking ``c`` towards the kept
    entries' own values. This matches the total output, so it also works without biases.
 """
@@ -94,7 +94,7 @@ class Fit:
         return (self.columns @ (self.weight[..., None] * u)) / self.summary_z[..., None]
 
 
-#: multiplicative NNLS updates per fit: measured offline on SmolLM2 (issue 12), 25 instead of 100 iterations cost
+#: multiplicative NNLS updates per fit: measured offline on SmolLM2 (docs/lossy.md, *Numerics*), 25 instead of 100 iterations cost
 #: +0.0002 in held-out attention error; the kept entries' earlier weights are the warm start
 NNLS_ITERS = 25
 
@@ -139,7 +139,7 @@ def fit_row(
     prior = kept.values.float()
     try:
         if ridge == 0:
-            # the seed's plain OLS, as written: rows weighted by sqrt(query weight) / Z^
+            # the proposal's plain OLS, as written: rows weighted by sqrt(query weight) / Z^
             design = base * weight[..., None, :] * (root_w / summary_z)[..., None]
             target = (kernel.output - kernel.context_n / summary_z[..., None]) * root_w[..., None]
             values = ridge_lstsq(design[0], target[0], ridge=0, prior=prior[0])[None].float()

@@ -1,5 +1,6 @@
 """Kept entries stored in 8 bits: a summary (or Top-K / StreamingLLM selection) whose kept keys and values are
-then quantized, the composition issue 12 asks for.
+then quantized (measured against transformers' `QuantizedCache` in docs/lossy.md, *Composed with 8-bit
+entries*).
 
 Each key or value vector (one entry of one KV head) is stored as ``head_dim`` 8-bit codes and one float16 scale:
 ``int8`` symmetric absmax (scale = absmax / 127, as in LLM.int8(), Dettmers et al. 2022,
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: ``LossyConfig.entry_format`` values: the cache dtype as it is, or 8-bit codes with a float16 scale per vector
-ENTRY_FORMATS = ("model", "int8", "fp8")
+from .registry import ENTRY_FORMATS
+
 _CODE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 SCALE_DTYPE = torch.float16
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import LossyConfig
+if TYPE_CHECKING:
+    from ..config import LossyConfig
 
 
 @dataclass

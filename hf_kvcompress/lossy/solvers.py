@@ -1,4 +1,4 @@
-"""Batched least-squares solvers for summary fits.
+"""Batched least-squares solvers for summary fits, and the truncated SVD (summary values, plain SVD method).
 
 Everything here works on a leading batch dimension (batch rows x KV heads, one batched call for all of them). The
 systems are ill-conditioned (attention kernels of neighbouring keys are nearly collinear): the ridge solve runs a
@@ -33,7 +33,7 @@ def ridge_lstsq(
     """
     a, y = design, target
     if ridge == 0:
-        # plain least squares (the seed's OLS): rank-revealing SVD driver, never the normal equations; singular
+        # plain least squares (the proposal's OLS, docs/lossy.md): rank-revealing SVD driver, never the normal equations; singular
         # values below 1e-7 of the largest are cut (with LAPACK's default cut the solutions blew up to inf here)
         a64, y64 = a.double().cpu(), y.double().cpu()
         if not (bool(torch.isfinite(a64).all()) and bool(torch.isfinite(y64).all())):
@@ -68,7 +68,7 @@ SOLVE_COUNTS = {"float32": 0, "float64": 0, "gelsd": 0}
 #: a float32 Cholesky is trusted while the squared ratio of its largest to smallest pivot stays below this. That
 #: ratio is an estimate from below of the system's condition number (~50x below on a synthetic test); in the range
 #: it admits, the float32 solve is the exact solution of a system perturbed at float32's resolution, the same order
-#: as the float32 rounding of the Gram itself (computed in float32 before issue 12 too), so what the fit minimises
+#: as the float32 rounding of the Gram itself (computed in float32 in earlier versions too), so what the fit minimises
 #: moves by ~eps^2 * cond. With the default relative ridge (1e-3 of the mean diagonal) SmolLM2's summary systems
 #: measured 1e3 (median) to 1.5e5 (largest of 360); the error and perplexity of the reduced setting of
 #: docs/lossy.md did not move at 4 decimals against float64.
@@ -162,3 +162,11 @@ def nnls(
         denom = torch.bmm(gram, w[..., None])[..., 0]
         w = w * atz / denom.clamp_min(1e-30)
     return w
+
+
+def truncated_svd(x: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U S, W)`` of the rank-``rank`` truncated SVD of ``x`` (``[..., n, d]``, computed in float32), in ``dtype``:
+    ``x ~ (U S) @ W`` with ``U S`` ``[..., n, rank]`` and ``W`` ``[..., rank, d]`` (Eckart-Young: the best rank-r
+    approximation in Frobenius norm)."""
+    u, s, vh = torch.linalg.svd(x.float(), full_matrices=False)
+    return (u[..., :rank] * s[..., None, :rank]).to(dtype), vh[..., :rank, :].contiguous().to(dtype)

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import read_header
-from hf_kvcompress.cache.pool import storage_bytes
+from hf_kvcompress.layer.storage import storage_bytes
 from hf_kvcompress.predictors import selffit
 from hf_kvcompress_eval.env import walk_held_bytes
 

@@ -1,5 +1,6 @@
 """Causality and exactness under every inner attention lossy mode accepts (sdpa, eager), batch 1 and a left-padded
-batch 2; the model's attention setting is restored; what lossy mode cannot do is refused (issue 12)."""
+batch 2; the model's attention setting is restored; what lossy mode cannot do is refused (docs/lossy.md,
+*Masks per inner attention*)."""
 
 from __future__ import annotations
 

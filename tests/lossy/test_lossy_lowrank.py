@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from hf_kvcompress.config import LossyConfig
-from hf_kvcompress.lossy import summary, svd
 from hf_kvcompress.lossy.blocks import LossyBlock, LowRankBlock, block_bias
 from hf_kvcompress.lossy.budget import token_bytes
+from hf_kvcompress.lossy.methods import summary, svd
 from hf_kvcompress.lossy.region import FitContext, Region
 
 

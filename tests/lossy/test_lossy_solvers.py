@@ -1,4 +1,4 @@
-"""The summary fit's numerical paths (issue 12): the float32 Cholesky and its float64 fallback, the symmetric Gram,
+"""The summary fit's numerical paths (docs/lossy.md, *Numerics*): the float32 Cholesky and its float64 fallback, the symmetric Gram,
 one Gram shared by NNLS and the value refit, and the refit that reuses the first fit's Gram. Work is counted
 (`solvers.SOLVE_COUNTS`), never timed."""
 
@@ -8,9 +8,9 @@ import torch
 
 from hf_kvcompress.config import LossyConfig
 from hf_kvcompress.lossy import solvers
-from hf_kvcompress.lossy.entropy import top_entries
 from hf_kvcompress.lossy.matching import Kernel, fit_row
 from hf_kvcompress.lossy.region import FitContext, Region
+from hf_kvcompress.lossy.scores import top_entries
 from hf_kvcompress.lossy.solvers import ridge_solve, symmetric_gram
 
 

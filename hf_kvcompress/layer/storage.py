@@ -1,9 +1,12 @@
-"""How a sealed block of tokens is held. A `Storage` turns K/V tensors into a `Block`; the layer only
-ever talks to these two interfaces, so lossless coding and lossy summaries plug in here."""
+"""How a sealed block of tokens is held, and what tensors cost. A `Storage` turns K/V tensors into a `Block`;
+`CompressedLayer` seals blocks only through these two interfaces, so lossless coding plugs in here
+(`hf_kvcompress.cache.coded.CodedStorage`). Lossy summaries are `Block`s too, but made by `LossyLayer`, a
+subclass of the layer (`hf_kvcompress.lossy.layer` says why)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 import torch
 
@@ -88,6 +91,32 @@ class RawStorage(Storage):
 
 def tensor_nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it owns exactly its storage, else a compact copy (a view would pin the whole
+    buffer it was cut from, e.g. the residual a block was sealed out of)."""
+    if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once (also across calls sharing
+    ``seen``): what the process really holds for them, including any larger buffer a view keeps alive."""
+    seen = set() if seen is None else seen
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
 
 
 def row_index(indices: object, rows: int | None, *, masks: bool = True) -> torch.Tensor:

@@ -1,13 +1,16 @@
-"""Plain per-head SVD baseline: the region's K and V, each replaced by its best rank-r approximation (Eckart-Young),
-with r as large as the budget allows. Attention sees every entry, reconstructed from the factors."""
+"""Plain per-head SVD: the region's K and V, each replaced by its best rank-r approximation (Eckart and Young
+1936, https://doi.org/10.1007/BF02288367), with r as large as the budget allows. Attention sees every entry,
+reconstructed from the factors. Factors are stored in the cache dtype (``entry_format`` does not apply)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..cache.storage import Block
-from .blocks import LowRankBlock
-from .region import FitContext, Region, dead_bias_or_none
+from ...layer.storage import Block
+from ..blocks import LowRankBlock
+from ..region import FitContext, Region, dead_bias_or_none
+from ..registry import register
+from ..solvers import truncated_svd
 
 
 def rank_for_budget(heads: int, entries: int, head_dim: int, element_size: int, budget: int, bias_bytes: int) -> int:
@@ -16,12 +19,7 @@ def rank_for_budget(heads: int, entries: int, head_dim: int, element_size: int, 
     return max(0, min(head_dim, entries, (budget - bias_bytes) // per_rank))
 
 
-def truncated(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(U S, W)`` of the rank-``rank`` truncated SVD of ``x`` (``[..., n, d]``), in ``x``'s dtype."""
-    u, s, vh = torch.linalg.svd(x.float(), full_matrices=False)
-    return (u[..., :rank] * s[..., None, :rank]).to(x.dtype), vh[..., :rank, :].contiguous().to(x.dtype)
-
-
+@register("svd", paper="https://doi.org/10.1007/BF02288367", needs_queries=False)
 def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]:
     """Low-rank factors of ``region``'s keys and values within ``budget`` bytes per batch row."""
     _, h, n, d = region.keys.shape
@@ -34,4 +32,5 @@ def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]
     # dead entries (padding) would pull the factors towards garbage; they stay masked by their bias anyway
     keys = torch.where(live, region.keys, torch.zeros_like(region.keys))
     values = torch.where(live, region.values, torch.zeros_like(region.values))
-    return [LowRankBlock(truncated(keys, rank), truncated(values, rank), bias, tokens=region.tokens)]
+    return [LowRankBlock(truncated_svd(keys, rank, keys.dtype), truncated_svd(values, rank, values.dtype), bias,
+                         tokens=region.tokens)]

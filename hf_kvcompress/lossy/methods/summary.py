@@ -1,7 +1,12 @@
-"""The seed-004 summary: (1) select, (2) refit by least squares, (3) truncated SVD, within the byte budget.
+"""The summary: (1) select, (2) refit by least squares, (3) truncated SVD, within the byte budget.
+
+The three stages are those of the proposal this mode started from (entropy-guided selection, OLS compensation,
+truncated SVD; a prototype shared in a Hacker News discussion, no paper); docs/lossy.md measures it as proposed
+("summary-seed") and with the changes below, which are what made it beat Top-K. The per-entry weights of stage 2
+are Attention Matching's (Zweiger et al. 2026, https://arxiv.org/abs/2602.16284).
 
 1. Selection. ``selection="mass"`` (default) keeps the entries with the most attention from the reference queries.
-   ``selection="entropy"`` is the seed's criterion: entries whose attention entropy (over the reference queries)
+   ``selection="entropy"`` is the proposal's criterion: entries whose attention entropy (over the reference queries)
    exceeds ``entropy_threshold`` are marked compressible and the lowest-entropy entries are kept first. Measured
    on SmolLM2 it keeps the wrong entries (sinks and heavy hitters are attended diffusely, so they look
    "low-information"); it stays available to reproduce that finding.
@@ -17,14 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.storage import Block
-from .blocks import kept_block
-from .budget import entry_bytes
-from .entropy import top_entries
-from .matching import Fit, Kernel, fit_row, row, row_context
-from .region import FitContext, Region, dead_bias_or_none
+from ...layer.storage import Block
+from ..blocks import kept_block
+from ..budget import entry_bytes
+from ..matching import Fit, Kernel, fit_row, row, row_context
+from ..region import FitContext, Region, dead_bias_or_none
+from ..registry import register
+from ..scores import top_entries
+from ..solvers import truncated_svd
 
 
+@register("summary", paper="https://arxiv.org/abs/2602.16284", needs_queries=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Summarise ``region`` into at most ``budget`` bytes per batch row."""
     cfg = ctx.config
@@ -63,7 +71,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
                 refits.append(_in_position_order(index, refit))
             fits = refits
             keys, values, bias = _stack(region, fits)
-            factors = _factors(values, rank, region.values.dtype)
+            factors = truncated_svd(values, rank, region.values.dtype)
             bias = _stored_bias(bias, keys.dtype, store_bias)
             return [kept_block(keys, factors, bias, tokens=region.tokens, fmt=fmt)]
     keys, values, bias = _stack(region, fits)
@@ -72,7 +80,8 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
 
 
 def selection_score(kernel: Kernel, region: Region, cfg) -> torch.Tensor:
-    """Stage 1: higher = keep. Attention mass, or (seed) low entropy first with compressible entries last."""
+    """Stage 1: higher = keep. Attention mass, or (the proposal's) low entropy first with compressible entries
+    last."""
     if cfg.selection == "entropy":
         entropy = kernel.entropy()
         compressible = entropy > cfg.entropy_threshold
@@ -88,7 +97,7 @@ def truncation_errors(kernel: Kernel, fit: Fit) -> torch.Tensor:
     output (Frobenius over queries, against the full output) when the fitted values are cut to rank r.
 
     float32 throughout: the errors are compared with a tolerance of a few percent, far above float32's resolution
-    of the tail energies (float64 here cost 2.3 s of a 2,048-token prefill, issue 12)."""
+    of the tail energies (float64 here cost 2.3 s of a 2,048-token prefill: docs/lossy.md, *Speed and queries*)."""
     qw = kernel.query_weight[..., None]
     u, s, _ = torch.linalg.svd(fit.values.float(), full_matrices=False)
     parts = fit.weights_times(u) * s[..., None, :]  # [1, h, m, k]: each component's output contribution
@@ -114,11 +123,6 @@ def _stack(region: Region, fits: list[tuple[torch.Tensor, Fit]]) -> tuple[torch.
     index = torch.cat([i for i, _ in fits])
     keys = region.gather(index).keys
     return keys, torch.cat([f.values for _, f in fits]), torch.cat([f.bias for _, f in fits])
-
-
-def _factors(values: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    u, s, vh = torch.linalg.svd(values.float(), full_matrices=False)
-    return (u[..., :rank] * s[..., None, :rank]).to(dtype), vh[..., :rank, :].contiguous().to(dtype)
 
 
 def _stored_bias(bias: torch.Tensor, dtype: torch.dtype, store: bool) -> torch.Tensor | None:

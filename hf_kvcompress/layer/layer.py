@@ -5,8 +5,20 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .pool import owned, storage_bytes
-from .storage import Block, Storage, row_index, tensor_nbytes
+from .storage import Block, Storage, owned, row_index, storage_bytes, tensor_nbytes
+
+
+def _whole_layer(which: int, name: str) -> property:
+    """The ``keys`` (``which=0``) or ``values`` (1) property: every held entry as one plain tensor (None before
+    the first update), as on `DynamicLayer`; setting it makes the whole layer residual (`_replace`)."""
+
+    def get(layer: CompressedLayer) -> torch.Tensor | None:
+        return torch.cat(layer._held_parts()[which], dim=-2) if layer.is_initialized else None
+
+    def put(layer: CompressedLayer, tensor: torch.Tensor | None) -> None:
+        layer._replace(tensor, which=which)
+
+    return property(get, put, doc=f"Every held {name[:-1]} of this layer, ``[batch, kv_heads, entries, head_dim]``.")
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -156,25 +168,8 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ DynamicLayer-style tensors
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if not self.is_initialized:
-            return None
-        return torch.cat(self._held_parts()[0], dim=-2)
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._replace(tensor, which=0)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if not self.is_initialized:
-            return None
-        return torch.cat(self._held_parts()[1], dim=-2)
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._replace(tensor, which=1)
+    keys = _whole_layer(0, "keys")
+    values = _whole_layer(1, "values")
 
     # ------------------------------------------------------------------ sizes
 

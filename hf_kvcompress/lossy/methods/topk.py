@@ -1,0 +1,19 @@
+"""Top-K in the style of H2O (Zhang et al. 2023, https://arxiv.org/abs/2306.14048) and SnapKV (Li et al. 2024,
+https://arxiv.org/abs/2404.14469): keep the entries that received the most attention from the reference queries,
+as they are; drop the rest. Selection is per batch row and KV head (the group's query heads pool)."""
+
+from __future__ import annotations
+
+from ...layer.storage import Block
+from ..budget import kept_blocks
+from ..region import FitContext, Region
+from ..registry import register
+from ..scores import attention_mass
+
+
+@register("topk", paper="https://arxiv.org/abs/2306.14048, https://arxiv.org/abs/2404.14469", needs_queries=True)
+def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
+    """Keep the most attended entries of ``region`` that fit in ``budget`` bytes per batch row."""
+    if region.entries == 0:
+        return []
+    return kept_blocks(region, budget, attention_mass(region, ctx), ctx.config.entry_format)

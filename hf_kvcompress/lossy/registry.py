@@ -1,0 +1,52 @@
+"""Every lossy method by name: what `LossyConfig.method` is checked against and what `LossyLayer` runs.
+
+A method is one module in ``hf_kvcompress/lossy/methods/`` (one small file per method, as in kvpress,
+https://github.com/NVIDIA/kvpress) whose ``compress`` function is decorated with `register`, naming its source
+and its traits; ``methods/__init__.py`` imports the modules, and that import line is the list of methods. This
+module imports nothing of the package, so `hf_kvcompress.config` reads it without an import cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..layer.storage import Block
+    from .region import FitContext, Region
+
+#: ``compress(region, budget, context)``: the blocks that replace ``region`` within ``budget`` bytes per batch row
+Compress = Callable[["Region", int, "FitContext"], "list[Block]"]
+
+#: ``LossyConfig.entry_format`` values: the cache dtype as it is, or 8-bit codes with a float16 scale per vector
+#: (`hf_kvcompress.lossy.packed` implements them)
+ENTRY_FORMATS: tuple[str, ...] = ("model", "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class LossyMethod:
+    """One registered method: its ``LossyConfig.method`` name, its ``compress`` function, the paper (or page) it
+    comes from, and whether it scores entries by the model's queries (then `CompressedCache` refuses it without a
+    model: the cache alone never sees queries, and key stand-ins lose to the query-free methods, docs/lossy.md)."""
+
+    name: str
+    compress: Compress
+    paper: str
+    needs_queries: bool
+
+
+#: name -> method, in the order ``methods/__init__.py`` imports them
+METHODS: dict[str, LossyMethod] = {}
+
+
+def register(name: str, *, paper: str, needs_queries: bool) -> Callable[[Compress], Compress]:
+    """Decorator: register ``compress`` as lossy method ``name``."""
+
+    def add(compress: Compress) -> Compress:
+        if name in METHODS:
+            raise ValueError(f"lossy method {name!r} is registered twice")
+        METHODS[name] = LossyMethod(name, compress, paper, needs_queries)
+        return compress
+
+    return add
