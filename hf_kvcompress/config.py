@@ -7,6 +7,8 @@ import json
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, ClassVar
 
+from .predictors import registry as predictor_registry
+
 MODES = ("none", "lossless", "lossy")
 
 
@@ -118,9 +120,10 @@ class LosslessConfig(_JsonConfig):
     decoded_budget: float = 0.05
     coder: str = "lanes"
 
-    PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "framed", "self", "none", "context", "probe", "twin")
-    #: predictors that rerun the model to decode a block: fine for a saved file, impractical at every step
-    STORAGE_ONLY: ClassVar[tuple[str, ...]] = ("probe", "twin")
+    #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
+    #: impractical at every step): both from the predictor registry
+    PREDICTORS: ClassVar[tuple[str, ...]] = predictor_registry.NAMES
+    STORAGE_ONLY: ClassVar[tuple[str, ...]] = predictor_registry.STORAGE_ONLY
     CODERS: ClassVar[tuple[str, ...]] = ("lanes", "ans")
     WINDOWS: ClassVar[tuple[str, ...]] = ("predicted", "metadata", "causal", "fixed")
 
