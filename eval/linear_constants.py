@@ -76,7 +76,7 @@ def main() -> None:
                               lossless=LosslessConfig(predictor="context", decoded_budget=1.0)),
             model=model, calibration=cal)
         with torch.no_grad():
-            model(prompt, past_key_values=cache, use_cache=True)
+            model(prompt, cache=cache, use_cache=True)
         rows[label] = {
             "held_out_bits_per_scalar": round(cache.stats()["bits_per_scalar"], 4),
             "fit_cpu_s": round(fit_s, 1),
