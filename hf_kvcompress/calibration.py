@@ -46,8 +46,13 @@ VERSION = 4  # 2: two layers below as features, per-feature ridge; 3: model iden
 # 4: head weights in float16 (rate unchanged to 4 decimals on SmolLM2, half the bytes), a checksum per group
 READS = (3, 4)
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
+#: the surprise exponents the fit chooses from: they cover what it picks (1.0 for most streams on SmolLM2);
+#: no surprise (0 only) costs 0.15 bit/scalar, a finer grid gains 0.004 (docs/lossless.md, "Constants of the
+#: linear predictors", eval/linear_constants.py)
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
+#: smallest sigma: a guard for channels constant in the calibration text (never binds on SmolLM2, whose
+#: smallest fitted sigma is 0.004; same section)
 SIGMA_FLOOR = 1e-6
 ESTIMATE_CHUNKS = 1  # chunks the in-sample bits estimate (a report, not a fit input) is computed on
 
