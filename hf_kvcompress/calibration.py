@@ -29,24 +29,30 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from .codec import Marginal
+from .data import token_ids
 from .downloads import cache_dir, writable_folder
 from .identity import ModelIdentity, model_fingerprint, model_identity
-from .predictors.base import BlockInputs, LayerValues
-from .predictors.context import CalibratedLinearPredictor, ContextPredictor, NoPredictor
-from .predictors.linear import SURPRISE_RANGE, FeatureBuilder, StreamHead
-from .predictors.probe import CacheExtras, ProbePredictor, TwinPredictor
+from .predictors.base import BlockInputs, ExtrasSource, LayerValues
+from .predictors.linear import CalibratedLinearPredictor, FeatureBuilder, StreamHead, Surprise
+from .predictors.registry import FITTED, PREDICTORS
 from .predictors.rope import RopeFrame
-from .predictors.runner import build_twin, run_decoder
+from .predictors.runner import run_decoder
 
 FORMAT = "hf_kvcompress.calibration"
 VERSION = 4  # 2: two layers below as features, per-feature ridge; 3: model identity (all weights sampled);
 # 4: head weights in float16 (rate unchanged to 4 decimals on SmolLM2, half the bytes), a checksum per group
 READS = (3, 4)
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
+#: the surprise exponents the fit chooses from: they cover what it picks (1.0 for most streams on SmolLM2);
+#: no surprise (0 only) costs 0.15 bit/scalar, a finer grid gains 0.004 (docs/lossless.md, "Constants of the
+#: linear predictors", eval/linear_constants.py)
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
+#: smallest sigma: a guard for channels constant in the calibration text (never binds on SmolLM2, whose
+#: smallest fitted sigma is 0.004; same section)
 SIGMA_FLOOR = 1e-6
 ESTIMATE_CHUNKS = 1  # chunks the in-sample bits estimate (a report, not a fit input) is computed on
 
@@ -226,17 +232,16 @@ class Calibration:
         split: str = "calibration",
         tokens: int = 16384,
         chunk: int = 1024,
-        predictors: Sequence[str] = ("none", "context", "probe", "twin"),
+        predictors: Sequence[str] = FITTED,
         probe_layers: Sequence[int] = (8, 15, 22),
         progress: bool = True,
         ids: torch.Tensor | None = None,
     ) -> Calibration:
         """Fit a calibration of ``model`` on ``tokens`` tokens of text (default: the Shakespeare
         calibration split), processed in independent chunks of ``chunk`` tokens. ``ids`` (``[1, n]``)
-        replaces the text by given token ids (``tokenizer`` may then be None)."""
-        from .data import token_ids
-
-        unknown = sorted(set(predictors) - {"none", "context", "probe", "twin"})
+        replaces the text by given token ids (``tokenizer`` may then be None); ``predictors`` are names from
+        `registry.FITTED` (``probe`` fits one head set per layer of ``probe_layers``)."""
+        unknown = sorted(set(predictors) - set(FITTED))
         if unknown:
             raise ValueError(f"Calibration.fit: unknown predictor(s) {unknown}")
         if tokens < chunk or chunk < 16:
@@ -250,38 +255,29 @@ class Calibration:
         ids = ids[:, : n_chunks * chunk].cpu()
         frame = RopeFrame.from_model_config(model.config)
         n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        probe_layers = tuple(k for k in probe_layers if 1 <= k < n_layers) if "probe" in predictors else ()
-        twin = build_twin(model) if "twin" in predictors else None
+        probe_layers = tuple(k for k in probe_layers if 1 <= k < n_layers)
+        # registry order, whatever the order asked: every name's head sets (probe: one per layer)
+        specs = [p for name in FITTED if name in predictors
+                 for p in PREDICTORS[name].fit_instances(frame, model, probe_layers)]
+        hidden_at = sorted({k for p in specs for k in p.fit_hidden_layers()})
 
         chunks: list[_Chunk] = []
         for c in tqdm(range(n_chunks), desc="calibration forward passes", disable=not progress):
             piece = ids[:, c * chunk : (c + 1) * chunk]
-            cache, hidden = run_decoder(model, piece, hidden_at=probe_layers)
+            cache, hidden = run_decoder(model, piece, hidden_at=hidden_at)
             kv = [(layer.keys.cpu(), layer.values.cpu()) for layer in cache.layers]
-            twin_kv = None
-            if twin is not None:
-                twin_cache, _ = run_decoder(twin, piece)
-                twin_kv = [(layer.keys.cpu(), layer.values.cpu()) for layer in twin_cache.layers]
-            chunks.append(_Chunk(kv, {k: h.cpu() for k, h in hidden.items()}, twin_kv))
+            hidden = {k: h.cpu() for k, h in hidden.items()}
+            chunks.append(_Chunk(kv, [p.fit_extras(piece, hidden) for p in specs]))
 
         tensors: dict[str, torch.Tensor] = {"rope/inv_freq": frame.inv_freq if frame.inv_freq is not None else torch.zeros(0)}
         for layer in range(n_layers):
             sample = torch.cat([torch.cat([c.kv[layer][0].flatten(), c.kv[layer][1].flatten()]) for c in chunks])
             tensors[f"marginal/L{layer}"] = Marginal.from_samples(sample).to_tensor()
 
-        specs: list[tuple[str, CalibratedLinearPredictor]] = []
-        if "none" in predictors:
-            specs.append(("none", NoPredictor(None, frame)))
-        if "context" in predictors:
-            specs.append(("context", ContextPredictor(None, frame)))
-        for k in probe_layers:
-            specs.append((f"probe{k}", ProbePredictor(None, None, k, frame)))
-        if twin is not None:
-            specs.append(("twin", TwinPredictor(None, None, twin, frame)))
-
         fitted: dict[str, dict[str, Any]] = {}
-        for name, predictor in specs:
-            stats = _fit_predictor(predictor, chunks, frame, n_layers, tensors, name, progress)
+        for index, predictor in enumerate(specs):
+            name = predictor.heads_name
+            stats = _fit_predictor(predictor, index, chunks, frame, n_layers, tensors, progress)
             recipe = predictor.layer_recipe(n_layers - 1)
             fitted[name] = {**stats, "features": {"below": recipe.below, "inter_head": recipe.inter_head,
                                                   "extras": list(recipe.extras)}}
@@ -397,8 +393,6 @@ def _tokenizer_of(model: torch.nn.Module):
     source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
     if not source:
         return None, "the model names no folder or hub id to find its tokenizer in"
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(source, local_files_only=True), None
     except (OSError, ValueError) as err:
@@ -413,33 +407,30 @@ def _note(text: str, progress: bool) -> None:
 @dataclass
 class _Chunk:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, dim]
-    hidden: dict[int, torch.Tensor]  # hidden state entering layer k: [1, tokens, hidden]
-    twin_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+    extras: list[ExtrasSource | None]  # per fitted head set (`fit_extras`)
 
-
-def _chunk_extras(predictor: CalibratedLinearPredictor, chunk: _Chunk, layer: int) -> dict[str, torch.Tensor]:
-    if isinstance(predictor, ProbePredictor):
-        return CacheExtras({}, chunk.hidden[predictor.k]).extras(layer, 0, chunk.kv[0][0].shape[2])
-    if isinstance(predictor, TwinPredictor):
-        keys, values = chunk.twin_kv[layer]
-        return {"twin_k": keys, "twin_v": values}
-    return {}
+    def layer_extras(self, index: int, layer: int) -> dict[str, torch.Tensor]:
+        """The extras head set ``index`` reads at ``layer``, for the whole chunk."""
+        source = self.extras[index]
+        return {} if source is None else source.extras(layer, 0, self.kv[0][0].shape[2])
 
 
 def _fit_predictor(
     predictor: CalibratedLinearPredictor,
+    index: int,
     chunks: list[_Chunk],
     frame: RopeFrame,
     n_layers: int,
     tensors: dict[str, torch.Tensor],
-    name: str,
     progress: bool,
 ) -> dict[str, Any]:
-    """Fit every stream head of one predictor, layer by layer (the layer below's surprise feeds the next)."""
+    """Fit every stream head of one predictor (head set ``index`` of the chunks' extras), layer by layer (the
+    layer below's surprise feeds the next)."""
+    name = predictor.heads_name
     tokens = chunks[0].kv[0][0].shape[2]
     positions = torch.arange(tokens)
     below: list[LayerValues | None] = [None] * len(chunks)
-    first = predictor.k if isinstance(predictor, ProbePredictor) else 0
+    first = predictor.first_fitted_layer
     gaussian_bits = []
     for layer in tqdm(range(n_layers), desc=f"fitting {name}", disable=not progress):
         keys0, _ = chunks[0].kv[layer]
@@ -453,7 +444,7 @@ def _fit_predictor(
         zs = []
         for c, chunk in enumerate(chunks):
             keys, values = chunk.kv[layer]
-            inputs = BlockInputs(layer, 1, positions, below[c], _chunk_extras(predictor, chunk, layer))
+            inputs = BlockInputs(layer, 1, positions, below[c], chunk.layer_extras(index, layer))
             builder = FeatureBuilder(recipe, frame, inputs, predictor.features(inputs))
             for h in range(heads):
                 builder.observe("k", keys[:, h])
@@ -466,8 +457,8 @@ def _fit_predictor(
         gram = sum((z.T @ z).double() for z in zs)
         factor = _ridge_factor(gram)
         n = len(zs) * tokens
-        z2_sum = [torch.zeros(tokens) for _ in chunks]
-        z2_count = 0
+        # the coder's surprise recursion (`Surprise`), on the fit's float64 residuals
+        trackers = [Surprise(b.surprise[0] if b is not None else None) for b in below]
         for kind_index, kind in enumerate(("k", "v")):
             for h in range(heads):
                 target = n_base + (kind_index * heads + h) * dim
@@ -478,12 +469,7 @@ def _fit_predictor(
                 stored = _compact(weight)
                 weight32 = stored.to(torch.float32)  # the residuals of the weights the coder will use
                 residuals = [(z[:, target : target + dim] - z[:, :n_feat] @ weight32).double() for z in zs]
-                if z2_count:
-                    surprise = [(s / z2_count).sqrt().clamp(*SURPRISE_RANGE) for s in z2_sum]
-                elif below[0] is not None:
-                    surprise = [b.surprise[0].clamp(*SURPRISE_RANGE) for b in below]
-                else:
-                    surprise = [torch.ones(tokens) for _ in chunks]
+                surprise = [t.current((tokens,)) for t in trackers]
                 alpha, sigma = _fit_alpha(residuals, surprise, n)
                 key = f"{name}/L{layer}/{kind}{h}"
                 tensors[f"{key}/weight"] = stored
@@ -491,12 +477,10 @@ def _fit_predictor(
                 tensors[f"{key}/alpha"] = torch.tensor(alpha, dtype=torch.float32)
                 gaussian_bits.append(_gaussian_bits(residuals[:ESTIMATE_CHUNKS], surprise, alpha, sigma, chunks,
                                                     layer, kind, h))
-                for c, r in enumerate(residuals):
-                    z2_sum[c] = z2_sum[c] + (r.float() / sigma).square().mean(dim=-1)
-                z2_count += 1
+                for t, r in zip(trackers, residuals):
+                    t.add(r.float() / sigma)
         below = [
-            LayerValues.on_top_of(c.kv[layer][0], c.kv[layer][1],
-                                  (z2_sum[i] / z2_count).sqrt().clamp(*SURPRISE_RANGE)[None], below[i])
+            LayerValues.on_top_of(c.kv[layer][0], c.kv[layer][1], trackers[i].current((tokens,))[None], below[i])
             for i, c in enumerate(chunks)
         ]
     mean_bits = sum(gaussian_bits) / len(gaussian_bits) if gaussian_bits else 0.0

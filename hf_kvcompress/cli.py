@@ -21,6 +21,7 @@ from .downloads import writable_folder
 from .errors import CliError
 from .generation import greedy_generate
 from .models import load_model
+from .predictors.registry import FITTED
 
 #: the evaluation harness: a separate top-level package (kept outside the library, as kvpress does), installed
 #: from the same source tree; `hf-kvcompress eval` imports it on demand
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--split", default="calibration", help="text split (default: calibration)")
     cal.add_argument("--tokens", type=int, default=16384, help="calibration tokens")
     cal.add_argument("--chunk", type=int, default=1024, help="tokens per independent forward pass")
-    cal.add_argument("--predictors", default="none,context,probe,twin")
+    cal.add_argument("--predictors", default=",".join(FITTED),
+                     help=f"comma-separated, of {', '.join(FITTED)} (default: all)")
     cal.add_argument("--probe-layers", default="8,15,22", help="k values of the probe predictor")
     cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
     cal.set_defaults(func=cmd_calibrate)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, NoReturn
 
 from .codec import CodecConfig
 from .lossy import registry as lossy_registry
+from .predictors import registry as predictor_registry
 from .validation import check_bool, check_choice, check_int, check_number, fail
 
 MODES = ("none", "lossless", "lossy")
@@ -122,9 +123,10 @@ class LosslessConfig(_JsonConfig):
     decoded_budget: float = 0.05
     coder: str = "lanes"
 
-    PREDICTORS: ClassVar[tuple[str, ...]] = ("generic", "framed", "self", "none", "context", "probe", "twin")
-    #: predictors that rerun the model to decode a block: fine for a saved file, impractical at every step
-    STORAGE_ONLY: ClassVar[tuple[str, ...]] = ("probe", "twin")
+    #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
+    #: impractical at every step): both from the predictor registry
+    PREDICTORS: ClassVar[tuple[str, ...]] = predictor_registry.NAMES
+    STORAGE_ONLY: ClassVar[tuple[str, ...]] = predictor_registry.STORAGE_ONLY
     #: the fields that are `CodecConfig`'s (same names, same meaning, validated there)
     CODEC_FIELDS: ClassVar[tuple[str, ...]] = ("window", "fixed_window", "header", "mean_steps", "coder")
 

@@ -35,8 +35,9 @@ import torch
 from ..cache.coded import choose_scale, compact, one_thread, scale_factor
 from ..calibration import Calibration
 from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
-from ..predictors import BlockInputs, ContextPredictor, LayerValues, Predictor, PredictorSession, stream_order
-from ..predictors.context import BlockStatsSession, block_stats
+from ..predictors.base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
+from ..predictors.context import ContextPredictor
+from ..predictors.generic import BlockStatsSession, block_stats
 from ..predictors.rope import RopeFrame
 
 MAGIC = b"HFKVCHNK"
@@ -485,11 +486,6 @@ ROPE_HEAD_DIMS = (64, 128, 256, 96, 80, 32, 16)
 GUESS_LAYERS = 4  # layers (evenly spread) the guess looks at
 
 
-def default_rope(theta: float, head_dim: int) -> RopeFrame:
-    """The frame of standard (unscaled) RoPE with base ``theta`` over ``head_dim`` channels."""
-    return RopeFrame(1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
-
-
 def guess_rope_frame(chunk: torch.Tensor, kv_heads: int | None = None, head_dim: int | None = None) -> RopeFrame:
     """The standard RoPE frame (base in `ROPE_THETAS`, head size in `ROPE_HEAD_DIMS` or given) under which the
     chunk's keys, un-rotated by their offset in the chunk, have the smallest per-channel spread (the Gaussian
@@ -515,7 +511,7 @@ def guess_rope_frame(chunk: torch.Tensor, kv_heads: int | None = None, head_dim:
             continue
         heads_first = keys.reshape(len(picked), tokens, hidden // dim, dim).transpose(1, 2)  # [n, H, T, d]
         for theta in ROPE_THETAS:
-            frame = default_rope(theta, dim)
+            frame = RopeFrame.standard(theta, dim)
             c = cost(frame.unrotate(heads_first, relative))
             if c < best_cost:
                 best, best_cost = frame, c

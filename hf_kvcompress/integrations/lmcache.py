@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 # LMCache is an optional dependency (extra "lmcache"): a clear error rather than a bare ImportError
 try:
@@ -55,7 +56,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from ..calibration import Calibration, calibration_dir
-from .kv_chunk import HEADER, ChunkCoder, ChunkError, default_rope
+from ..predictors.rope import RopeFrame
+from .kv_chunk import HEADER, ChunkCoder, ChunkError
 
 SERDE_NAME = "hf_kvcompress"
 KWARGS = ("calibration", "calibration_fingerprint", "model_config", "layers", "kv_heads", "head_dim",
@@ -135,8 +137,6 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
     if kwargs.get("model_config") is not None:
         if any(kwargs.get(k) is not None for k in ("layers", "kv_heads", "head_dim", "rope_theta")):
             raise ValueError("hf_kvcompress serde: give model_config or layers/kv_heads/head_dim/rope_theta, not both")
-        from transformers import AutoConfig
-
         source = Path(str(kwargs["model_config"]))
         if source.is_file():
             source = source.parent  # a config.json: its folder
@@ -152,7 +152,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
             raise ValueError(f"hf_kvcompress serde: rope_theta must be a number > 1, got {theta!r}")
         if head_dim is None or head_dim % 2:
             raise ValueError("hf_kvcompress serde: rope_theta needs an even head_dim")
-        rope = default_rope(theta, head_dim)
+        rope = RopeFrame.standard(theta, head_dim)
     return ChunkCoder(calibration, rope=rope, threads=threads, **sizes)
 
 

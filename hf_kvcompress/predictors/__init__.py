@@ -1,19 +1,23 @@
-"""Predictors: where each K/V element's mean and spread come from (see `base`)."""
+"""Predictors: where each K/V element's mean and spread come from (see `base`); one module per predictor,
+all of them listed in `registry`."""
 
 from __future__ import annotations
 
-import torch
-
 from .base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
-from .context import ContextPredictor, GenericPredictor, NoPredictor
+from .context import ContextPredictor
 from .framed import FramedStatsPredictor
-from .probe import ProbePredictor, TwinPredictor
+from .generic import GenericPredictor
+from .none import NoPredictor
+from .probe import ProbePredictor
+from .registry import FITTED, NAMES, PREDICTORS, STORAGE_ONLY, make_predictor, predictor_class
 from .selffit import SelfFitPredictor
-
-NAMES = ("generic", "framed", "self", "none", "context", "probe", "twin")
+from .twin import TwinPredictor
 
 __all__ = [
+    "FITTED",
     "NAMES",
+    "PREDICTORS",
+    "STORAGE_ONLY",
     "BlockInputs",
     "ContextPredictor",
     "FramedStatsPredictor",
@@ -26,30 +30,6 @@ __all__ = [
     "SelfFitPredictor",
     "TwinPredictor",
     "make_predictor",
+    "predictor_class",
     "stream_order",
 ]
-
-
-def make_predictor(
-    name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8
-) -> Predictor:
-    """The predictor called ``name`` (one of `NAMES`); ``probe``/``twin`` need the model and a calibration."""
-    if name == "generic":
-        return GenericPredictor()
-    if name == "framed":
-        return FramedStatsPredictor()
-    if name == "self":
-        return SelfFitPredictor()
-    if name == "none":
-        return NoPredictor(calibration)
-    if name == "context":
-        return ContextPredictor(calibration)
-    if name not in ("probe", "twin"):
-        raise ValueError(f"unknown predictor {name!r}; choose one of {list(NAMES)}")
-    if model is None:
-        raise ValueError(f"the {name} predictor reruns the model: pass model=...")
-    if calibration is None:
-        raise ValueError(f"the {name} predictor needs a calibration (hf-kvcompress calibrate)")
-    if name == "probe":
-        return ProbePredictor(calibration, model, probe_layer)
-    return TwinPredictor(calibration, model)

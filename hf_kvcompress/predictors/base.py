@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -116,12 +117,29 @@ class PlainSession(PredictorSession):
 
 
 class Predictor(ABC):
-    """A source of means and spreads for sealed blocks."""
+    """A source of means and spreads for sealed blocks.
+
+    A predictor is one class with a `name` (listed in `registry`); its class attributes say what it needs,
+    and every list of predictor names (config choices, storage-only names, the names a calibration fits, the
+    CLI's defaults) is derived from them."""
 
     #: registry name, as in ``LosslessConfig.predictor``
-    name: str
+    name: ClassVar[str]
     #: False when decoding needs the model rerun (then it is for storage, not for use inside generate())
-    practical_in_generation: bool = True
+    practical_in_generation: ClassVar[bool] = True
+    #: `registry.make_predictor` refuses to build it without ``model=``
+    needs_model: ClassVar[bool] = False
+    #: `registry.make_predictor` refuses to build it without ``calibration=`` (predictors that fall back to
+    #: block statistics without one say False)
+    needs_calibration: ClassVar[bool] = False
+    #: `Calibration.fit` fits heads for it (see `linear.CalibratedLinearPredictor`)
+    fitted_by_calibration: ClassVar[bool] = False
+
+    @classmethod
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8) -> Predictor:
+        """The predictor `registry.make_predictor` returns, its requirements already checked; a predictor
+        that needs neither calibration nor model is built without arguments."""
+        return cls()
 
     @abstractmethod
     def session(self, inputs: BlockInputs) -> PredictorSession:

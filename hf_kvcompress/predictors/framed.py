@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockInputs, PlainSession, Predictor, PredictorSession
-from .context import BLOCK_MEAN, BLOCK_STD, block_stats
+from .generic import BLOCK_MEAN, BLOCK_STD, block_stats
 from .rope import RopeFrame
 
 FRAME = "rope_frame"
@@ -32,10 +32,7 @@ def frames(dim: int) -> list[RopeFrame]:
     if dim not in _frames:
         out = []
         for base in BASES:
-            if base is None or dim % 2:
-                out.append(RopeFrame(None))
-            else:
-                out.append(RopeFrame(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))))
+            out.append(RopeFrame(None) if base is None or dim % 2 else RopeFrame.standard(base, dim))
         _frames[dim] = out
     return _frames[dim]
 

@@ -10,19 +10,61 @@ a prefix of the next one's and one Gram matrix per layer fits them all):
 keys use the key heads before h; values use all key heads and the value heads before h. Keys are
 predicted in the pre-RoPE frame and rotated back. The std of an element is
 ``sigma[channel] * surprise(token) ** alpha``, where surprise is the RMS of the standardised errors of
-the streams seen so far for that token (this layer's, else the layer below's).
+the streams seen so far for that token (this layer's, else the layer below's): `Surprise`, which the coder's
+`LinearSession` and the calibration fit both run, so the fitted ``alpha`` and ``sigma`` see the spread the
+coder will use.
+
+`CalibratedLinearPredictor` is the base of every predictor whose heads a `Calibration` fits (``none``,
+``context``, ``probe``, ``twin``): a subclass sets its `FeatureRecipe` and, if it reads more than the cache,
+its extra features and where the fit gets them (`fit_extras`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from .base import BlockInputs, LayerValues, PredictorSession
+from .base import BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
+from .generic import BlockStatsSession, block_stats
 from .rope import RopeFrame
 
+#: bounds of a token's surprise (the std multiplier is surprise ** alpha): a guard against a few streams'
+#: luck or a single outlier setting a token's spread. It binds on 0.35 % of the fit's token surprises on
+#: SmolLM2, and (1/16, 16) codes within 0.0004 bit of it (docs/lossless.md, "Constants of the linear
+#: predictors", eval/linear_constants.py)
 SURPRISE_RANGE = (0.25, 8.0)
+
+
+class Surprise:
+    """The per-token surprise of one block at one layer: the RMS of the standardised errors of the streams
+    added so far, else the layer below's surprise, else 1; clamped to `SURPRISE_RANGE`.
+
+    One recursion for the coder (`LinearSession`, float32) and the calibration fit (float64 residuals):
+    each keeps its own dtypes, the steps are the same."""
+
+    def __init__(self, below: torch.Tensor | None):
+        self.below = below
+        self.z2_sum: torch.Tensor | None = None
+        self.count = 0
+
+    def current(self, shape: Sequence[int]) -> torch.Tensor:
+        """Surprise before the next stream, ``shape`` (``[batch, tokens]``) when nothing is known yet."""
+        if self.count:
+            raw = (self.z2_sum / self.count).sqrt()
+        elif self.below is not None:
+            raw = self.below
+        else:
+            return torch.ones(*shape)
+        return raw.clamp(*SURPRISE_RANGE)
+
+    def add(self, z: torch.Tensor) -> None:
+        """A stream's standardised errors ``(value - mean) / sigma``, ``[..., tokens, head_dim]``."""
+        z2 = z.square().mean(dim=-1)
+        self.z2_sum = z2 if self.z2_sum is None else self.z2_sum + z2
+        self.count += 1
 
 
 @dataclass(frozen=True)
@@ -54,8 +96,8 @@ class FeatureBuilder:
         parts = list(extras)
         if inputs.below is not None:
             for layer in inputs.below.chain(recipe.below):
-                parts.append(_flat_heads(frame.unrotate(layer.keys, self.positions)))
-                parts.append(_flat_heads(layer.values.to(torch.float32)))
+                parts.append(flat_heads(frame.unrotate(layer.keys, self.positions)))
+                parts.append(flat_heads(layer.values.to(torch.float32)))
         self.base = parts
         # one tensor for the shared part: each stream multiplies it once, without re-concatenating
         self.base_matrix = torch.cat(parts, dim=-1) if parts else None
@@ -114,19 +156,11 @@ class LinearSession(PredictorSession):
         self.builder = FeatureBuilder(recipe, frame, inputs, extras)
         self.inputs = inputs
         self.frame = frame
-        self.below_surprise = inputs.below.surprise if inputs.below is not None else None
-        self.z2_sum: torch.Tensor | None = None
-        self.z2_count = 0
+        self.tracker = Surprise(inputs.below.surprise if inputs.below is not None else None)
         self.pending: tuple[str, int, torch.Tensor] | None = None
 
     def surprise(self, batch: int, tokens: int) -> torch.Tensor:
-        if self.z2_count:
-            raw = (self.z2_sum / self.z2_count).sqrt()
-        elif self.below_surprise is not None:
-            raw = self.below_surprise
-        else:
-            return torch.ones(batch, tokens)
-        return raw.clamp(*SURPRISE_RANGE)
+        return self.tracker.current((batch, tokens))
 
     def framed_prediction(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean in the prediction frame (pre-RoPE for keys) and the token surprise before this stream."""
@@ -149,17 +183,95 @@ class LinearSession(PredictorSession):
         if self.pending is None or self.pending[:2] != (kind, head):
             raise RuntimeError(f"observe({kind!r}, {head}) without a matching predict()")
         framed = self.builder.observe(kind, values)
-        z = (framed - self.pending[2]) / self.heads[(kind, head)].sigma
-        z2 = z.square().mean(dim=-1)
-        self.z2_sum = z2 if self.z2_sum is None else self.z2_sum + z2
-        self.z2_count += 1
+        self.tracker.add((framed - self.pending[2]) / self.heads[(kind, head)].sigma)
         self.pending = None
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
         return LayerValues.on_top_of(keys, values, self.surprise(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
-def _flat_heads(x: torch.Tensor) -> torch.Tensor:
+class CalibratedLinearPredictor(Predictor):
+    """A `LinearSession` predictor whose heads come from a calibration (block statistics without one).
+
+    A subclass sets `name` and `recipe` and, when it reads more than the cache holds, overrides `features`
+    (its extra feature tensors, from `BlockInputs.extras`), `model_extras` (how a decoder computes those
+    extras) and `fit_hidden_layers` / `fit_extras` (how the calibration fit gets them); `fit_instances`
+    when one name fits several head sets (``probe`` at several layers)."""
+
+    recipe: ClassVar[FeatureRecipe] = FeatureRecipe()
+    fitted_by_calibration = True
+
+    def __init__(self, calibration=None, frame: RopeFrame | None = None):
+        self.calibration = calibration
+        if frame is None:
+            frame = RopeFrame(None) if calibration is None else calibration.rope_frame()
+        self.frame = frame
+
+    @classmethod
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None,
+              probe_layer: int = 8) -> CalibratedLinearPredictor:
+        return cls(calibration)
+
+    @classmethod
+    def fit_instances(cls, frame: RopeFrame, model: torch.nn.Module,
+                      probe_layers: Sequence[int]) -> list[CalibratedLinearPredictor]:
+        """Uncalibrated instances whose heads `Calibration.fit` fits (one head set each, `heads_name`);
+        ``probe_layers`` are the fit's probe layers that the model has."""
+        return [cls(None, frame)]
+
+    @property
+    def heads_name(self) -> str:
+        """The name this predictor's heads have in a calibration."""
+        return self.name
+
+    @property
+    def calibrated(self) -> bool:
+        return self.calibration is not None
+
+    @property
+    def first_fitted_layer(self) -> int:
+        """Layers below this one have no heads (the decoder recomputes them: ``probe``)."""
+        return 0
+
+    def require_calibration(self) -> None:
+        """Raise unless this predictor has a calibration (predictors that cannot fall back to block statistics)."""
+        if self.calibration is None:
+            raise ValueError(
+                f"the {self.heads_name} predictor needs a calibration that fitted it "
+                "(hf-kvcompress calibrate, then Calibration.load)"
+            )
+
+    def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {} if self.calibrated else block_stats(keys, values)
+
+    def below_depth(self) -> int:
+        # a fitted session reads its recipe's layers below, and at least the layer below's surprise
+        return max(1, self.layer_recipe(0).below) if self.calibrated else 0
+
+    def session(self, inputs: BlockInputs) -> PredictorSession:
+        if not self.calibrated:
+            return BlockStatsSession(inputs)
+        heads = self.calibration.stream_heads(self.heads_name, inputs.layer)
+        return LinearSession(heads, self.layer_recipe(inputs.layer), self.frame, inputs, self.features(inputs))
+
+    def layer_recipe(self, layer: int) -> FeatureRecipe:
+        return self.recipe
+
+    def features(self, inputs: BlockInputs) -> list[torch.Tensor]:
+        """Extra feature tensors ``[batch, tokens, n]`` (float32) placed before the context features."""
+        return []
+
+    def fit_hidden_layers(self) -> tuple[int, ...]:
+        """Layers whose entering hidden state the fit's forward pass must capture for `fit_extras`."""
+        return ()
+
+    def fit_extras(self, token_ids: torch.Tensor, hidden: Mapping[int, torch.Tensor]) -> ExtrasSource | None:
+        """The extras of one calibration chunk ``token_ids`` ``[1, tokens]``, given the hidden states the fit's
+        forward pass captured (`fit_hidden_layers`); None when the predictor reads none."""
+        return None
+
+
+def flat_heads(x: torch.Tensor) -> torch.Tensor:
     """``[batch, heads, tokens, dim]`` -> ``[batch, tokens, heads * dim]`` float32."""
     batch, heads, tokens, dim = x.shape
     return x.to(torch.float32).permute(0, 2, 1, 3).reshape(batch, tokens, heads * dim)

@@ -1,41 +1,24 @@
-"""Model-based predictors, for storage: they rerun (part of) the model on the cached token ids.
+"""``probe`` ("early exit"), for storage: it reruns the model's first layers on the cached token ids.
 
-``probe`` ("early exit"): the decoder reruns layers ``0..k-1`` (their K/V is then known almost exactly,
-coded at a fraction of a bit), and linear heads map the hidden state entering layer ``k`` — together with
-the context features — to every deeper layer's keys (pre-RoPE, then rotated) and values.
-
-``twin``: the model with FP8 (e4m3) weights runs on the same tokens; its K/V, with the context features,
-predict the real ones.
-
-Both need the model at decode time and a rerun per decode, so they pay off when a cache is saved and
-loaded (prefix caching), not for every step inside ``generate()``.
+The decoder reruns layers ``0..k-1`` (their K/V is then known almost exactly, coded at a fraction of a bit),
+and linear heads map the hidden state entering layer ``k`` — together with the context features — to every
+deeper layer's keys (pre-RoPE, then rotated) and values. It needs the model at decode time and a rerun per
+decode, so it pays off when a cache is saved and loaded (prefix caching), not for every step inside
+``generate()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
-from .base import BlockInputs, ExtrasSource, PlainSession, PredictorSession
-from .context import CalibratedLinearPredictor
-from .linear import FeatureRecipe, _flat_heads
-from .runner import build_twin, run_decoder
+from .base import BlockInputs, PlainSession, PredictorSession
+from .linear import CalibratedLinearPredictor, FeatureRecipe
+from .rope import RopeFrame
+from .runner import HIDDEN, CacheExtras, run_decoder
 
-HIDDEN, EXACT_K, EXACT_V, TWIN_K, TWIN_V = "hidden", "exact_k", "exact_v", "twin_k", "twin_v"
-
-
-class CacheExtras(ExtrasSource):
-    """Extras cut out of per-layer ``[batch, heads, tokens, dim]`` K/V and a ``[batch, tokens, hidden]``
-    hidden state computed for the whole sequence."""
-
-    def __init__(self, layers: dict[int, dict[str, torch.Tensor]], hidden: torch.Tensor | None = None):
-        self.layers = layers
-        self.hidden = hidden
-
-    def extras(self, layer: int, start: int, stop: int) -> dict[str, torch.Tensor]:
-        out = {name: t[:, :, start:stop] for name, t in self.layers.get(layer, {}).items()}
-        if self.hidden is not None:
-            out[HIDDEN] = self.hidden[:, start:stop]
-        return out
+EXACT_K, EXACT_V = "exact_k", "exact_v"
 
 
 class ExactSession(PlainSession):
@@ -60,18 +43,31 @@ class ProbePredictor(CalibratedLinearPredictor):
 
     name = "probe"
     practical_in_generation = False
+    needs_model = True
+    needs_calibration = True
+    recipe = FeatureRecipe(below=2, inter_head=True, extras=(HIDDEN,))
 
-    def __init__(self, calibration, model: torch.nn.Module | None, k: int, frame=None):
+    def __init__(self, calibration, model: torch.nn.Module | None, k: int, frame: RopeFrame | None = None):
         super().__init__(calibration, frame)
         self.model = model
         self.k = k
+
+    @classmethod
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8) -> ProbePredictor:
+        return cls(calibration, model, probe_layer)
+
+    @classmethod
+    def fit_instances(cls, frame: RopeFrame, model: torch.nn.Module,
+                      probe_layers: Sequence[int]) -> list[CalibratedLinearPredictor]:
+        return [cls(None, None, k, frame) for k in probe_layers]
 
     @property
     def heads_name(self) -> str:
         return f"probe{self.k}"
 
-    def layer_recipe(self, layer: int) -> FeatureRecipe:
-        return FeatureRecipe(below=2, inter_head=True, extras=(HIDDEN,))
+    @property
+    def first_fitted_layer(self) -> int:
+        return self.k
 
     def features(self, inputs: BlockInputs) -> list[torch.Tensor]:
         return [inputs.extras[HIDDEN]]
@@ -79,7 +75,7 @@ class ProbePredictor(CalibratedLinearPredictor):
     def session(self, inputs: BlockInputs) -> PredictorSession:
         if inputs.layer < self.k:
             return ExactSession(inputs)
-        _require_calibration(self)
+        self.require_calibration()
         return super().session(inputs)
 
     def model_extras(self, token_ids: torch.Tensor) -> CacheExtras:
@@ -87,43 +83,8 @@ class ProbePredictor(CalibratedLinearPredictor):
         layers = {i: {EXACT_K: cache.layers[i].keys.cpu(), EXACT_V: cache.layers[i].values.cpu()} for i in range(self.k)}
         return CacheExtras(layers, hidden[self.k].cpu())
 
+    def fit_hidden_layers(self) -> tuple[int, ...]:
+        return (self.k,)
 
-class TwinPredictor(CalibratedLinearPredictor):
-    """The FP8-weight twin's K/V plus context features, through calibrated linear maps."""
-
-    name = "twin"
-    practical_in_generation = False
-    recipe = FeatureRecipe(below=1, inter_head=True, extras=(TWIN_K, TWIN_V))
-
-    def __init__(self, calibration, model: torch.nn.Module | None, twin: torch.nn.Module | None = None, frame=None):
-        super().__init__(calibration, frame)
-        self.model = model
-        self._twin = twin
-
-    @property
-    def twin(self) -> torch.nn.Module:
-        if self._twin is None:
-            self._twin = build_twin(self.model)
-        return self._twin
-
-    def features(self, inputs: BlockInputs) -> list[torch.Tensor]:
-        twin_k = self.frame.unrotate(inputs.extras[TWIN_K], inputs.positions)
-        return [_flat_heads(twin_k), _flat_heads(inputs.extras[TWIN_V])]
-
-    def session(self, inputs: BlockInputs) -> PredictorSession:
-        _require_calibration(self)
-        return super().session(inputs)
-
-    def model_extras(self, token_ids: torch.Tensor) -> CacheExtras:
-        cache, _ = run_decoder(self.twin, token_ids)
-        layers = {i: {TWIN_K: layer.keys.cpu(), TWIN_V: layer.values.cpu()} for i, layer in enumerate(cache.layers)}
-        return CacheExtras(layers)
-
-
-def _require_calibration(predictor: CalibratedLinearPredictor) -> None:
-    if predictor.calibration is None:
-        raise ValueError(
-            f"the {predictor.heads_name} predictor needs a calibration that fitted it "
-            "(hf-kvcompress calibrate, then Calibration.load)"
-        )
-
+    def fit_extras(self, token_ids: torch.Tensor, hidden: Mapping[int, torch.Tensor]) -> CacheExtras:
+        return CacheExtras({}, hidden[self.k])

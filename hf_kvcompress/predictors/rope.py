@@ -4,6 +4,7 @@ between layers does not depend on the position, and rotate the predicted mean ba
 from __future__ import annotations
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class RopeFrame:
@@ -19,6 +20,12 @@ class RopeFrame:
         self._memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
+    def standard(cls, base: float, head_dim: int) -> RopeFrame:
+        """The frame of standard (unscaled) RoPE: frequencies ``base ** (-2i / head_dim)`` (Su et al.,
+        "RoFormer", https://arxiv.org/abs/2104.09864)."""
+        return cls(1.0 / (float(base) ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)))
+
+    @classmethod
     def from_model_config(cls, config) -> RopeFrame:
         """The frame of a transformers config (identity if it has no rotary parameters)."""
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -28,11 +35,8 @@ class RopeFrame:
         rope_type = params.get("rope_type", "default")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if rope_type == "default":
-            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            inv_freq = cls.standard(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)), head_dim).inv_freq
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
             inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         if partial != 1.0 or inv_freq.numel() * 2 != head_dim:

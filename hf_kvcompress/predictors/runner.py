@@ -1,14 +1,17 @@
-"""Running (part of) a transformers decoder to get hidden states and K/V: used by the probe and twin
-predictors and by calibration."""
+"""Running (part of) a transformers decoder to get hidden states and K/V, and serving them per block
+(`CacheExtras`): used by the model-running predictors (``probe``, ``twin``) and by calibration."""
 
 from __future__ import annotations
 
-import copy
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+
+from .base import ExtrasSource
+
+#: the `CacheExtras` name of the hidden state
+HIDDEN = "hidden"
 
 
 class _StopForward(Exception):
@@ -67,21 +70,16 @@ def run_decoder(
     return cache, captured
 
 
-def build_twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose decoder linear weights are rounded to float8 e4m3 with one float32 scale
-    per output channel (absmax / 448), computing in the model's dtype: Finn's FP8 twin."""
-    # the caches' token-recorder hooks stay with the original: a cache collected while deepcopy walks the hook
-    # dicts removes its hook from them ("OrderedDict mutated during iteration")
-    hooks, hooks_kwargs = model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs
-    model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs = OrderedDict(), {}
-    try:
-        twin = copy.deepcopy(model)
-    finally:
-        model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs = hooks, hooks_kwargs
-    for module in decoder_layers(twin).modules():
-        if isinstance(module, torch.nn.Linear):
-            weight = module.weight.data.to(torch.float32)
-            scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
-            rounded = (weight / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
-            module.weight.data = rounded.to(module.weight.dtype)
-    return twin.eval()
+class CacheExtras(ExtrasSource):
+    """Extras cut out of per-layer ``[batch, heads, tokens, dim]`` K/V and a ``[batch, tokens, hidden]``
+    hidden state computed for the whole sequence (``hidden`` is the extra named `HIDDEN`)."""
+
+    def __init__(self, layers: dict[int, dict[str, torch.Tensor]], hidden: torch.Tensor | None = None):
+        self.layers = layers
+        self.hidden = hidden
+
+    def extras(self, layer: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        out = {name: t[:, :, start:stop] for name, t in self.layers.get(layer, {}).items()}
+        if self.hidden is not None:
+            out[HIDDEN] = self.hidden[:, start:stop]
+        return out

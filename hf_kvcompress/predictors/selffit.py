@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockInputs, LayerValues, Predictor
-from .context import BLOCK_MEAN, BLOCK_STD, BlockStatsSession, block_stats
+from .generic import BLOCK_MEAN, BLOCK_STD, BlockStatsSession, block_stats
 
 #: first epoch boundary in tokens; epochs start at FIRST_EPOCH * 2^k
 FIRST_EPOCH = 128

@@ -231,7 +231,7 @@ def test_stale_calibration_heads_are_a_clear_error():
 def test_twin_leaves_the_caches_token_hooks_on_the_original():
     """build_twin copies the model without the caches' recorder hooks (a cache collected mid-copy used to
     remove its hook from the dict being copied)."""
-    from hf_kvcompress.predictors.runner import build_twin
+    from hf_kvcompress.predictors.twin import build_twin
 
     model = tiny_model("llama-gqa")
     caches = [CompressedCache(CompressionConfig(mode="lossless"), model=model) for _ in range(3)]

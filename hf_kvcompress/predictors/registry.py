@@ -1,0 +1,55 @@
+"""Every predictor by name: the one list that config choices, storage-only names, the names a calibration
+fits and `make_predictor` are derived from. Adding a predictor is one module with its class (a `name` and
+its traits: `Predictor`'s class attributes) and one line in `PREDICTORS`.
+
+The order is the order of error messages and of `Calibration.fit`'s head sets."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Predictor
+from .context import ContextPredictor
+from .framed import FramedStatsPredictor
+from .generic import GenericPredictor
+from .none import NoPredictor
+from .probe import ProbePredictor
+from .selffit import SelfFitPredictor
+from .twin import TwinPredictor
+
+PREDICTORS: dict[str, type[Predictor]] = {cls.name: cls for cls in (
+    GenericPredictor,
+    FramedStatsPredictor,
+    SelfFitPredictor,
+    NoPredictor,
+    ContextPredictor,
+    ProbePredictor,
+    TwinPredictor,
+)}
+
+#: every predictor name (``LosslessConfig.predictor`` / ``save_predictor`` choices)
+NAMES: tuple[str, ...] = tuple(PREDICTORS)
+#: predictors that rerun the model to decode a block: fine for a saved file, impractical at every step
+STORAGE_ONLY: tuple[str, ...] = tuple(n for n, cls in PREDICTORS.items() if not cls.practical_in_generation)
+#: predictors whose heads `Calibration.fit` fits (``hf-kvcompress calibrate --predictors`` choices)
+FITTED: tuple[str, ...] = tuple(n for n, cls in PREDICTORS.items() if cls.fitted_by_calibration)
+
+
+def predictor_class(name: str) -> type[Predictor]:
+    """The class registered as ``name`` (ValueError naming the choices otherwise)."""
+    if name not in PREDICTORS:
+        raise ValueError(f"unknown predictor {name!r}; choose one of {list(NAMES)}")
+    return PREDICTORS[name]
+
+
+def make_predictor(
+    name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8
+) -> Predictor:
+    """The predictor called ``name`` (one of `NAMES`); those that rerun the model (``probe``/``twin``) need the
+    model and a calibration."""
+    cls = predictor_class(name)
+    if cls.needs_model and model is None:
+        raise ValueError(f"the {name} predictor reruns the model: pass model=...")
+    if cls.needs_calibration and calibration is None:
+        raise ValueError(f"the {name} predictor needs a calibration (hf-kvcompress calibrate)")
+    return cls.build(calibration=calibration, model=model, probe_layer=probe_layer)

@@ -1,0 +1,70 @@
+"""The predictor registry: every list of predictor names derives from it, make_predictor checks what a
+predictor's traits say it needs, and the coder and the calibration fit share one surprise recursion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.cli import build_parser
+from hf_kvcompress.config import LosslessConfig
+from hf_kvcompress.predictors import linear, registry
+from hf_kvcompress.predictors.base import Predictor
+
+
+def test_every_name_list_is_the_registrys():
+    assert registry.NAMES == ("generic", "framed", "self", "none", "context", "probe", "twin")
+    assert LosslessConfig.PREDICTORS == registry.NAMES
+    assert LosslessConfig.STORAGE_ONLY == registry.STORAGE_ONLY == ("probe", "twin")
+    assert registry.FITTED == ("none", "context", "probe", "twin")
+    assert Calibration.fit.__kwdefaults__["predictors"] == registry.FITTED
+    calibrate = build_parser().parse_args(["calibrate"])
+    assert calibrate.predictors.split(",") == list(registry.FITTED)
+
+
+def test_one_module_per_predictor_and_names_match():
+    modules = [cls.__module__ for cls in registry.PREDICTORS.values()]
+    assert len(set(modules)) == len(modules), modules
+    for name, cls in registry.PREDICTORS.items():
+        assert issubclass(cls, Predictor) and cls.name == name
+        assert cls.practical_in_generation or cls.needs_model  # storage-only because it reruns the model
+
+
+@pytest.mark.parametrize("name", registry.NAMES)
+def test_make_predictor_checks_the_traits(name):
+    cls = registry.PREDICTORS[name]
+    if cls.needs_model:
+        with pytest.raises(ValueError, match="reruns the model"):
+            registry.make_predictor(name, calibration=object())
+    if cls.needs_calibration:
+        with pytest.raises(ValueError, match="needs a calibration"):
+            registry.make_predictor(name, model=torch.nn.Linear(1, 1))
+    if not cls.needs_model and not cls.needs_calibration:
+        assert type(registry.make_predictor(name)) is cls
+
+
+def test_unknown_names_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"unknown predictor 'nope'.*'generic'"):
+        registry.make_predictor("nope")
+    with pytest.raises(ValueError, match=r"LosslessConfig\.predictor must be one of"):
+        LosslessConfig(predictor="nope")
+    with pytest.raises(ValueError, match="storage only"):
+        LosslessConfig(predictor=registry.STORAGE_ONLY[0])
+    with pytest.raises(ValueError, match=r"unknown predictor\(s\) \['generic'\]"):
+        Calibration.fit(torch.nn.Linear(1, 1), None, predictors=("generic",))
+
+
+def test_surprise_is_the_clamped_rms_of_standardised_errors():
+    torch.manual_seed(0)
+    below = torch.rand(2, 5) * 20
+    tracker = linear.Surprise(below)
+    assert torch.equal(tracker.current((2, 5)), below.clamp(*linear.SURPRISE_RANGE))
+    assert torch.equal(linear.Surprise(None).current((2, 5)), torch.ones(2, 5))
+    zs = [torch.randn(2, 5, 8) * scale for scale in (0.01, 1.0, 30.0)]
+    for i, z in enumerate(zs):
+        tracker.add(z)
+        rms = torch.stack([x.square().mean(dim=-1) for x in zs[: i + 1]]).mean(dim=0).sqrt()
+        assert torch.allclose(tracker.current((2, 5)), rms.clamp(*linear.SURPRISE_RANGE), rtol=1e-6)
+    low, high = linear.SURPRISE_RANGE
+    assert tracker.current((2, 5)).min() >= low and tracker.current((2, 5)).max() <= high
