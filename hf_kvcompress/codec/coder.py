@@ -6,20 +6,33 @@ binary model of the window's tier), then the non-escaped elements grouped by tab
 p_hat (one call). Grouping is a stable sort by table id, so the decoder, which recomputes the table ids
 from (mean, std) and knows the flags, reproduces the groups. The raw low bits (float32, float16) follow
 the ANS words in the window's payload.
+
+Also here: running independent window jobs serially, on threads, or on forked processes (constriction
+holds the GIL while it codes, so threads only overlap the numpy parts; processes scale but cost a fork:
+copy-on-write, no pickling of inputs, output straight into shared memory; Linux/macOS only, elsewhere
+threads).
 """
 
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
+import os
+import sys
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 
 import constriction
 import numpy as np
 
+from .config import CodecConfig
 from .errors import CorruptStreamError
-from .model import ESCAPE_GROUP, PRECISION, TOTAL, Tables
 from .params import Params
 from .symbols import Format, key_to_pattern, pack_raw, pattern_to_key, raw_padded_nbytes, unpack_raw
+from .tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, Tables, get_tables
 
 _Categorical = constriction.stream.model.Categorical
 _AnsCoder = constriction.stream.stack.AnsCoder
@@ -41,6 +54,16 @@ class Models:
         freq = np.array([e << (PRECISION - 16) for e in escape], dtype=np.int64)
         flags = [_Categorical(np.array([TOTAL - 1 - f, f - 1], dtype=np.float64), perfect=False) for f in freq]
         return cls(tables, [*tables.models, phat_model], flags, freq, phat_freq, fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _models_cached(fmt: Format, marginal: Marginal, escape: tuple[int, int, int]) -> Models:
+    model, freq = marginal.coding(fmt)
+    return Models.build(get_tables(), model, freq, escape, fmt)
+
+
+def models_for(fmt: Format, cfg: CodecConfig) -> Models:
+    return _models_cached(fmt, cfg.marginal_or_default, cfg.escape)
 
 
 def symbols(keys: np.ndarray, p: Params, tables: Tables, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
@@ -188,3 +211,103 @@ def decode_chunk(buf, offsets: np.ndarray, p: Params, lengths: np.ndarray, model
         raise CorruptStreamError("corrupt codec stream: decoded value outside the dtype")
     return keys, raw
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Running window jobs
+
+_JOB: tuple | None = None  # (groups, run) inherited by forked children
+
+
+def split_balanced(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Contiguous groups of job indices with roughly equal total size."""
+    parts = max(1, min(parts, len(sizes)))
+    total = sum(sizes) or 1
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    acc = 0
+    for i, s in enumerate(sizes):
+        k = min(parts - 1, acc * parts // total)
+        groups[k].append(i)
+        acc += s
+    return [g for g in groups if g]
+
+
+def fork_available() -> bool:
+    return sys.platform != "win32" and "fork" in mp.get_all_start_methods()
+
+
+def run_jobs(run: Callable[[int], None], sizes: Sequence[int], threads: int = 1) -> None:
+    """Call ``run(i)`` for every job i (jobs write their own disjoint outputs)."""
+    groups = split_balanced(sizes, threads)
+    if len(groups) <= 1:
+        for i in range(len(sizes)):
+            run(i)
+        return
+    with ThreadPoolExecutor(len(groups)) as pool:
+        for f in [pool.submit(lambda g=g: [run(i) for i in g]) for g in groups]:
+            f.result()
+
+
+def run_jobs_forked(run: Callable[[np.ndarray, int], None], sizes: Sequence[int], workers: int,
+                    out_shape: int, out_dtype: np.dtype) -> np.ndarray:
+    """Like `run_jobs` on ``workers`` processes; ``run(out, i)`` writes into a shared output array, which is
+    returned (as a private copy)."""
+    global _JOB
+    groups = split_balanced(sizes, workers)
+    nbytes = max(1, out_shape * np.dtype(out_dtype).itemsize)
+    shm = shared_memory.SharedMemory(create=True, size=nbytes)
+    try:
+        out = np.ndarray((out_shape,), dtype=out_dtype, buffer=shm.buf)
+        ctx = mp.get_context("fork")
+        _JOB = (groups, run, out)
+        procs, pipes = [], []
+        for k in range(1, len(groups)):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(k, send), daemon=True)
+            p.start()
+            send.close()
+            procs.append(p)
+            pipes.append(recv)
+        err: BaseException | None = None
+        try:
+            for i in groups[0]:
+                run(out, i)
+        except BaseException as e:  # still reap the children below
+            err = e
+        messages = []
+        for p, r in zip(procs, pipes):
+            try:
+                messages.append(r.recv() if r.poll(None) else ("died", ""))
+            except EOFError:
+                messages.append(("died", ""))
+            p.join()
+        if err is not None:
+            raise err
+        for kind, msg in messages:
+            if kind == "corrupt":
+                raise CorruptStreamError(msg)
+            if kind != "ok":
+                raise RuntimeError(f"codec decode worker failed: {kind} {msg}")
+        result = out.copy()
+        del out
+        return result
+    finally:
+        _JOB = None
+        shm.close()
+        shm.unlink()
+
+
+def _child(k: int, conn) -> None:
+    assert _JOB is not None
+    groups, run, out = _JOB
+    try:
+        for i in groups[k]:
+            run(out, i)
+        conn.send(("ok", ""))
+    except CorruptStreamError as e:
+        conn.send(("corrupt", str(e)))
+    except BaseException as e:
+        conn.send((type(e).__name__, str(e)))
+    finally:
+        conn.close()
+        # skip interpreter teardown (atexit handlers, torch) in the forked child
+        os._exit(0)

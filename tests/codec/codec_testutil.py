@@ -9,8 +9,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from hf_kvcompress.codec.compact import MAGIC as COMPACT_MAGIC
-from hf_kvcompress.codec.stream import _BODY, _PREFIX, LANES_MAGIC
+from hf_kvcompress.codec.format import _BODY, _PREFIX, COMPACT_MAGIC, LANES_MAGIC
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -175,9 +174,8 @@ def params_bulk(n: int = 200_000, seed: int = 5) -> tuple[np.ndarray, np.ndarray
 def rebuild(blob: bytes, mean, std, config, *, entries=None, payloads=None, version: int | None = None) -> bytes:
     """Re-serialise a parsed stream with other window-table entries, payloads or format version, every
     framing CRC (header, table) recomputed and the window CRCs taken as given: what a splice looks like."""
-    from hf_kvcompress.codec.compact import write_compact
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.stream import write_stream
+    from hf_kvcompress.codec.api import Decoder
+    from hf_kvcompress.codec.format import write_compact, write_stream
 
     d = Decoder(blob, mean, std, None, config)
     table = d.entries.copy() if entries is None else entries
@@ -202,9 +200,9 @@ def window_payloads(d) -> list[bytes]:
 
 def as_version1(blob: bytes, x: torch.Tensor, mean, std, config) -> bytes:
     """``blob`` (a current stream of ``x``) written as format version 1: window CRCs started at 0."""
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.plan import window_crc
+    from hf_kvcompress.codec.api import Decoder
     from hf_kvcompress.codec.symbols import tensor_bits
+    from hf_kvcompress.codec.windows import window_crc
 
     d = Decoder(blob, mean, std, None, config)
     bits = tensor_bits(x)

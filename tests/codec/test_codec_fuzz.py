@@ -16,7 +16,7 @@ from codec_testutil import as_version1, assert_bit_exact, realistic, rebuild, re
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
-from hf_kvcompress.codec.stream import _BODY, _PREFIX, MAGIC
+from hf_kvcompress.codec.format import _BODY, _PREFIX, MAGIC
 
 
 def _streams():
@@ -166,7 +166,7 @@ def test_resealed_shapes(name, x, mean, std, cfg):
     the shape claimed. Never other values."""
     from dataclasses import replace
 
-    from hf_kvcompress.codec.decoder import Decoder
+    from hf_kvcompress.codec.api import Decoder
 
     blob = codec.encode(x, mean, std, cfg)
     header = Decoder(blob, mean, std, None, cfg).h
@@ -183,9 +183,8 @@ def test_resealed_shapes(name, x, mean, std, cfg):
 
 def _with_header(blob, mean, std, cfg, header) -> bytes:
     """``blob`` re-serialised under ``header`` (every CRC but the window CRCs recomputed)."""
-    from hf_kvcompress.codec.compact import write_compact
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.stream import write_stream
+    from hf_kvcompress.codec.api import Decoder
+    from hf_kvcompress.codec.format import write_compact, write_stream
 
     d = Decoder(blob, mean, std, None, cfg)
     return (write_compact if d.h.compact else write_stream)(header, d.entries.copy(), window_payloads(d))
@@ -200,7 +199,7 @@ def test_window_splices_are_refused_by_decode_range(name, x, mean, std, cfg, ver
     """A window (table entry and payload) taken from a sibling stream with the same mean/std, or from
     another position of the same stream, framing CRCs recomputed: `decode_range` over it refuses it, as
     `decode` does; ranges that avoid it decode exactly."""
-    from hf_kvcompress.codec.decoder import Decoder
+    from hf_kvcompress.codec.api import Decoder
 
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     sibling = (x.float() + torch.randn(x.shape, generator=g) * x.float().std() * 0.1).to(x.dtype)
