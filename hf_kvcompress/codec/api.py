@@ -25,7 +25,6 @@ from .config import (
 from .device import DeviceSource, decode_on_device, device_of
 from .errors import CorruptStreamError, ParameterMismatchError
 from .format import (
-    LANES_MAGIC,
     MAX_NDIM,
     VERSION,
     Header,
@@ -487,7 +486,7 @@ def decode_range(
 
 
 def _is_lanes(blob: object) -> bool:
-    return isinstance(blob, (bytes, bytearray, memoryview)) and bytes(blob[:3]) == LANES_MAGIC
+    return isinstance(blob, (bytes, bytearray, memoryview)) and lanes.is_lanes(blob)
 
 
 def _lanes_config(config: CodecConfig | None, marginal: Marginal | None) -> CodecConfig | None:

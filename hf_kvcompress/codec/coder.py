@@ -31,7 +31,7 @@ import numpy as np
 from .config import CodecConfig
 from .errors import CorruptStreamError
 from .params import Params
-from .symbols import Format, key_to_pattern, pack_raw, pattern_to_key, raw_padded_nbytes, unpack_raw
+from .symbols import Format, pack_raw, raw_padded_nbytes, unpack_raw
 from .tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, Tables, get_tables
 
 _Categorical = constriction.stream.model.Categorical
@@ -66,17 +66,32 @@ def models_for(fmt: Format, cfg: CodecConfig) -> Models:
     return _models_cached(fmt, cfg.marginal_or_default, cfg.escape)
 
 
+# The symbol mapping of docs/codec.md section 2.3, written once against an array namespace ``xp`` (numpy
+# here, torch in `device`); ``size`` / ``half``: per table id, arrays of ``xp``.
+
+
+def symbol_of(keys, tid, cp, cn, s, size, half, zero_key: int, xp) -> tuple:
+    """(valid, symbol) per element: the key's symbol in table ``tid``, or, for an element that escapes, its
+    coded pattern (the symbol under p_hat)."""
+    size_t, half_t = size[tid], half[tid]
+    s0 = keys - xp.where(keys >= zero_key, cp, cn)
+    valid = (s0 >= 0) & (s0 < size_t) & ((keys < cn + half_t) | (keys >= cp + half_t))
+    sym = xp.where(s > 0, s0, size_t - 1 - s0)
+    pattern = xp.where(keys >= zero_key, keys - zero_key, 2 * zero_key - 1 - keys)
+    return valid, xp.where(valid, sym, pattern)
+
+
+def key_of(sym, valid, tid, cp, cn, s, size, half, zero_key: int, xp):
+    """Inverse of `symbol_of`: keys from decoded symbols and escape flags."""
+    size_t = size[tid]
+    s0 = xp.where(s > 0, sym, size_t - 1 - sym)
+    key = s0 + xp.where(s0 >= half[tid], cp, cn)
+    return xp.where(valid, key, xp.where(sym < zero_key, sym + zero_key, 2 * zero_key - 1 - sym))
+
+
 def symbols(keys: np.ndarray, p: Params, tables: Tables, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    """(valid, symbol) per element; invalid (escaped) elements get their pattern as symbol (for p_hat)."""
-    size = tables.size[p.tid]
-    half = tables.half[p.tid]
-    s0 = keys - np.where(keys >= fmt.zero_key, p.cp, p.cn)
-    valid = (s0 >= 0) & (s0 < size) & ((keys < p.cn + half) | (keys >= p.cp + half))
-    sym = np.where(p.s > 0, s0, size - 1 - s0).astype(np.int32, copy=False)
-    esc = np.flatnonzero(~valid)
-    if esc.size:  # escaped elements are coded as their bit pattern under p_hat
-        sym[esc] = key_to_pattern(keys[esc], fmt)
-    return valid, sym
+    """`symbol_of` for numpy keys and `Params` (symbols int32)."""
+    return symbol_of(keys, p.tid, p.cp, p.cn, p.s, tables.size, tables.half, fmt.zero_key, np)
 
 
 def _group_ids(valid: np.ndarray, tid: np.ndarray) -> np.ndarray:
@@ -201,12 +216,7 @@ def decode_chunk(buf, offsets: np.ndarray, p: Params, lengths: np.ndarray, model
     sym = np.empty(n, dtype=np.int32)
     if pieces:
         sym[order] = np.concatenate(pieces)
-    size = t.size[p.tid]
-    s0 = np.where(p.s > 0, sym, size - 1 - sym)
-    keys = s0 + np.where(s0 >= t.half[p.tid], p.cp, p.cn)
-    esc = np.flatnonzero(~valid)
-    if esc.size:  # escaped elements decoded their pattern under p_hat
-        keys[esc] = pattern_to_key(sym[esc], fmt)
+    keys = key_of(sym, valid, p.tid, p.cp, p.cn, p.s, t.size, t.half, fmt.zero_key, np)
     if n and (keys.min() < 0 or keys.max() >= fmt.n_patterns):
         raise CorruptStreamError("corrupt codec stream: decoded value outside the dtype")
     return keys, raw

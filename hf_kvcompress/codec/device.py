@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..kernels import dispatch
+from .coder import key_of, symbol_of
 from .config import CodecConfig
 from .errors import CorruptStreamError
 from .params import Params, ParamSource, element_params_xp
@@ -86,8 +87,9 @@ def device_tables(fmt: Format, marginal: Marginal | None = None, escape: tuple[i
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The torch references (integer arithmetic in int64 lanes, any device): the per-element model, the dtype
-# symbol transforms (`symbols`) and the symbol mapping of `coder.symbols`, line by line.
+# The torch references (integer arithmetic in int64 lanes, any device): the per-element model and the symbol
+# mapping are the host's own functions (`params.element_params_xp`, `coder.symbol_of` / `coder.key_of`) run
+# on torch; the dtype symbol transforms (`symbols.split_bits`) are ported.
 
 
 def _element_params_ref(mean_bits: torch.Tensor, std_bits: torch.Tensor, fmt: Format, mean_steps: int,
@@ -127,15 +129,9 @@ def _encode_model_ref(value_bits: torch.Tensor, mean_bits: torch.Tensor, std_bit
     (its interval out of 2^24), ``escaped`` (0/1), ``raw`` low bits, plus ``cp``/``cn``/``s``."""
     tid, cp, cn, s = _element_params_ref(mean_bits, std_bits, fmt, mean_steps, tables.radius)
     key, raw = _split_bits_ref(value_bits, fmt)
-    t64, k = tid.to(torch.int64), key.to(torch.int64)
-    size = tables.size.to(torch.int64)[t64]
-    half = tables.half.to(torch.int64)[t64]
-    cp64, cn64 = cp.to(torch.int64), cn.to(torch.int64)
-    s0 = k - torch.where(k >= fmt.zero_key, cp64, cn64)
-    valid = (s0 >= 0) & (s0 < size) & ((k < cn64 + half) | (k >= cp64 + half))
-    sym = torch.where(s > 0, s0, size - 1 - s0)
-    pattern = torch.where(k >= fmt.zero_key, k - fmt.zero_key, 2 * fmt.zero_key - 1 - k)
-    sym = torch.where(valid, sym, pattern)
+    t64 = tid.to(torch.int64)
+    valid, sym = symbol_of(key.to(torch.int64), t64, cp.to(torch.int64), cn.to(torch.int64), s,
+                           tables.size.to(torch.int64), tables.half.to(torch.int64), fmt.zero_key, torch)
     group = torch.where(valid, t64, ESCAPE_GROUP)
     idx = tables.off[group] + sym
     i32 = torch.int32
@@ -145,14 +141,10 @@ def _encode_model_ref(value_bits: torch.Tensor, mean_bits: torch.Tensor, std_bit
 
 def _decode_keys_ref(sym: torch.Tensor, escaped: torch.Tensor, tid: torch.Tensor, cp: torch.Tensor, cn: torch.Tensor,
                 s: torch.Tensor, fmt: Format, tables) -> torch.Tensor:
-    """Decoded symbols back to keys (int32): the inverse of `_encode_model_ref`'s symbol mapping."""
-    t64, y = tid.to(torch.int64), sym.to(torch.int64)
-    size = tables.size.to(torch.int64)[t64]
-    s0 = torch.where(s > 0, y, size - 1 - y)
-    key = s0 + torch.where(s0 >= tables.half.to(torch.int64)[t64], cp.to(torch.int64), cn.to(torch.int64))
-    z = fmt.zero_key
-    key_esc = torch.where(y < z, y + z, 2 * z - 1 - y)
-    return torch.where(escaped != 0, key_esc, key).to(torch.int32)
+    """Decoded symbols back to keys (int32): `coder.key_of` in torch."""
+    key = key_of(sym.to(torch.int64), escaped == 0, tid.to(torch.int64), cp.to(torch.int64), cn.to(torch.int64), s,
+                 tables.size.to(torch.int64), tables.half.to(torch.int64), fmt.zero_key, torch)
+    return key.to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------

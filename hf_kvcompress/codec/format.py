@@ -36,7 +36,6 @@ from .symbols import FORMATS_BY_CODE, Format
 from .tables import Marginal, get_tables
 
 MAGIC = b"\x89KVCdc\r\n"
-LANES_MAGIC = b"\x89KL"  # the lanes layout (lanes.py); here so that the API can tell layouts apart cheaply
 VERSION = 2  # 2: window CRCs bound to their stream and index (windows.window_seed)
 _PREFIX = struct.Struct("<8sHHI")
 _BODY = struct.Struct("<BBBBBBHQIiIQ32s32s16s16s")

@@ -35,13 +35,13 @@ import torch
 from . import jit
 from .config import CodecConfig, check_config, check_stat
 from .errors import CorruptStreamError, ParameterMismatchError
-from .format import LANES_MAGIC, varint_bytes
+from .format import varint_bytes
 from .params import SIGMA_CODE_MAX, SIGMA_CODE_MIN, params_kernel, sigma_bits_of_code, t_lut
 from .symbols import FORMATS_BY_CODE, FP16, Format, format_of, pack_raw, raw_padded_nbytes
 from .tables import Marginal, get_tables
 from .windows import GAUSS_BIAS, bits_to_f32, residual_codes
 
-MAGIC = LANES_MAGIC
+MAGIC = b"\x89KL"
 MAX_NDIM = 32
 # lanes per stream: 8 interleaved states keep a core's pipeline busy (decode speed flat from 8 to 32 lanes,
 # docs/codec.md 12.3) while the 8-byte final state per lane costs ~0.02 bit/scalar on a 16k-element stream

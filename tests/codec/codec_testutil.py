@@ -9,7 +9,13 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from hf_kvcompress.codec.format import _BODY, _PREFIX, COMPACT_MAGIC, LANES_MAGIC
+from hf_kvcompress.codec.api import Decoder
+from hf_kvcompress.codec.errors import CorruptStreamError
+from hf_kvcompress.codec.format import _BODY, _PREFIX, COMPACT_MAGIC, write_compact, write_stream
+from hf_kvcompress.codec.lanes import MAGIC as LANES_MAGIC
+from hf_kvcompress.codec.lanes import parse_header
+from hf_kvcompress.codec.symbols import tensor_bits
+from hf_kvcompress.codec.windows import window_crc
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -120,9 +126,6 @@ def _reseal_compact(blob: bytes) -> bytes:
 
 def _reseal_lanes(blob: bytes) -> bytes:
     """A lanes stream: the header CRC (the payload's check covers the decoded values: nothing to reseal)."""
-    from hf_kvcompress.codec.errors import CorruptStreamError
-    from hf_kvcompress.codec.lanes import parse_header
-
     b = bytearray(blob)
     try:
         h = parse_header(blob, verify=False)
@@ -174,9 +177,6 @@ def params_bulk(n: int = 200_000, seed: int = 5) -> tuple[np.ndarray, np.ndarray
 def rebuild(blob: bytes, mean, std, config, *, entries=None, payloads=None, version: int | None = None) -> bytes:
     """Re-serialise a parsed stream with other window-table entries, payloads or format version, every
     framing CRC (header, table) recomputed and the window CRCs taken as given: what a splice looks like."""
-    from hf_kvcompress.codec.api import Decoder
-    from hf_kvcompress.codec.format import write_compact, write_stream
-
     d = Decoder(blob, mean, std, None, config)
     table = d.entries.copy() if entries is None else entries
     pieces = payloads if payloads is not None else window_payloads(d)
@@ -200,10 +200,6 @@ def window_payloads(d) -> list[bytes]:
 
 def as_version1(blob: bytes, x: torch.Tensor, mean, std, config) -> bytes:
     """``blob`` (a current stream of ``x``) written as format version 1: window CRCs started at 0."""
-    from hf_kvcompress.codec.api import Decoder
-    from hf_kvcompress.codec.symbols import tensor_bits
-    from hf_kvcompress.codec.windows import window_crc
-
     d = Decoder(blob, mean, std, None, config)
     bits = tensor_bits(x)
     table = d.entries.copy()
