@@ -260,7 +260,6 @@ def params_kernel(mean_bits, std_bits, zero_key, exp_offset, truncated, is_fp16,
         sg[i] = s
 
 
-
 @functools.lru_cache(maxsize=1)
 def _radius64() -> np.ndarray:
     return get_tables().radius.astype(np.int64)

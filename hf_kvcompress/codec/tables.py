@@ -16,6 +16,10 @@ largest-remainder rule. constriction's ``Categorical(weights, perfect=False)`` t
 ``weight + 1`` for every symbol exactly (its scale factor is ``(2^24 - n) / sum = 1.0``), so every symbol has
 probability >= 2^-24 and the model is reproducible anywhere. A SHA-256 over all tables and constants is
 compared with `TABLES_SHA256` once per process.
+
+Also here: `Marginal` (p_hat, the distribution escaped values are coded with; its default is part of the
+tables' hash) and the optional on-disk cache of the built tables, in a folder the caller names
+(`set_table_cache`).
 """
 
 from __future__ import annotations

@@ -76,15 +76,20 @@ def reseal(blob: bytes) -> bytes:
         struct.pack_into("<I", b, head_end, zlib.crc32(b[:head_end]))
         t0 = head_end + 4
         t1 = t0 + entry_size * n_windows
-        pos = t1 + 4
-        for w in range(n_windows):
-            size = struct.unpack_from("<I", b, t0 + w * entry_size)[0]
-            struct.pack_into("<I", b, t0 + w * entry_size + 4, zlib.crc32(b[pos : pos + size]))
-            pos += size
+        _reseal_windows(b, t0, entry_size, n_windows, t1 + 4)
         struct.pack_into("<I", b, t1, zlib.crc32(b[t0:t1]))
         return bytes(b)
     except (struct.error, IndexError, ValueError, OverflowError):
         return blob
+
+
+def _reseal_windows(b: bytearray, table: int, entry: int, n_windows: int, data: int) -> None:
+    """Set each window entry's CRC (entries of ``entry`` bytes at ``table``) to the CRC of its payload
+    (payloads from ``data`` on)."""
+    for w in range(n_windows):
+        size = struct.unpack_from("<I", b, table + w * entry)[0]
+        struct.pack_into("<I", b, table + w * entry + 4, zlib.crc32(b[data : data + size]))
+        data += size
 
 
 def _reseal_compact(blob: bytes) -> bytes:
@@ -113,11 +118,7 @@ def _reseal_compact(blob: bytes) -> bytes:
         mode = (flags >> 4) & 3
         entry = 8 + (2 if mode == 1 else 0) + (0 if (flags >> 3) & 1 else 2)
         table_end = pos + entry * n_windows
-        data = table_end + 4
-        for w in range(n_windows):
-            size = struct.unpack_from("<I", b, pos + w * entry)[0]
-            struct.pack_into("<I", b, pos + w * entry + 4, zlib.crc32(b[data : data + size]))
-            data += size
+        _reseal_windows(b, pos, entry, n_windows, table_end + 4)
         struct.pack_into("<I", b, table_end, zlib.crc32(b[:table_end]))
         return bytes(b)
     except (struct.error, IndexError, ValueError, OverflowError):
