@@ -1,4 +1,4 @@
-"""Benchmark the Triton kernels (issue 7) against their torch references and the device's memory bandwidth.
+"""Benchmark the Triton kernels (docs/kernels.md) against their torch references and the device's memory bandwidth.
 
 Prepared for a GPU: ``python eval/bench_kernels.py [--out results/kernels]``. Reports, per kernel, time,
 throughput and GB/s moved (and that over the measured device-to-device copy bandwidth), after checking the
@@ -29,6 +29,10 @@ import torch
 
 from hf_kvcompress import codec, kernels
 from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.codec import device as codec_device
+from hf_kvcompress.codec.api import Decoder
+from hf_kvcompress.codec.device import decode_on_device
+from hf_kvcompress.codec.symbols import BF16
 from hf_kvcompress.kernels.attention import attention_scores_reference
 
 SIZES = {  # elements / windows / queries: GPU, smoke
@@ -78,36 +82,27 @@ def bench_model(device, smoke, peak, repeat) -> list[dict]:
     x = (mean + std * torch.randn(n, generator=g).to(device)).to(torch.bfloat16)
     rows = []
     with kernels.forced("torch"):
-        ref, t_ref = timed(lambda: kernels.encode_model(x, mean, std), device, repeat)
+        ref, t_ref = timed(lambda: codec_device.encode_model(x, mean, std), device, repeat)
     with kernels.forced("triton"):
-        out, t_tri = timed(lambda: kernels.encode_model(x, mean, std), device, repeat)
+        out, t_tri = timed(lambda: codec_device.encode_model(x, mean, std), device, repeat)
     ok = all(torch.equal(out[k], ref[k]) for k in ref)
     moved = n * (2 + 4 + 4 + 10 * 4)  # x, mean, std in; ten int32 fields out
     rows += [row("encode_model (triton)", t_tri, n, moved, peak, ok), row("encode_model (torch ref)", t_ref, n, moved, peak)]
     params = (out["tid"], out["cp"], out["cn"], out["s"])
     with kernels.forced("triton"):
-        back, t_tri = timed(lambda: kernels.decode_bits(out["sym"], out["escaped"], params, out["raw"], codec_fmt()),
+        back, t_tri = timed(lambda: codec_device.decode_bits(out["sym"], out["escaped"], params, out["raw"], BF16),
                             device, repeat)
     with kernels.forced("torch"):
-        back_ref, t_ref = timed(lambda: kernels.decode_bits(out["sym"], out["escaped"], params, out["raw"],
-                                                            codec_fmt()), device, repeat)
+        back_ref, t_ref = timed(lambda: codec_device.decode_bits(out["sym"], out["escaped"], params, out["raw"],
+                                                            BF16), device, repeat)
     ok = torch.equal(back, x.view(torch.int16)) and torch.equal(back, back_ref)
     moved = n * (7 * 4 + 2)
     rows += [row("decode_bits (triton)", t_tri, n, moved, peak, ok), row("decode_bits (torch ref)", t_ref, n, moved, peak)]
     return rows
 
 
-def codec_fmt():
-    from hf_kvcompress.codec.symbols import BF16
-
-    return BF16
-
-
 def bench_ans(device, smoke, peak, repeat) -> tuple[list[dict], dict]:
     """Many windows of one stream, encoded on the CPU, entropy-decoded on the device."""
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.device import decode_on_device
-
     windows, length = SIZES["ans_windows"][smoke], SIZES["ans_window"][smoke]
     n = windows * length
     g = torch.Generator().manual_seed(1)

@@ -6,20 +6,33 @@ binary model of the window's tier), then the non-escaped elements grouped by tab
 p_hat (one call). Grouping is a stable sort by table id, so the decoder, which recomputes the table ids
 from (mean, std) and knows the flags, reproduces the groups. The raw low bits (float32, float16) follow
 the ANS words in the window's payload.
+
+Also here: running independent window jobs serially, on threads, or on forked processes (constriction
+holds the GIL while it codes, so threads only overlap the numpy parts; processes scale but cost a fork:
+copy-on-write, no pickling of inputs, output straight into shared memory; Linux/macOS only, elsewhere
+threads).
 """
 
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
+import os
+import sys
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 
 import constriction
 import numpy as np
 
+from .config import CodecConfig
 from .errors import CorruptStreamError
-from .model import ESCAPE_GROUP, PRECISION, TOTAL, Tables
 from .params import Params
-from .symbols import Format, key_to_pattern, pack_raw, pattern_to_key, raw_padded_nbytes, unpack_raw
+from .symbols import Format, pack_raw, raw_padded_nbytes, unpack_raw
+from .tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, Tables, get_tables
 
 _Categorical = constriction.stream.model.Categorical
 _AnsCoder = constriction.stream.stack.AnsCoder
@@ -43,17 +56,42 @@ class Models:
         return cls(tables, [*tables.models, phat_model], flags, freq, phat_freq, fmt)
 
 
+@functools.lru_cache(maxsize=32)
+def _models_cached(fmt: Format, marginal: Marginal, escape: tuple[int, int, int]) -> Models:
+    model, freq = marginal.coding(fmt)
+    return Models.build(get_tables(), model, freq, escape, fmt)
+
+
+def models_for(fmt: Format, cfg: CodecConfig) -> Models:
+    return _models_cached(fmt, cfg.marginal_or_default, cfg.escape)
+
+
+# The symbol mapping of docs/codec.md section 2.3, written once against an array namespace ``xp`` (numpy
+# here, torch in `device`); ``size`` / ``half``: per table id, arrays of ``xp``.
+
+
+def symbol_of(keys, tid, cp, cn, s, size, half, zero_key: int, xp) -> tuple:
+    """(valid, symbol) per element: the key's symbol in table ``tid``, or, for an element that escapes, its
+    coded pattern (the symbol under p_hat)."""
+    size_t, half_t = size[tid], half[tid]
+    s0 = keys - xp.where(keys >= zero_key, cp, cn)
+    valid = (s0 >= 0) & (s0 < size_t) & ((keys < cn + half_t) | (keys >= cp + half_t))
+    sym = xp.where(s > 0, s0, size_t - 1 - s0)
+    pattern = xp.where(keys >= zero_key, keys - zero_key, 2 * zero_key - 1 - keys)
+    return valid, xp.where(valid, sym, pattern)
+
+
+def key_of(sym, valid, tid, cp, cn, s, size, half, zero_key: int, xp):
+    """Inverse of `symbol_of`: keys from decoded symbols and escape flags."""
+    size_t = size[tid]
+    s0 = xp.where(s > 0, sym, size_t - 1 - sym)
+    key = s0 + xp.where(s0 >= half[tid], cp, cn)
+    return xp.where(valid, key, xp.where(sym < zero_key, sym + zero_key, 2 * zero_key - 1 - sym))
+
+
 def symbols(keys: np.ndarray, p: Params, tables: Tables, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    """(valid, symbol) per element; invalid (escaped) elements get their pattern as symbol (for p_hat)."""
-    size = tables.size[p.tid]
-    half = tables.half[p.tid]
-    s0 = keys - np.where(keys >= fmt.zero_key, p.cp, p.cn)
-    valid = (s0 >= 0) & (s0 < size) & ((keys < p.cn + half) | (keys >= p.cp + half))
-    sym = np.where(p.s > 0, s0, size - 1 - s0).astype(np.int32, copy=False)
-    esc = np.flatnonzero(~valid)
-    if esc.size:  # escaped elements are coded as their bit pattern under p_hat
-        sym[esc] = key_to_pattern(keys[esc], fmt)
-    return valid, sym
+    """`symbol_of` for numpy keys and `Params` (symbols int32)."""
+    return symbol_of(keys, p.tid, p.cp, p.cn, p.s, tables.size, tables.half, fmt.zero_key, np)
 
 
 def _group_ids(valid: np.ndarray, tid: np.ndarray) -> np.ndarray:
@@ -178,13 +216,108 @@ def decode_chunk(buf, offsets: np.ndarray, p: Params, lengths: np.ndarray, model
     sym = np.empty(n, dtype=np.int32)
     if pieces:
         sym[order] = np.concatenate(pieces)
-    size = t.size[p.tid]
-    s0 = np.where(p.s > 0, sym, size - 1 - sym)
-    keys = s0 + np.where(s0 >= t.half[p.tid], p.cp, p.cn)
-    esc = np.flatnonzero(~valid)
-    if esc.size:  # escaped elements decoded their pattern under p_hat
-        keys[esc] = pattern_to_key(sym[esc], fmt)
+    keys = key_of(sym, valid, p.tid, p.cp, p.cn, p.s, t.size, t.half, fmt.zero_key, np)
     if n and (keys.min() < 0 or keys.max() >= fmt.n_patterns):
         raise CorruptStreamError("corrupt codec stream: decoded value outside the dtype")
     return keys, raw
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Running window jobs
+
+_JOB: tuple | None = None  # (groups, run) inherited by forked children
+
+
+def split_balanced(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Contiguous groups of job indices with roughly equal total size."""
+    parts = max(1, min(parts, len(sizes)))
+    total = sum(sizes) or 1
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    acc = 0
+    for i, s in enumerate(sizes):
+        k = min(parts - 1, acc * parts // total)
+        groups[k].append(i)
+        acc += s
+    return [g for g in groups if g]
+
+
+def fork_available() -> bool:
+    return sys.platform != "win32" and "fork" in mp.get_all_start_methods()
+
+
+def run_jobs(run: Callable[[int], None], sizes: Sequence[int], threads: int = 1) -> None:
+    """Call ``run(i)`` for every job i (jobs write their own disjoint outputs)."""
+    groups = split_balanced(sizes, threads)
+    if len(groups) <= 1:
+        for i in range(len(sizes)):
+            run(i)
+        return
+    with ThreadPoolExecutor(len(groups)) as pool:
+        for f in [pool.submit(lambda g=g: [run(i) for i in g]) for g in groups]:
+            f.result()
+
+
+def run_jobs_forked(run: Callable[[np.ndarray, int], None], sizes: Sequence[int], workers: int,
+                    out_shape: int, out_dtype: np.dtype) -> np.ndarray:
+    """Like `run_jobs` on ``workers`` processes; ``run(out, i)`` writes into a shared output array, which is
+    returned (as a private copy)."""
+    global _JOB
+    groups = split_balanced(sizes, workers)
+    nbytes = max(1, out_shape * np.dtype(out_dtype).itemsize)
+    shm = shared_memory.SharedMemory(create=True, size=nbytes)
+    try:
+        out = np.ndarray((out_shape,), dtype=out_dtype, buffer=shm.buf)
+        ctx = mp.get_context("fork")
+        _JOB = (groups, run, out)
+        procs, pipes = [], []
+        for k in range(1, len(groups)):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(k, send), daemon=True)
+            p.start()
+            send.close()
+            procs.append(p)
+            pipes.append(recv)
+        err: BaseException | None = None
+        try:
+            for i in groups[0]:
+                run(out, i)
+        except BaseException as e:  # still reap the children below
+            err = e
+        messages = []
+        for p, r in zip(procs, pipes):
+            try:
+                messages.append(r.recv() if r.poll(None) else ("died", ""))
+            except EOFError:
+                messages.append(("died", ""))
+            p.join()
+        if err is not None:
+            raise err
+        for kind, msg in messages:
+            if kind == "corrupt":
+                raise CorruptStreamError(msg)
+            if kind != "ok":
+                raise RuntimeError(f"codec decode worker failed: {kind} {msg}")
+        result = out.copy()
+        del out
+        return result
+    finally:
+        _JOB = None
+        shm.close()
+        shm.unlink()
+
+
+def _child(k: int, conn) -> None:
+    assert _JOB is not None
+    groups, run, out = _JOB
+    try:
+        for i in groups[k]:
+            run(out, i)
+        conn.send(("ok", ""))
+    except CorruptStreamError as e:
+        conn.send(("corrupt", str(e)))
+    except BaseException as e:
+        conn.send((type(e).__name__, str(e)))
+    finally:
+        conn.close()
+        # skip interpreter teardown (atexit handlers, torch) in the forked child
+        os._exit(0)

@@ -1,10 +1,11 @@
-"""Compiled kernels of the lanes format (numba, ``nogil``): the per-element model, interleaved rANS, hashes.
+"""Compiled kernels of the lanes format (numba, ``nogil``): interleaved rANS and hashes (the per-element
+model is `params.params_kernel`).
 
 Everything here is integer arithmetic on arrays prepared by `lanes.py`; nothing allocates Python objects in
 the loops, so the kernels release the GIL and run on several threads at once (one call per thread, each
-over a range of streams). `element_param` is `params.element_params` element by element (tested equal to
-`params.element_params_reference`); the coder is rANS with a 64-bit state and 32-bit words (state in ``[2^31, 2^63)``), precision 24 bits
-(the tables' own), one state per lane, element ``i`` in lane ``i % lanes``, one shared word stream.
+over a range of streams). The coder is rANS with a 64-bit state and 32-bit words (state in
+``[2^31, 2^63)``), precision 24 bits (the tables' own), one state per lane, element ``i`` in lane
+``i % lanes``, one shared word stream.
 See docs/codec.md section 12.
 """
 
@@ -13,21 +14,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from .model import (
-    N_LEVELS,
-    N_OCT_MIN,
-    N_OFFSET_LEVELS,
-    N_OFFSETS,
-    PRECISION,
-    SUB,
-    W_BASE,
-    W_HALF,
-    W_LOW,
-)
-from .params import SH_MAX, SH_MIN
+from .tables import PRECISION
 
-_MAX_FINITE_BF16 = 0x7F7F
-_MAX_FINITE_FP16_13 = (30 << 7) | 127
 PREC = PRECISION  # 24: the tables' frequencies sum to 2^24
 MASK = (1 << PREC) - 1
 TOTAL = 1 << PREC
@@ -45,87 +33,6 @@ ERR_KEY = 4  # a decoded value outside the dtype
 ERR_HASH = 5  # the check hash of payload and decoded bits differs
 
 _jit = nb.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
-
-
-@nb.njit(cache=True, nogil=True, inline="always")
-def _rne_shift(v, sh):
-    sh = min(max(sh, 1), 62)
-    return (v + (np.int64(1) << (sh - 1)) - 1 + ((v >> sh) & 1)) >> sh
-
-
-@nb.njit(cache=True, nogil=True, inline="always")
-def element_param(mb, sb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
-    """(mean bits, std bits) as non-negative int64 -> (tid, cp, cn, s): `params.element_params` (the W test
-    through its look-up table ``tlut`` = `params.t_lut`), tested equal to `params.element_params_reference`."""
-    # rounded mean (params.rounded_mean)
-    sign = (mb >> 31) & 1
-    mag = mb & 0x7FFFFFFF
-    if truncated:
-        mag = max(mag - 0x8000, 0)
-    hi = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
-    frac = mag - (hi << 16)
-    if hi > _MAX_FINITE_BF16:
-        hi = _MAX_FINITE_BF16
-        frac = 0
-    if is_fp16:
-        e8 = hi >> 7
-        if e8 >= 143:
-            p = np.int64(_MAX_FINITE_FP16_13)
-            frac = 0
-        elif e8 >= 113:
-            p = ((e8 - 112) << 7) | (hi & 127)
-        else:
-            e32 = mag >> 23
-            p = _rne_shift((mag & 0x7FFFFF) | 0x800000, 129 - e32) if e32 >= 1 else np.int64(0)
-            frac = 0
-    else:
-        p = hi
-    ge = p >> 7
-    ge1 = max(ge, 1)
-    mant8 = (p & 127) | (min(ge, 1) << 7)
-    lcs = (sb >> 20) & 0xFFF  # std's log code (a -0.0 std reads as exponent 256, like the reference)
-    es = lcs >> 3
-    j = lcs & 7
-    sh = min(max(ge1 - es + (exp_offset + 5), SH_MIN), SH_MAX)
-    t = np.int64(tlut[((sh - SH_MIN) << 11) | (j << 8) | mant8])
-    z = zero_key
-    if t != 255 and es != 0:  # W family
-        base = (es - (exp_offset + W_LOW)) << 7
-        return W_BASE + (j << 6) + t, (z - W_HALF) + base, (z - W_HALF) - base, 1 - 2 * sign
-    if sign == 0:
-        key_m = z + p
-        fk = frac
-    else:
-        key_m = z - 1 - p
-        fk = -frac
-    if es == 0:
-        level = np.int64(0)
-    else:
-        u_exp = ge1 + (exp_offset - 7)
-        level = min(max(lcs - SUB * u_exp - SUB * N_OCT_MIN, 0), N_LEVELS - 1)
-    q = (abs(fk) * 16 + 32768) >> 16
-    if level < N_OFFSET_LEVELS:
-        tid = level * N_OFFSETS + q
-        s = -1 if fk < 0 else 1
-    else:
-        tid = N_OFFSET_LEVELS * N_OFFSETS + level - N_OFFSET_LEVELS
-        s = 1
-    c = key_m - radius[tid]
-    return tid, c, c, s
-
-
-@_jit
-def params_kernel(mean_bits, std_bits, zero_key, exp_offset, truncated, is_fp16, mean_steps, radius, tlut,
-                  tid, cp, cn, sg, lo, hi):
-    """`element_param` over elements ``lo..hi-1`` of equal-length uint32 arrays, into preallocated outputs
-    (``mean_steps`` is in ``tlut``; kept in the signature so that callers state it)."""
-    for i in range(lo, hi):
-        t, a, b, s = element_param(np.int64(mean_bits[i]), np.int64(std_bits[i]), zero_key, exp_offset,
-                                   truncated, is_fp16, radius, tlut)
-        tid[i] = t
-        cp[i] = a
-        cn[i] = b
-        sg[i] = s
 
 
 @nb.njit(cache=True, nogil=True, inline="always")

@@ -33,19 +33,15 @@ import numpy as np
 import torch
 
 from . import jit
-from .broadcast import SIGMA_CODE_MAX, SIGMA_CODE_MIN, sigma_bits_of_code
-from .compact import varint_bytes
-from .config import CodecConfig
+from .config import CodecConfig, check_config, check_stat
 from .errors import CorruptStreamError, ParameterMismatchError
-from .inputs import check_config, check_stat
-from .marginal import Marginal
-from .model import get_tables
-from .params import t_lut
-from .stream import LANES_MAGIC
+from .format import varint_bytes
+from .params import SIGMA_CODE_MAX, SIGMA_CODE_MIN, params_kernel, sigma_bits_of_code, t_lut
 from .symbols import FORMATS_BY_CODE, FP16, Format, format_of, pack_raw, raw_padded_nbytes
-from .windows import GAUSS_BIAS, residual_codes
+from .tables import Marginal, get_tables
+from .windows import GAUSS_BIAS, bits_to_f32, residual_codes
 
-MAGIC = LANES_MAGIC
+MAGIC = b"\x89KL"
 MAX_NDIM = 32
 # lanes per stream: 8 interleaved states keep a core's pipeline busy (decode speed flat from 8 to 32 lanes,
 # docs/codec.md 12.3) while the 8-byte final state per lane costs ~0.02 bit/scalar on a 16k-element stream
@@ -198,7 +194,7 @@ def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | N
     cp = np.empty(k, dtype=np.int32)
     cn = np.empty(k, dtype=np.int32)
     sg = np.empty(k, dtype=np.int8)
-    _run(jit.params_kernel, (mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
+    _run(params_kernel, (mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
                              lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg), k,
          threads if k >= _PARALLEL_PARAMS else 1)
     c = math.prod(cshape)
@@ -342,8 +338,6 @@ def encode_batch_impl(x: torch.Tensor, mean, std, cfg: CodecConfig, threads: int
 def _stream_sigma_codes(bits: np.ndarray, mean32: np.ndarray | None, fmt: Format, n_streams: int,
                         shape: tuple[int, ...]) -> np.ndarray:
     """Per-stream sigma code when std is None: mean residual log code + bias, as the ans coder's windows."""
-    from .plan import bits_to_f32
-
     x = bits_to_f32(bits.reshape(-1), fmt)
     if mean32 is None:
         mfull = np.zeros(x.size, dtype=np.float32)

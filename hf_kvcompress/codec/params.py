@@ -1,7 +1,11 @@
 """(mean, std) -> per-element table id and key offsets, in integer arithmetic on float32 bit patterns.
 
 This is the part a GPU decoder must reproduce bit for bit, so it uses only integer operations (no float
-maths, hence no rounding-mode, FMA or flush-to-zero dependence). See docs/codec.md for the derivation.
+maths, hence no rounding-mode, FMA or flush-to-zero dependence). See docs/codec.md section 2 for the
+derivation. One definition serves every path: `element_params_xp` is written against an array namespace
+(numpy or torch, the reference of the host and of the device), `element_param` is the same function element
+by element for numba (the fast host path, `element_params`, and the lanes coder), and the Triton port
+(`device_triton`) reads its constants from `tables`; the tests prove all of them equal bit for bit.
 
 Per element the output is ``(tid, cp, cn, s)``; with ``Z`` the key of +0, ``size``/``half`` of table ``tid``:
 
@@ -9,6 +13,9 @@ Per element the output is ``(tid, cp, cn, s)``; with ``Z`` the key of +0, ``size
   key is outside ``[cn + half, cp + half)`` (the W family's "too small" gap); ``sym = s0`` if ``s > 0``
   else ``size - 1 - s0`` (mirror: tables are built for a non-negative mean or offset).
 - decode: ``s0 = sym`` or ``size - 1 - sym``; ``key = s0 + (cp if s0 >= half else cn)``.
+
+Also here: `ParamSource`, the params of any flat range of ``x`` from a compact (broadcast) mean / std, and
+the spread log codes windows and side information are measured in.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numba as nb
 import numpy as np
+import torch
 
-from .model import (
+from .symbols import FP16, Format
+from .tables import (
     N_LEVELS,
     N_OCT_MIN,
     N_OFFSET_LEVELS,
@@ -30,7 +40,6 @@ from .model import (
     W_T_LEVELS,
     get_tables,
 )
-from .symbols import FP16, Format
 
 _MAX_FINITE_BF16 = 0x7F7F
 _MAX_FINITE_FP16_13 = (30 << 7) | 127
@@ -43,99 +52,120 @@ class Params(NamedTuple):
     s: np.ndarray  # int8, +1 or -1
 
 
-def _rne_shift(v: np.ndarray, sh: np.ndarray) -> np.ndarray:
+# The reference, written once against an array namespace ``xp``: numpy (host) or torch (any device). Only
+# operators and ``xp.where`` / ``xp.clip`` / ``abs``, which both give the same integer results; inputs are
+# int64 arrays holding float32 bit patterns as non-negative values (`_u32`).
+
+
+def _u32(bits, xp):
+    """float32 bit patterns (uint32 or int32 array / tensor) -> int64 with the unsigned values."""
+    wide = bits.astype(np.int64) if xp is np else bits.to(torch.int64)
+    return wide & 0xFFFFFFFF
+
+
+def _rne_shift(v, sh, xp):
     """Round-to-nearest-even of v / 2^sh for v >= 0, 1 <= sh <= 62 (int64)."""
-    sh = np.clip(sh, 1, 62)
-    return (v + (np.int64(1) << (sh - 1)) - 1 + ((v >> sh) & 1)) >> sh
+    sh = xp.clip(sh, 1, 62)
+    return (v + (1 << (sh - 1)) - 1 + ((v >> sh) & 1)) >> sh
 
 
-def rounded_mean(mean_bits: np.ndarray, fmt: Format) -> tuple[np.ndarray, ...]:
-    """float32 mean bits -> (sign, grid pattern magnitude, grid exponent field, fraction) where the grid is
-    the coded pattern's value set and ``fraction`` (units of 2^-16 grid ulp, in [-2^15, 2^15]) is how far
-    the (shifted) mean lies above the rounded one, in magnitude."""
-    mb = mean_bits.astype(np.int64)
+def _rounded_mean(mb, fmt: Format, xp):
     sign = (mb >> 31) & 1
     mag = mb & 0x7FFFFFFF
     if fmt.truncated:
         # the coded pattern is x truncated toward zero: its bin is [b, b + ulp) in magnitude, i.e. the
         # round-to-nearest bin of |x| - ulp/2. Shift the mean by half a (bfloat16-grid) ulp: 0x8000 units.
-        mag = np.maximum(mag - 0x8000, 0)
+        mag = xp.clip(mag - 0x8000, 0, None)
     hi = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
     frac = mag - (hi << 16)
     clamp = hi > _MAX_FINITE_BF16
-    hi = np.where(clamp, _MAX_FINITE_BF16, hi)
-    frac = np.where(clamp, 0, frac)
+    hi = xp.where(clamp, _MAX_FINITE_BF16, hi)
+    frac = xp.where(clamp, 0, frac)
     if fmt is FP16:
         e8 = hi >> 7
         normal = ((e8 - 112) << 7) | (hi & 127)
         e32 = mag >> 23
-        sub = np.where(e32 >= 1, _rne_shift((mag & 0x7FFFFF) | 0x800000, 129 - e32), 0)
-        p = np.where(e8 >= 143, _MAX_FINITE_FP16_13, np.where(e8 >= 113, normal, sub))
-        frac = np.where((e8 >= 113) & (e8 < 143), frac, 0)
+        sub = xp.where(e32 >= 1, _rne_shift((mag & 0x7FFFFF) | 0x800000, 129 - e32, xp), 0)
+        p = xp.where(e8 >= 143, _MAX_FINITE_FP16_13, xp.where(e8 >= 113, normal, sub))
+        frac = xp.where((e8 >= 113) & (e8 < 143), frac, 0)
     else:
         p = hi
     return sign, p, p >> 7, frac
 
 
-def element_params_reference(mean_bits: np.ndarray, std_bits: np.ndarray, fmt: Format,
-                             mean_steps: int = 8) -> Params:
-    """Table id and key offsets for every element (arrays of equal shape, float32 bit patterns): the
-    arithmetic of docs/codec.md section 2, written for reading. `element_params` is the fast equivalent
-    (tested equal); the GPU kernels port this one."""
-    t = get_tables()
+def rounded_mean(mean_bits, fmt: Format, xp=np) -> tuple:
+    """float32 mean bits -> (sign, grid pattern magnitude, grid exponent field, fraction) where the grid is
+    the coded pattern's value set and ``fraction`` (units of 2^-16 grid ulp, in [-2^15, 2^15]) is how far
+    the (shifted) mean lies above the rounded one, in magnitude."""
+    return _rounded_mean(_u32(mean_bits, xp), fmt, xp)
+
+
+def _w_test(mant8, sh, j, mean_steps: int, xp):
+    """The W family test and table t: ``tl = round(8 |m_hat| / s_rep)`` with ``s_rep = (17 + 2j)/16 * 2^E``
+    in 2^-12 fixed point (W when ``tl < W_T_LEVELS``), and the table's t, ``|mean| / std`` in steps of
+    ``1 / mean_steps`` on the 1/8 grid of the tables."""
+    mrel = xp.where(sh >= 0, mant8 << xp.clip(sh, 0, 24), mant8 >> xp.clip(-sh, 0, 40))
+    den = 17 + 2 * j
+    tl = (mrel * 128 + den * 2048) // (den * 4096)
+    tk = (mrel * (16 * mean_steps) + den * 2048) // (den * 4096)
+    return tl, xp.clip(tk * (8 // mean_steps), None, W_T_LEVELS - 1)
+
+
+def element_params_xp(mean_bits, std_bits, fmt: Format, mean_steps: int, radius, xp) -> tuple:
+    """(tid, cp, cn, s) per element as int64 arrays of ``xp`` (numpy or torch): the arithmetic of
+    docs/codec.md section 2, written for reading. ``radius``: the tables' R per table id, an int64 array of
+    ``xp`` (on the inputs' device)."""
     z = fmt.zero_key
-    sign, p, ge, frac = rounded_mean(mean_bits, fmt)
-    key_m = np.where(sign == 0, z + p, z - 1 - p)
-    fk = np.where(sign == 0, frac, -frac)
+    sign, p, ge, frac = rounded_mean(mean_bits, fmt, xp)
+    key_m = xp.where(sign == 0, z + p, z - 1 - p)
+    fk = xp.where(sign == 0, frac, -frac)
     gm = p & 127
-    mant8 = np.where(ge >= 1, 128 | gm, gm)
-    ge1 = np.maximum(ge, 1)
+    mant8 = xp.where(ge >= 1, 128 | gm, gm)
+    ge1 = xp.clip(ge, 1, None)
     ex = ge1 + fmt.exp_offset - 134  # grid value = mant8 * 2^ex
     u_exp = ge1 + fmt.exp_offset - 7  # float32 exponent field of one grid ulp at the mean
 
-    sb = std_bits.astype(np.int64)
+    sb = _u32(std_bits, xp)
     es = sb >> 23
     j = (sb >> 20) & 7
     lcs = sb >> 20  # std's log code: 8 * exponent field + top 3 mantissa bits
 
-    # W family test: t = round(8 |m_hat| / s_rep), s_rep = (17 + 2j)/16 * 2^E, in 2^-12 fixed point
     big_e = es - 127
-    sh = ex - big_e + 12
-    mrel = np.where(sh >= 0, mant8 << np.clip(sh, 0, 24), mant8 >> np.clip(-sh, 0, 40))
-    den = 17 + 2 * j
-    tl = (mrel * 128 + den * 2048) // (den * 4096)
+    tl, t = _w_test(mant8, ex - big_e + 12, j, mean_steps, xp)
     wide = (es > 0) & (tl < W_T_LEVELS)
-
     base = (es - fmt.exp_offset - W_LOW) * 128  # magnitude pattern of 2^(E - 12) on the grid
-    # the table's t: |mean| / std in steps of 1 / mean_steps, on the 1/8 grid of the tables
-    tk = (mrel * (16 * mean_steps) + den * 2048) // (den * 4096)
-    tid_w = W_BASE + j * W_T_LEVELS + np.minimum(tk * (8 // mean_steps), W_T_LEVELS - 1)
+    tid_w = W_BASE + j * W_T_LEVELS + t
     cp_w = z + base - W_HALF
     cn_w = z - base - W_HALF
     s_w = 1 - 2 * sign
 
     # std = 0 or subnormal: the sharpest table (its log code would otherwise read as ~2^-127, which is
     # many ulps of a zero or subnormal mean)
-    level = np.where(es == 0, 0, np.clip(lcs - SUB * u_exp - SUB * N_OCT_MIN, 0, N_LEVELS - 1))
-    q = (np.abs(fk) * 16 + 32768) >> 16
+    level = xp.where(es == 0, 0, xp.clip(lcs - SUB * u_exp - SUB * N_OCT_MIN, 0, N_LEVELS - 1))
+    q = (abs(fk) * 16 + 32768) >> 16
     with_off = level < N_OFFSET_LEVELS
-    tid_n = np.where(with_off, level * N_OFFSETS + q, N_OFFSET_LEVELS * N_OFFSETS + level - N_OFFSET_LEVELS)
-    s_n = np.where(with_off & (fk < 0), -1, 1)
-    cp_n = key_m - t.radius[tid_n]
+    tid_n = xp.where(with_off, level * N_OFFSETS + q, N_OFFSET_LEVELS * N_OFFSETS + level - N_OFFSET_LEVELS)
+    s_n = xp.where(with_off & (fk < 0), -1, 1)
+    cp_n = key_m - radius[tid_n]
+    return (xp.where(wide, tid_w, tid_n), xp.where(wide, cp_w, cp_n), xp.where(wide, cn_w, cp_n),
+            xp.where(wide, s_w, s_n))
 
-    tid = np.where(wide, tid_w, tid_n).astype(np.uint16)
-    cp = np.where(wide, cp_w, cp_n).astype(np.int32)
-    cn = np.where(wide, cn_w, cp_n).astype(np.int32)
-    s = np.where(wide, s_w, s_n).astype(np.int8)
-    return Params(tid, cp, cn, s)
+
+def element_params_reference(mean_bits: np.ndarray, std_bits: np.ndarray, fmt: Format,
+                             mean_steps: int = 8) -> Params:
+    """`element_params_xp` on numpy arrays of float32 bit patterns (equal shapes). `element_params` is the
+    fast equivalent (tested equal)."""
+    tid, cp, cn, s = element_params_xp(mean_bits, std_bits, fmt, mean_steps, _radius64(), np)
+    return Params(tid.astype(np.uint16), cp.astype(np.int32), cn.astype(np.int32), s.astype(np.int8))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Fast path: the same function with fewer, cheaper numpy passes (int32 lanes, one table look-up for the W
-# test, the N family computed only on the elements that need it). Equality with the reference is tested on
-# random and edge-case bit patterns; keep the two in step.
+# Fast path: the same function element by element, compiled by numba (shared with the lanes coder, which
+# calls `params_kernel` on its threads). The W test goes through a look-up table of the reference's integer
+# formula (`t_lut`), the N family is computed only where it is needed.
 
 SH_MIN, SH_MAX = -9, 24  # beyond these the W test's shifted mantissa saturates (see the reference)
+_jit = nb.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
 
 @functools.lru_cache(maxsize=4)
@@ -145,70 +175,211 @@ def t_lut(mean_steps: int) -> np.ndarray:
     sh = np.arange(SH_MIN, SH_MAX + 1, dtype=np.int64)[:, None, None]
     j = np.arange(8, dtype=np.int64)[None, :, None]
     mant8 = np.arange(256, dtype=np.int64)[None, None, :]
-    mrel = np.where(sh >= 0, mant8 << np.clip(sh, 0, 24), mant8 >> np.clip(-sh, 0, 40))
-    den = 17 + 2 * j
-    tl = (mrel * 128 + den * 2048) // (den * 4096)
-    tk = (mrel * (16 * mean_steps) + den * 2048) // (den * 4096)
-    t = np.minimum(tk * (8 // mean_steps), W_T_LEVELS - 1)
+    tl, t = _w_test(mant8, sh, j, mean_steps, np)
     return np.where(tl < W_T_LEVELS, t, 255).astype(np.uint8).reshape(-1)
 
 
-def element_params(mean_bits: np.ndarray, std_bits: np.ndarray, fmt: Format, mean_steps: int = 8) -> Params:
-    """`element_params_reference` for finite float32 mean / std bit patterns, fast."""
-    mean_bits = np.ascontiguousarray(mean_bits).astype(np.uint32, copy=False)
-    std_bits = np.ascontiguousarray(std_bits).astype(np.uint32, copy=False)
-    z = fmt.zero_key
-    if fmt is FP16:  # rarely used: the reference's rounding, then the same fast tail
-        sign64, p64, _, frac64 = rounded_mean(mean_bits, fmt)
-        neg = sign64.astype(bool)
-        p = p64.astype(np.int32)
-        frac = frac64.astype(np.int32)
+@nb.njit(cache=True, nogil=True, inline="always")
+def _rne_shift_1(v, sh):
+    sh = min(max(sh, 1), 62)
+    return (v + (np.int64(1) << (sh - 1)) - 1 + ((v >> sh) & 1)) >> sh
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def element_param(mb, sb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
+    """(mean bits, std bits) as non-negative int64 -> (tid, cp, cn, s): `element_params_xp` for one element
+    (the W test through its look-up table ``tlut`` = `t_lut`), tested equal to it."""
+    # rounded mean (`rounded_mean`)
+    sign = (mb >> 31) & 1
+    mag = mb & 0x7FFFFFFF
+    if truncated:
+        mag = max(mag - 0x8000, 0)
+    hi = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+    frac = mag - (hi << 16)
+    if hi > _MAX_FINITE_BF16:
+        hi = _MAX_FINITE_BF16
+        frac = 0
+    if is_fp16:
+        e8 = hi >> 7
+        if e8 >= 143:
+            p = np.int64(_MAX_FINITE_FP16_13)
+            frac = 0
+        elif e8 >= 113:
+            p = ((e8 - 112) << 7) | (hi & 127)
+        else:
+            e32 = mag >> 23
+            p = _rne_shift_1((mag & 0x7FFFFF) | 0x800000, 129 - e32) if e32 >= 1 else np.int64(0)
+            frac = 0
     else:
-        m = mean_bits.view(np.int32)
-        neg = m < 0
-        mag = m & 0x7FFFFFFF  # finite: <= 0x7F7FFFFF, so the additions below stay inside int32
-        if fmt.truncated:
-            mag = np.maximum(mag - 0x8000, 0)
-        p = (mag + (0x7FFF + ((mag >> 16) & 1))) >> 16
-        frac = None
-        if p.size and p.max() > _MAX_FINITE_BF16:  # |mean| beyond the largest finite value: clamp
-            frac = np.where(p > _MAX_FINITE_BF16, 0, mag - (p << 16))
-            p = np.minimum(p, _MAX_FINITE_BF16)
+        p = hi
     ge = p >> 7
-    ge1 = np.maximum(ge, 1)
-    mant8 = (p & 127) | (np.minimum(ge, 1) << 7)
-    s = std_bits.view(np.int32)
-    lcs = (s >> 20) & 0xFFF  # unsigned semantics (a -0.0 std reads as exponent 256, like the reference)
+    ge1 = max(ge, 1)
+    mant8 = (p & 127) | (min(ge, 1) << 7)
+    lcs = (sb >> 20) & 0xFFF  # std's log code (a -0.0 std reads as exponent 256, like the reference)
     es = lcs >> 3
     j = lcs & 7
-    sh = np.clip(ge1 - es + (fmt.exp_offset + 5), SH_MIN, SH_MAX)
-    t = t_lut(mean_steps)[((sh - SH_MIN) << 11) | (j << 8) | mant8]
-    narrow = (t == 255) | (es == 0)
+    sh = min(max(ge1 - es + (exp_offset + 5), SH_MIN), SH_MAX)
+    t = np.int64(tlut[((sh - SH_MIN) << 11) | (j << 8) | mant8])
+    z = zero_key
+    if t != 255 and es != 0:  # W family
+        base = (es - (exp_offset + W_LOW)) << 7
+        return W_BASE + (j << 6) + t, (z - W_HALF) + base, (z - W_HALF) - base, 1 - 2 * sign
+    if sign == 0:
+        key_m = z + p
+        fk = frac
+    else:
+        key_m = z - 1 - p
+        fk = -frac
+    if es == 0:
+        level = np.int64(0)
+    else:
+        u_exp = ge1 + (exp_offset - 7)
+        level = min(max(lcs - SUB * u_exp - SUB * N_OCT_MIN, 0), N_LEVELS - 1)
+    q = (abs(fk) * 16 + 32768) >> 16
+    if level < N_OFFSET_LEVELS:
+        tid = level * N_OFFSETS + q
+        s = -1 if fk < 0 else 1
+    else:
+        tid = N_OFFSET_LEVELS * N_OFFSETS + level - N_OFFSET_LEVELS
+        s = 1
+    c = key_m - radius[tid]
+    return tid, c, c, s
 
-    tid = (W_BASE + (j << 6) + t).astype(np.uint16)
-    base = (es - (fmt.exp_offset + W_LOW)) << 7
-    cp = (z - W_HALF) + base
-    cn = (z - W_HALF) - base
-    sg = (1 - 2 * neg.view(np.int8)).astype(np.int8)  # +1 / -1 (np.where on bool is 5x slower here)
-    idx = np.flatnonzero(narrow)
-    if idx.size:
-        pn, gn, negn = p[idx], ge1[idx], neg[idx]
-        if frac is None:  # only the narrow elements need the sub-ulp offset
-            magn = mag[idx]
-            fr = magn - (pn << 16)
-        else:
-            fr = frac[idx]
-        key_m = np.where(negn, z - 1 - pn, z + pn)
-        fk = np.where(negn, -fr, fr)
-        u_exp = gn + (fmt.exp_offset - 7)
-        level = np.clip(lcs[idx] - SUB * u_exp - SUB * N_OCT_MIN, 0, N_LEVELS - 1)
-        level[es[idx] == 0] = 0
-        q = (np.abs(fk) * 16 + 32768) >> 16
-        with_off = level < N_OFFSET_LEVELS
-        tid_n = np.where(with_off, level * N_OFFSETS + q, N_OFFSET_LEVELS * N_OFFSETS - N_OFFSET_LEVELS + level)
-        cp_n = key_m - get_tables().radius[tid_n]
-        tid[idx] = tid_n
-        cp[idx] = cp_n
-        cn[idx] = cp_n
-        sg[idx] = np.where(with_off & (fk < 0), -1, 1)
-    return Params(tid, cp.astype(np.int32, copy=False), cn.astype(np.int32, copy=False), sg)
+
+@_jit
+def params_kernel(mean_bits, std_bits, zero_key, exp_offset, truncated, is_fp16, mean_steps, radius, tlut,
+                  tid, cp, cn, sg, lo, hi):
+    """`element_param` over elements ``lo..hi-1`` of equal-length uint32 arrays, into preallocated outputs
+    (``mean_steps`` is in ``tlut``; kept in the signature so that callers state it)."""
+    for i in range(lo, hi):
+        t, a, b, s = element_param(np.int64(mean_bits[i]), np.int64(std_bits[i]), zero_key, exp_offset,
+                                   truncated, is_fp16, radius, tlut)
+        tid[i] = t
+        cp[i] = a
+        cn[i] = b
+        sg[i] = s
+
+
+@functools.lru_cache(maxsize=1)
+def _radius64() -> np.ndarray:
+    return get_tables().radius.astype(np.int64)
+
+
+def element_params(mean_bits: np.ndarray, std_bits: np.ndarray, fmt: Format, mean_steps: int = 8) -> Params:
+    """`element_params_reference` for finite float32 mean / std bit patterns (arrays of equal shape), fast."""
+    shape = np.shape(mean_bits)
+    mb = np.ascontiguousarray(mean_bits).astype(np.uint32, copy=False).reshape(-1)
+    sb = np.ascontiguousarray(std_bits).astype(np.uint32, copy=False).reshape(-1)
+    n = mb.size
+    tid, cp = np.empty(n, dtype=np.uint16), np.empty(n, dtype=np.int32)
+    cn, sg = np.empty(n, dtype=np.int32), np.empty(n, dtype=np.int8)
+    params_kernel(mb, sb, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps, _radius64(),
+                  t_lut(mean_steps), tid, cp, cn, sg, 0, n)
+    return Params(*(a.reshape(shape) for a in (tid, cp, cn, sg)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Spread codes, and params from compact (broadcast) statistics.
+
+
+def log_codes(f32_bits: np.ndarray) -> np.ndarray:
+    """lc of float32 bit patterns (sign ignored): 8 * exponent + top three mantissa bits, about
+    8 * log2|v| (eighth-octaves); subnormals and zero -> 0; int32."""
+    lc = ((f32_bits.astype(np.int64) & 0x7FFFFFFF) >> 20).astype(np.int32)
+    return np.where(lc < 8, 0, lc)
+
+
+SIGMA_CODE_MIN, SIGMA_CODE_MAX = 8, 2039  # normal, finite float32 log codes
+
+
+def sigma_bits_of_code(codes: np.ndarray) -> np.ndarray:
+    """A window sigma code (8 * exponent + 3 mantissa bits) -> float32 bits of its sub-octave midpoint."""
+    return (codes.astype(np.int64) << 20) | (1 << 19)
+
+
+class ParamSource:
+    """Maps flat element ranges of a tensor of ``shape`` to the compact mean/std arrays."""
+
+    def __init__(self, shape: tuple[int, ...], mean: np.ndarray | None, std: np.ndarray | None, fmt: Format,
+                 mean_steps: int = 8):
+        self.fmt = fmt
+        self.mean_steps = mean_steps
+        nd = len(shape)
+        mean_c = np.zeros((1,) * nd, dtype=np.float32) if mean is None else mean
+        std_c = None if std is None else std
+        cshape = np.broadcast_shapes(mean_c.shape, std_c.shape) if std_c is not None else mean_c.shape
+        self.mean_bits = np.ascontiguousarray(np.broadcast_to(mean_c, cshape)).view(np.uint32).reshape(-1)
+        self.std_bits = None
+        self._compact: Params | None = None
+        if std_c is not None:
+            self.std_bits = np.ascontiguousarray(np.broadcast_to(std_c, cshape)).view(np.uint32).reshape(-1)
+        # collapse dims into groups of [extent, x stride, compact stride (0: broadcast)], innermost first;
+        # neighbouring dims that are both kept or both broadcast merge into one group
+        groups: list[list[int]] = []
+        xs, cs = 1, 1
+        for d in range(nd - 1, -1, -1):
+            ext, kept = shape[d], cshape[d] == shape[d]
+            if ext != 1:
+                if groups and (groups[-1][2] != 0) == kept:
+                    groups[-1][0] *= ext
+                else:
+                    groups.append([ext, xs, cs if kept else 0])
+            xs *= ext
+            cs *= cshape[d]
+        self._groups = [(g[0], g[1], g[2]) for g in groups if g[2] != 0]
+        self._identity = cshape == tuple(shape)
+        self._scalar = not self._groups
+
+    @property
+    def compact(self) -> Params:
+        """Params of the compact mean / std, computed on first use (a device path may never need them)."""
+        if self._compact is None:
+            assert self.std_bits is not None
+            self._compact = element_params(self.mean_bits, self.std_bits, self.fmt, self.mean_steps)
+        return self._compact
+
+    def index(self, a: int, b: int) -> np.ndarray | slice | None:
+        """Compact flat indices of elements a..b-1 (a slice when contiguous, None when scalar)."""
+        if self._identity:
+            return slice(a, b)
+        if self._scalar:
+            return None
+        i = np.arange(a, b, dtype=np.int64)
+        idx = np.zeros(b - a, dtype=np.int64)
+        for ext, xs, cs in self._groups:
+            idx += (i // xs % ext) * cs
+        return idx
+
+    @staticmethod
+    def _take(arr: np.ndarray, idx, n: int) -> np.ndarray:
+        if idx is None:
+            return np.broadcast_to(arr[:1], (n,))
+        return arr[idx]
+
+    def params(self, a: int, b: int, sigma_bits: np.ndarray | None = None) -> Params:
+        """Params of elements a..b-1; ``sigma_bits`` (per element) when std is None."""
+        idx = self.index(a, b)
+        n = b - a
+        if self.std_bits is not None:
+            c = self.compact
+            return Params(*(self._take(arr, idx, n) for arr in c))
+        assert sigma_bits is not None
+        return element_params(self._take(self.mean_bits, idx, n), sigma_bits, self.fmt, self.mean_steps)
+
+    def mean_f32(self, a: int, b: int) -> np.ndarray:
+        return self._take(self.mean_bits, self.index(a, b), b - a).view(np.float32)
+
+    def std_f32(self, a: int, b: int) -> np.ndarray:
+        assert self.std_bits is not None
+        return self._take(self.std_bits, self.index(a, b), b - a).view(np.float32)
+
+    def std_codes(self, a: int, b: int) -> np.ndarray:
+        assert self.std_bits is not None
+        return log_codes(self._take(self.std_bits, self.index(a, b), b - a))
+
+    def std_code_mean(self) -> int:
+        """Integer mean of lc(std) over the compact array (equal to the mean over all elements, since
+        broadcasting repeats every compact entry equally often)."""
+        assert self.std_bits is not None
+        codes = log_codes(self.std_bits)
+        return int(codes.astype(np.int64).sum()) // max(1, codes.size)

@@ -1,4 +1,5 @@
-"""`encode_with_stats`: the monitoring seed 000 asks for, plus ideal code lengths to check the coder."""
+"""`encode_with_stats`: sizes, window and locality monitoring, and ideal code lengths to check the coder
+against (docs/codec.md section 8)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .broadcast import ParamSource, sigma_bits_of_code
-from .config import CodecConfig
-from .decoder import decode_impl
-from .encoder import EncodeTrace, encode_impl
-from .inputs import check_stat, check_x
-from .model import TOTAL, W_MAIN, W_WIDE, WIDE_FACTOR
-from .plan import chunks_of, models_for, predicted_spread, window_sigma_bits
-from .symbols import FP16, Format, tensor_bits
-from .windows import GAUSS_BIAS, Thresholds, block_spread
+from .api import EncodeTrace, decode_impl, encode_impl
+from .coder import models_for, symbols
+from .config import CodecConfig, check_stat, check_x
+from .params import ParamSource, sigma_bits_of_code
+from .symbols import FP16, Format, key_to_pattern, split_bits, tensor_bits
+from .tables import TOTAL, W_MAIN, W_WIDE, WIDE_FACTOR
+from .windows import GAUSS_BIAS, Thresholds, block_spread, chunks_of, predicted_spread, window_sigma_bits
 
-FINN_WEIGHTS = (0.95, 0.03, 0.02)
+# the three-component mixture of speculative KV coding, with the weights of docs/codec.md section 3
+# (https://fergusfinn.com/blog/kv-entropy-coder/): the escape path in place of the tier weights
+BLOG_WEIGHTS = (W_MAIN, W_WIDE, 0.02)
 
 
 @dataclass
@@ -63,10 +64,6 @@ class CodecStats:
     def coding_overhead(self) -> float:
         """Payload bits over the ideal model bits, minus 1 (the coder's own loss, headers excluded)."""
         return 8.0 * self.payload_bytes / max(self.model_bits, 1e-9) - 1.0
-
-    def decode_us_per_element(self) -> dict[int, float]:
-        """Mean decode time per element (microseconds) by window length."""
-        return {k: 1e6 * v / (k * self.window_hist[k]) for k, v in self.decode_seconds_by_window.items()}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -148,9 +145,6 @@ def _source(x, mean, std, mean_steps: int = 8) -> tuple[ParamSource, Format, np.
 
 
 def _escapes(x, mean, std, cfg: CodecConfig, tr: EncodeTrace) -> int:
-    from .coder import symbols
-    from .symbols import split_bits
-
     src, fmt, bits = _source(x, mean, std, cfg.mean_steps)
     keys, _ = split_bits(bits, fmt)
     tables = models_for(fmt, cfg).tables
@@ -201,10 +195,8 @@ def _phi_mass(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 def exact_mixture_bits(bits, fmt: Format, src: ParamSource, tr: EncodeTrace, cfg: CodecConfig,
                        escape_w: np.ndarray) -> tuple[float, float]:
-    """-sum log2 q(x) under the exact mixture (Finn's weights, and the codec's), float64, bins over the
+    """-sum log2 q(x) under the exact mixture (the blog's weights, `BLOG_WEIGHTS`, and the codec's), float64, bins over the
     coded pattern (round-to-nearest bins for bfloat16, truncation bins for float32 / float16)."""
-    from .symbols import key_to_pattern, split_bits
-
     keys, _ = split_bits(bits, fmt)
     phat = models_for(fmt, cfg).phat_freq
     z = fmt.zero_key
@@ -245,7 +237,7 @@ def exact_mixture_bits(bits, fmt: Format, src: ParamSource, tr: EncodeTrace, cfg
         fin = torch.from_numpy(finite)
         n1, n3 = torch.where(fin, n1, 0.0), torch.where(fin, n3, 0.0)
         ph = torch.from_numpy(phat[key_to_pattern(k, fmt)].astype(np.float64) / TOTAL)
-        q_f = FINN_WEIGHTS[0] * n1 + FINN_WEIGHTS[1] * n3 + FINN_WEIGHTS[2] * ph
+        q_f = BLOG_WEIGHTS[0] * n1 + BLOG_WEIGHTS[1] * n3 + BLOG_WEIGHTS[2] * ph
         e = torch.from_numpy(escape_w[a:b])
         q_c = (1 - e) * (W_MAIN * n1 + W_WIDE * n3) / (W_MAIN + W_WIDE) + e * ph
         tot_finn += float(-torch.log2(q_f).sum())

@@ -9,8 +9,13 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from hf_kvcompress.codec.compact import MAGIC as COMPACT_MAGIC
-from hf_kvcompress.codec.stream import _BODY, _PREFIX, LANES_MAGIC
+from hf_kvcompress.codec.api import Decoder
+from hf_kvcompress.codec.errors import CorruptStreamError
+from hf_kvcompress.codec.format import _BODY, _PREFIX, COMPACT_MAGIC, write_compact, write_stream
+from hf_kvcompress.codec.lanes import MAGIC as LANES_MAGIC
+from hf_kvcompress.codec.lanes import parse_header
+from hf_kvcompress.codec.symbols import tensor_bits
+from hf_kvcompress.codec.windows import window_crc
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -71,15 +76,20 @@ def reseal(blob: bytes) -> bytes:
         struct.pack_into("<I", b, head_end, zlib.crc32(b[:head_end]))
         t0 = head_end + 4
         t1 = t0 + entry_size * n_windows
-        pos = t1 + 4
-        for w in range(n_windows):
-            size = struct.unpack_from("<I", b, t0 + w * entry_size)[0]
-            struct.pack_into("<I", b, t0 + w * entry_size + 4, zlib.crc32(b[pos : pos + size]))
-            pos += size
+        _reseal_windows(b, t0, entry_size, n_windows, t1 + 4)
         struct.pack_into("<I", b, t1, zlib.crc32(b[t0:t1]))
         return bytes(b)
     except (struct.error, IndexError, ValueError, OverflowError):
         return blob
+
+
+def _reseal_windows(b: bytearray, table: int, entry: int, n_windows: int, data: int) -> None:
+    """Set each window entry's CRC (entries of ``entry`` bytes at ``table``) to the CRC of its payload
+    (payloads from ``data`` on)."""
+    for w in range(n_windows):
+        size = struct.unpack_from("<I", b, table + w * entry)[0]
+        struct.pack_into("<I", b, table + w * entry + 4, zlib.crc32(b[data : data + size]))
+        data += size
 
 
 def _reseal_compact(blob: bytes) -> bytes:
@@ -108,11 +118,7 @@ def _reseal_compact(blob: bytes) -> bytes:
         mode = (flags >> 4) & 3
         entry = 8 + (2 if mode == 1 else 0) + (0 if (flags >> 3) & 1 else 2)
         table_end = pos + entry * n_windows
-        data = table_end + 4
-        for w in range(n_windows):
-            size = struct.unpack_from("<I", b, pos + w * entry)[0]
-            struct.pack_into("<I", b, pos + w * entry + 4, zlib.crc32(b[data : data + size]))
-            data += size
+        _reseal_windows(b, pos, entry, n_windows, table_end + 4)
         struct.pack_into("<I", b, table_end, zlib.crc32(b[:table_end]))
         return bytes(b)
     except (struct.error, IndexError, ValueError, OverflowError):
@@ -121,9 +127,6 @@ def _reseal_compact(blob: bytes) -> bytes:
 
 def _reseal_lanes(blob: bytes) -> bytes:
     """A lanes stream: the header CRC (the payload's check covers the decoded values: nothing to reseal)."""
-    from hf_kvcompress.codec.errors import CorruptStreamError
-    from hf_kvcompress.codec.lanes import parse_header
-
     b = bytearray(blob)
     try:
         h = parse_header(blob, verify=False)
@@ -175,10 +178,6 @@ def params_bulk(n: int = 200_000, seed: int = 5) -> tuple[np.ndarray, np.ndarray
 def rebuild(blob: bytes, mean, std, config, *, entries=None, payloads=None, version: int | None = None) -> bytes:
     """Re-serialise a parsed stream with other window-table entries, payloads or format version, every
     framing CRC (header, table) recomputed and the window CRCs taken as given: what a splice looks like."""
-    from hf_kvcompress.codec.compact import write_compact
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.stream import write_stream
-
     d = Decoder(blob, mean, std, None, config)
     table = d.entries.copy() if entries is None else entries
     pieces = payloads if payloads is not None else window_payloads(d)
@@ -202,10 +201,6 @@ def window_payloads(d) -> list[bytes]:
 
 def as_version1(blob: bytes, x: torch.Tensor, mean, std, config) -> bytes:
     """``blob`` (a current stream of ``x``) written as format version 1: window CRCs started at 0."""
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.plan import window_crc
-    from hf_kvcompress.codec.symbols import tensor_bits
-
     d = Decoder(blob, mean, std, None, config)
     bits = tensor_bits(x)
     table = d.entries.copy()

@@ -12,8 +12,8 @@ from codec_testutil import realistic, reseal
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal
-from hf_kvcompress.codec import model as codec_model
-from hf_kvcompress.codec.stream import _PREFIX, MAGIC, VERSION
+from hf_kvcompress.codec import tables as codec_model
+from hf_kvcompress.codec.format import _PREFIX, MAGIC, VERSION
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_table_hash_mismatch(stream, monkeypatch):
     _x, offset, scale, blob = stream
     real = codec_model.get_tables()
     fake = codec_model.Tables(**{**real.__dict__, "sha256": "00" * 32})
-    monkeypatch.setattr("hf_kvcompress.codec.decoder.get_tables", lambda: fake)
+    monkeypatch.setattr("hf_kvcompress.codec.api.get_tables", lambda: fake)
     with pytest.raises(CorruptStreamError, match="tables"):
         codec.decode(blob, offset, scale)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from codec_testutil import as_version1, assert_bit_exact, realistic, rebuild, re
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
-from hf_kvcompress.codec.stream import _BODY, _PREFIX, MAGIC
+from hf_kvcompress.codec.api import Decoder
+from hf_kvcompress.codec.format import _BODY, _PREFIX, MAGIC, write_compact, write_stream
 
 
 def _streams():
@@ -164,10 +166,6 @@ SHAPE_EDITS = {
 def test_resealed_shapes(name, x, mean, std, cfg):
     """A header resealed with another shape: refused, or (no mean/std to pin the shape) the same bits in
     the shape claimed. Never other values."""
-    from dataclasses import replace
-
-    from hf_kvcompress.codec.decoder import Decoder
-
     blob = codec.encode(x, mean, std, cfg)
     header = Decoder(blob, mean, std, None, cfg).h
     config = cfg if cfg.header == "compact" else None
@@ -183,10 +181,6 @@ def test_resealed_shapes(name, x, mean, std, cfg):
 
 def _with_header(blob, mean, std, cfg, header) -> bytes:
     """``blob`` re-serialised under ``header`` (every CRC but the window CRCs recomputed)."""
-    from hf_kvcompress.codec.compact import write_compact
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.stream import write_stream
-
     d = Decoder(blob, mean, std, None, cfg)
     return (write_compact if d.h.compact else write_stream)(header, d.entries.copy(), window_payloads(d))
 
@@ -200,8 +194,6 @@ def test_window_splices_are_refused_by_decode_range(name, x, mean, std, cfg, ver
     """A window (table entry and payload) taken from a sibling stream with the same mean/std, or from
     another position of the same stream, framing CRCs recomputed: `decode_range` over it refuses it, as
     `decode` does; ranges that avoid it decode exactly."""
-    from hf_kvcompress.codec.decoder import Decoder
-
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     sibling = (x.float() + torch.randn(x.shape, generator=g) * x.float().std() * 0.1).to(x.dtype)
     blobs = [codec.encode(t, mean, std, cfg) for t in (x, sibling)]

@@ -26,20 +26,17 @@ from hypothesis import strategies as st
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal, ParameterMismatchError
 from hf_kvcompress.codec import lanes as L
-from hf_kvcompress.codec.params import element_params_reference
+from hf_kvcompress.codec.params import element_params, element_params_reference
 from hf_kvcompress.codec.symbols import BF16, FP16, FP32
 
 LANES = CodecConfig(coder="lanes")
 
 
 def _jit_params(mean: np.ndarray, std: np.ndarray, fmt, steps: int):
+    """The compiled per-element model (`params.params_kernel`, which the lanes coder runs on its threads)."""
     mb = np.ascontiguousarray(mean, dtype=np.float32).view(np.uint32).reshape(-1)
     sb = np.ascontiguousarray(std, dtype=np.float32).view(np.uint32).reshape(-1)
-    out = (np.empty(mb.size, np.uint16), np.empty(mb.size, np.int32), np.empty(mb.size, np.int32),
-           np.empty(mb.size, np.int8))
-    L.jit.params_kernel(mb, sb, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, steps,
-                        L.lane_tables().radius, L.t_lut(steps), *out, 0, mb.size)
-    return out
+    return element_params(mb, sb, fmt, steps)
 
 
 def _assert_params_equal(mean: np.ndarray, std: np.ndarray, fmt, steps: int) -> None:

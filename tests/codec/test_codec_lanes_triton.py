@@ -1,4 +1,4 @@
-"""The Triton decoder of the lanes format (`codec.lanes_triton`) in the CPU interpreter: bit-identical to the
+"""The Triton decoder of the lanes format (`codec.device_triton`) in the CPU interpreter: bit-identical to the
 numba decoder, corrupt streams refused. Small streams: the interpreter runs every vector op in numpy."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _data(dtype, seed: int):
 def test_triton_decoder_equals_cpu(dtype, lanes_log2, monkeypatch):
     """One lane (32 rounds) and 8 lanes (4 rounds: the prefix-sum refills), forced on short streams."""
     from hf_kvcompress.codec import lanes
-    from hf_kvcompress.codec.lanes_triton import decode_batch_triton
+    from hf_kvcompress.codec.device_triton import decode_batch_triton
 
     monkeypatch.setattr(lanes, "lanes_for", lambda n: lanes_log2)
     x = _data(dtype, 0)
@@ -48,7 +48,7 @@ def test_triton_decoder_equals_cpu(dtype, lanes_log2, monkeypatch):
 
 def test_triton_decoder_refuses_corruption(monkeypatch):
     from hf_kvcompress.codec import lanes
-    from hf_kvcompress.codec.lanes_triton import decode_batch_triton
+    from hf_kvcompress.codec.device_triton import decode_batch_triton
 
     monkeypatch.setattr(lanes, "lanes_for", lambda n: 2)
     x = _data(torch.bfloat16, 2)

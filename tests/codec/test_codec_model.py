@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hf_kvcompress.codec import model
+from hf_kvcompress.codec import tables as model
 from hf_kvcompress.codec.detmath import det_erfc_nonneg, det_exp
-from hf_kvcompress.codec.marginal import Marginal, default_marginal_weights
+from hf_kvcompress.codec.tables import Marginal, default_marginal_weights
 
 
 def test_det_exp_matches_libm_to_one_ulp():

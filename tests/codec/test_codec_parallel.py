@@ -9,7 +9,7 @@ from codec_testutil import assert_bit_exact, realistic
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
-from hf_kvcompress.codec.parallel import fork_available, split_balanced
+from hf_kvcompress.codec.coder import fork_available, split_balanced
 
 
 @pytest.fixture(scope="module")

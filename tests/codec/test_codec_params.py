@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hf_kvcompress.codec.model import W_BASE, get_tables
 from hf_kvcompress.codec.params import element_params, rounded_mean
 from hf_kvcompress.codec.symbols import BF16, FP16, FP32
+from hf_kvcompress.codec.tables import W_BASE, get_tables
 
 
 def _f32_bits(v):

@@ -8,11 +8,13 @@ import pytest
 import torch
 from kernel_testutil import BACKENDS
 
-from hf_kvcompress import kernels
+from hf_kvcompress import codec, kernels
+from hf_kvcompress.codec import device
+from hf_kvcompress.codec.api import Decoder
+from hf_kvcompress.codec.coder import models_for
 from hf_kvcompress.codec.config import CodecConfig
-from hf_kvcompress.codec.plan import models_for
-from hf_kvcompress.codec.symbols import BF16, FP16
-from hf_kvcompress.kernels import ans_ref
+from hf_kvcompress.codec.device import decode_on_device
+from hf_kvcompress.codec.symbols import BF16, FP16, split_bits, tensor_bits
 
 
 def _windows(fmt, lengths, seed):
@@ -21,7 +23,7 @@ def _windows(fmt, lengths, seed):
     import constriction
 
     rng = np.random.default_rng(seed)
-    tables = kernels.tables_for(fmt, "cpu")
+    tables = device.tables_for(fmt, "cpu")
     models = models_for(fmt, CodecConfig())
     every = [*models.groups, *models.flags]
     out = []
@@ -46,9 +48,9 @@ def _decode(tables, windows):
     lo = torch.cumsum(count, 0) - count
     lengths = torch.tensor([w[0].size for w in windows], dtype=torch.int32)
     start = torch.cumsum(lengths.long(), 0) - lengths.long()
-    state, pos, ok = ans_ref.ans_start(words, lo, count)
+    state, pos, ok = device.ans_start(words, lo, count)
     groups = torch.from_numpy(np.concatenate([w[0] for w in windows]))
-    syms, state, pos = kernels.ans_decode(words, lo, state, pos, groups, start, lengths, tables)
+    syms, state, pos = device.ans_decode(words, lo, state, pos, groups, start, lengths, tables)
     return syms, state, pos, ok, lo
 
 
@@ -78,10 +80,6 @@ def test_corrupt_words_do_not_crash(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_windows_reproduces_the_codec_layout(backend):
     """Flags, then groups in ascending table id, then escapes: the same symbols as the CPU decoder."""
-    from hf_kvcompress import codec
-    from hf_kvcompress.codec.decoder import Decoder
-    from hf_kvcompress.codec.symbols import split_bits, tensor_bits
-
     g = torch.Generator().manual_seed(0)
     mean, std = torch.randn(3, 50, generator=g), torch.rand(3, 50, generator=g) + 0.1
     x = (mean + std * torch.randn(3, 50, generator=g)).bfloat16()
@@ -90,8 +88,6 @@ def test_decode_windows_reproduces_the_codec_layout(backend):
     blob = codec.encode(x, mean, std, cfg)
     d = Decoder(blob, mean, std, None)
     with kernels.forced(backend):
-        from hf_kvcompress.codec.device import decode_on_device
-
         bits = decode_on_device(d, mean, std, "cpu")
     keys, _ = split_bits(tensor_bits(x), BF16)
     assert torch.equal(bits, x.reshape(-1).view(torch.int16))

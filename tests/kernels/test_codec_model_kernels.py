@@ -9,10 +9,11 @@ import torch
 from kernel_testutil import BACKENDS
 
 from hf_kvcompress import kernels
+from hf_kvcompress.codec import device
 from hf_kvcompress.codec.coder import symbols
-from hf_kvcompress.codec.model import ESCAPE_GROUP, get_tables
 from hf_kvcompress.codec.params import element_params_reference
 from hf_kvcompress.codec.symbols import FORMATS, split_bits, tensor_bits
+from hf_kvcompress.codec.tables import ESCAPE_GROUP, get_tables
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,7 +54,7 @@ def test_element_params_match_the_codec(backend, dtype, steps):
     mean, std = _stats(1500, seed=steps)
     ref = element_params_reference(mean.view(np.uint32), std.view(np.uint32), fmt, steps)
     with kernels.forced(backend):
-        got = kernels.element_params(torch.from_numpy(mean), torch.from_numpy(std), fmt, steps)
+        got = device.element_params(torch.from_numpy(mean), torch.from_numpy(std), fmt, steps)
     for a, b in zip(ref, got):
         assert np.array_equal(np.asarray(a, np.int64), b.numpy().astype(np.int64))
 
@@ -65,9 +66,9 @@ def test_encode_model_matches_the_codec_and_inverts(backend, dtype):
     mean, std = _stats(1500, seed=7)
     x = _values(mean, std, dtype, seed=8)
     with kernels.forced(backend):
-        out = kernels.encode_model(x, torch.from_numpy(mean), torch.from_numpy(std), 8)
+        out = device.encode_model(x, torch.from_numpy(mean), torch.from_numpy(std), 8)
         params = (out["tid"], out["cp"], out["cn"], out["s"])
-        back = kernels.decode_bits(out["sym"], out["escaped"], params, out["raw"], fmt)
+        back = device.decode_bits(out["sym"], out["escaped"], params, out["raw"], fmt)
     keys, raw = split_bits(tensor_bits(x), fmt)
     p = element_params_reference(mean.view(np.uint32), std.view(np.uint32), fmt, 8)
     t = get_tables()
@@ -77,7 +78,7 @@ def test_encode_model_matches_the_codec_and_inverts(backend, dtype):
     assert 0 < (~valid).sum() < valid.size
     group = np.where(valid, p.tid, ESCAPE_GROUP)
     assert np.array_equal(out["group"].numpy(), group)
-    tables = kernels.tables_for(fmt, "cpu")
+    tables = device.tables_for(fmt, "cpu")
     freq = np.array([t.freqs[g][s] if g < ESCAPE_GROUP else 0 for g, s in zip(group, sym)])
     assert np.array_equal(out["freq"].numpy()[valid], freq[valid])
     cum = np.array([int(t.freqs[g][:s].sum()) if g < ESCAPE_GROUP else 0 for g, s in zip(group, sym)])
@@ -97,8 +98,8 @@ def test_symbol_transforms_round_trip(backend, dtype):
     raw_bits = rng.integers(-(2 ** (width - 1)), 2 ** (width - 1), 4000)
     x = torch.from_numpy(raw_bits).to(torch.int32 if width == 32 else torch.int16).view(dtype)
     with kernels.forced(backend):
-        key, raw = kernels.split_bits(x)
-        back = kernels.join_bits(key, raw, dtype)
+        key, raw = device.split_bits(x)
+        back = device.join_bits(key, raw, dtype)
     ref_key, ref_raw = split_bits(tensor_bits(x), FORMATS[dtype])
     assert np.array_equal(key.numpy(), ref_key)
     assert ref_raw is None or np.array_equal(raw.numpy(), ref_raw)

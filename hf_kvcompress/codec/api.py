@@ -1,32 +1,143 @@
-"""The decode flow: stream -> verified header -> windows (serial, threads, processes) -> tensor."""
+"""The codec's entry points and the ``ans`` coder's encode and decode flows: tensor -> symbols per window ->
+stream, and stream -> verified header -> windows (serial, threads, processes, or the device) -> tensor.
+``coder="lanes"`` streams go to `lanes`. Re-exported by the package (`hf_kvcompress.codec`)."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .broadcast import ParamSource
-from .coder import decode_chunk
-from .compact import is_compact, read_compact
-from .config import CodecConfig
+from ..kernels import dispatch
+from . import lanes
+from .coder import decode_chunk, encode_chunk, fork_available, models_for, run_jobs, run_jobs_forked
+from .config import (
+    CodecConfig,
+    check_config,
+    check_has_data,
+    check_stat,
+    check_x,
+    fingerprint,
+    fingerprint8,
+)
+from .device import DeviceSource, decode_on_device, device_of
 from .errors import CorruptStreamError, ParameterMismatchError
-from .inputs import check_has_data, check_stat, fingerprint, fingerprint8
-from .marginal import Marginal
-from .model import get_tables
-from .parallel import fork_available, run_jobs, run_jobs_forked
-from .plan import (
+from .format import (
+    MAX_NDIM,
+    VERSION,
+    Header,
+    entry_dtype,
+    is_compact,
+    read_compact,
+    read_stream,
+    write_compact,
+    write_stream,
+)
+from .params import ParamSource
+from .symbols import bits_to_tensor, join_bits, split_bits, tensor_bits
+from .tables import Marginal, get_tables
+from .windows import (
     CHUNK,
+    CausalScheduler,
     chunks_of,
     data_crc,
-    models_for,
+    global_spread,
     planned_lengths,
-    residual_codes,
+    source_residual_codes,
+    window_crc,
     window_crcs_of,
+    window_seed,
     window_sigma_bits,
+    window_sigma_codes,
 )
-from .stream import read_stream
-from .symbols import bits_to_tensor, join_bits
-from .windows import CausalScheduler
+
+
+@dataclass
+class EncodeTrace:
+    """What `encode_with_stats` needs from an encode."""
+
+    lengths: np.ndarray
+    model_bits: np.ndarray | None
+    sigma_codes: np.ndarray | None
+    res_codes: np.ndarray | None
+    g: int
+    header_bytes: int
+    table_bytes: int
+    payload_sizes: np.ndarray
+
+
+def _wants_device(*tensors) -> bool:
+    return dispatch.device_path(*(t for t in tensors if isinstance(t, torch.Tensor)))
+
+
+def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, EncodeTrace]:
+    """Check the arguments, plan windows, code chunk by chunk, assemble the stream."""
+    cfg = check_config(config)
+    x, fmt = check_x(x)
+    shape = tuple(int(d) for d in x.shape)
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"codec: x has {len(shape)} dims; streams hold at most {MAX_NDIM}")
+    mean32 = check_stat(mean, "mean", shape, False)
+    std32 = check_stat(std, "std", shape, True)
+    bits = tensor_bits(x)
+    n = bits.size
+    keys, raw = split_bits(bits, fmt)
+    src = ParamSource(shape, mean32, std32, fmt, cfg.mean_steps)
+    on_device = _wants_device(x, mean, std)
+    if on_device:  # the per-element model through the kernels, on the inputs' device (same bytes)
+        src = DeviceSource(src, shape, x, mean, std, mean32, std32, cfg, device_of(x, mean, std))
+    models = models_for(fmt, cfg)
+    need_res = cfg.window in ("metadata", "causal") or std32 is None or want_costs
+    res = None
+    if need_res:
+        res = np.empty(n, dtype=np.int32)
+        for a in range(0, n, 1 << 20):
+            b = min(n, a + (1 << 20))
+            res[a:b] = source_residual_codes(bits[a:b], src, a, b)
+    g = global_spread(cfg, src, res)
+    lengths = planned_lengths(cfg, n, src, g, res)
+    sigma = window_sigma_codes(res, lengths) if std32 is None else None
+    tiers = [cfg.tier_of_length(int(w)) for w in lengths]
+    payloads: list[bytes] = []
+    costs = []
+    for w0, w1, a, b in chunks_of(lengths):
+        sig = None if sigma is None else window_sigma_bits(sigma[w0:w1], lengths[w0:w1])
+        pre = None
+        if on_device:
+            p, valid, sym = src.symbols(a, b, sig)
+            pre = (valid, sym)
+        else:
+            p = src.params(a, b, sig)
+        pl, c = encode_chunk(keys[a:b], None if raw is None else raw[a:b], p, lengths[w0:w1], models,
+                             tiers[w0:w1], want_costs, pre)
+        payloads.extend(pl)
+        if c is not None:
+            costs.append(c)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    entries = np.zeros(lengths.size, dtype=entry_dtype(cfg.window, std32 is not None))
+    entries["nbytes"] = [len(p) for p in payloads]
+    stream_crc = data_crc(bits, fmt)
+    entries["crc"] = [window_crc(p, bits[a:b], fmt, window_seed(VERSION, stream_crc, w))
+                      for w, (p, a, b) in enumerate(zip(payloads, starts.tolist(), (starts + lengths).tolist()))]
+    if cfg.window == "metadata":
+        entries["len1"] = lengths - 1
+    if sigma is not None:
+        entries["sigma"] = sigma
+    compact = cfg.header == "compact"
+    fp = fingerprint8 if compact else fingerprint
+    header = Header(
+        fmt, shape, n, mean32 is not None, std32 is not None, cfg, int(lengths.size), g, stream_crc,
+        bytes.fromhex(get_tables().sha256), bytes.fromhex(cfg.marginal_or_default.sha256),
+        fp(mean32, b"mean"), fp(std32, b"std"), compact,
+    )
+    blob = (write_compact if compact else write_stream)(header, entries, payloads)
+    payload_sizes = entries["nbytes"].astype(np.int64)
+    table_bytes = entries.nbytes + 4
+    trace = EncodeTrace(lengths, np.concatenate(costs) if costs else None, sigma, res, g,
+                        len(blob) - int(payload_sizes.sum()) - table_bytes, table_bytes, payload_sizes)
+    return blob, trace
 
 
 class Decoder:
@@ -155,7 +266,7 @@ class Decoder:
                 spec = spec[:1]  # a wrong guess for a later window, or real corruption: go one by one
                 bits = self.decode_windows(w, w + 1, a, np.array(spec, dtype=np.int64))
                 batch = 1
-            codes = residual_codes(bits, self.src, a, a + len(bits))
+            codes = source_residual_codes(bits, self.src, a, a + len(bits))
             off = 0
             for length in spec:
                 if sched.next_length() != length:
@@ -241,19 +352,13 @@ def _device_for(d: Decoder, mean, std):
     """The device to decode on (CUDA inputs with Triton, or forced kernels), else None: the host path."""
     if d.lengths is None or d.timings is not None:  # causal boundaries are serial; monitoring times the CPU
         return None
-    from ..kernels.dispatch import device_path, use_triton
-
     tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
-    if not device_path(*tensors) or not use_triton(*tensors):
+    if not dispatch.device_path(*tensors) or not dispatch.use_triton(*tensors):
         return None  # without Triton the device's torch reference would step symbols from Python: use the CPU
-    from .device import device_of
-
     return device_of(*tensors)
 
 
 def _decode_on_device(d: Decoder, mean, std, device) -> torch.Tensor:
-    from .device import decode_on_device
-
     bits_t = decode_on_device(d, mean, std, device)
     mask = 0xFFFFFFFF if d.fmt.dtype == torch.float32 else 0xFFFF
     bits = bits_t.cpu().numpy().astype(np.int64) & mask  # checksums on the host (see device.py)
@@ -279,3 +384,130 @@ def decode_range_impl(blob, start: int, stop: int, mean, std, marginal,
     if start == 0 and stop == n and data_crc(bits, d.fmt) != d.h.data_crc:
         raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
     return d.tensor(bits, (stop - start,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def encode(
+    x: torch.Tensor,
+    mean: torch.Tensor | float | None = None,
+    std: torch.Tensor | float | None = None,
+    config: CodecConfig | None = None,
+) -> bytes:
+    """Losslessly code ``x`` (bfloat16, float16 or float32, any shape) given a predicted ``mean`` and
+    spread ``std``, each broadcastable to ``x`` (or None: mean 0 / a per-window spread sent as side info)."""
+    cfg = check_config(config)
+    if cfg.coder == "lanes":
+        return lanes.encode_one(x, mean, std, cfg)
+    return encode_impl(x, mean, std, cfg)[0]
+
+
+def encode_batch(
+    x: torch.Tensor,
+    mean: torch.Tensor | float | None = None,
+    std: torch.Tensor | float | None = None,
+    config: CodecConfig | None = None,
+    threads: int | None = None,
+) -> list[bytes]:
+    """Code ``x`` of shape ``[N, ...]`` as N independent streams (``x[i]`` each) in one compiled call
+    (``threads`` > 1: one per thread, the streams split between them).
+
+    ``mean`` / ``std`` broadcast to ``x`` (e.g. ``[N, 1, D]`` per stream and channel, ``[1, 1, D]`` shared);
+    stream ``i`` is byte-identical to ``encode(x[i], mean[i], std[i], config)`` (with ``mean[0]`` for a
+    shared leading dim). Needs ``config.coder == "lanes"``."""
+    cfg = check_config(config)
+    if cfg.coder != "lanes":
+        raise ValueError(f"codec.encode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
+    return lanes.encode_batch_impl(x, mean, std, cfg, threads=threads)
+
+
+def decode_batch(
+    blobs: list[bytes],
+    mean: torch.Tensor | float | None = None,
+    std: torch.Tensor | float | None = None,
+    config: CodecConfig | None = None,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Inverse of `encode_batch`: ``[N, ...]`` from N lanes streams of one shape and dtype, decoded in one
+    compiled call (GIL released; ``threads`` > 1 splits the streams over that many threads), into ``out``
+    (a contiguous CPU tensor of that shape and dtype) when given. ``mean`` / ``std`` as for `encode_batch`,
+    checked per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for any stream that
+    cannot decode exactly."""
+    cfg = check_config(config)
+    if cfg.coder != "lanes":
+        raise ValueError(f"codec.decode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
+    return lanes.decode_batch_impl(blobs, mean, std, cfg, out=out, threads=threads)
+
+
+def decode(
+    blob: bytes,
+    mean: torch.Tensor | float | None = None,
+    std: torch.Tensor | float | None = None,
+    *,
+    config: CodecConfig | None = None,
+    marginal: Marginal | None = None,
+    threads: int = 1,
+    workers: int = 1,
+) -> torch.Tensor:
+    """Inverse of `encode`: the same mean/std (checked by fingerprint) give back ``x`` bit for bit.
+
+    ``config``: the encoder's `CodecConfig`; required for ``header="compact"`` streams (checked by digest);
+    full streams carry their own and only take the marginal from it. ``marginal``: the p_hat the
+    stream was encoded with, if not the default (or pass it inside ``config``). ``workers > 1`` decodes
+    windows in forked processes (scales: constriction holds the GIL), ``threads > 1`` on threads (overlaps
+    only numpy work). Raises `CorruptStreamError` for anything that cannot decode exactly. Lanes streams
+    (``coder="lanes"``) are recognised by their magic bytes and need ``config=``.
+    """
+    if _is_lanes(blob):
+        _check_parallel(threads, workers)
+        return lanes.decode_one(blob, mean, std, _lanes_config(config, marginal))
+    return decode_impl(blob, mean, std, marginal, threads, workers, config=config)
+
+
+def decode_range(
+    blob: bytes,
+    start: int,
+    stop: int,
+    mean: torch.Tensor | float | None = None,
+    std: torch.Tensor | float | None = None,
+    *,
+    config: CodecConfig | None = None,
+    marginal: Marginal | None = None,
+) -> torch.Tensor:
+    """Elements ``start:stop`` of the flattened tensor (1-D), decoding only the windows they lie in
+    (causal mode: all windows up to ``stop``, since boundaries are found serially). ``config`` and
+    ``marginal`` as for `decode`."""
+    if _is_lanes(blob):
+        return lanes.decode_range_one(blob, start, stop, mean, std, _lanes_config(config, marginal))
+    return decode_range_impl(blob, start, stop, mean, std, marginal, config)
+
+
+def _is_lanes(blob: object) -> bool:
+    return isinstance(blob, (bytes, bytearray, memoryview)) and lanes.is_lanes(blob)
+
+
+def _lanes_config(config: CodecConfig | None, marginal: Marginal | None) -> CodecConfig | None:
+    """The config to check a lanes stream's digest against (``marginal=`` may supply the p_hat)."""
+    if marginal is not None and not isinstance(marginal, Marginal):
+        raise TypeError(f"codec: marginal must be a Marginal or None, got {type(marginal).__name__}")
+    if config is None or marginal is None:
+        return config
+    if not isinstance(config, CodecConfig):
+        raise TypeError(f"codec: config must be a CodecConfig or None, got {type(config).__name__}")
+    if config.marginal is not None and marginal != config.marginal:
+        raise ValueError("codec: marginal= differs from config.marginal; pass the marginal in one place")
+    return dataclasses.replace(config, marginal=marginal)
+
+
+def stream_info(
+    blob: bytes, *, config: CodecConfig | None = None, marginal: Marginal | None = None
+) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape ``blob`` decodes to, from its checked header and window table (the payload is
+    not decoded): lets a container check a stream against what it expects before allocating for it.
+    ``config`` and ``marginal`` as for `decode`; raises `CorruptStreamError` like `decode`."""
+    if _is_lanes(blob):
+        return lanes.stream_info_one(blob, _lanes_config(config, marginal))
+    return stream_info_impl(blob, marginal, config)

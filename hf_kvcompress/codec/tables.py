@@ -16,6 +16,10 @@ largest-remainder rule. constriction's ``Categorical(weights, perfect=False)`` t
 ``weight + 1`` for every symbol exactly (its scale factor is ``(2^24 - n) / sum = 1.0``), so every symbol has
 probability >= 2^-24 and the model is reproducible anywhere. A SHA-256 over all tables and constants is
 compared with `TABLES_SHA256` once per process.
+
+Also here: `Marginal` (p_hat, the distribution escaped values are coded with; its default is part of the
+tables' hash) and the optional on-disk cache of the built tables, in a folder the caller names
+(`set_table_cache`).
 """
 
 from __future__ import annotations
@@ -23,17 +27,25 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
 import constriction
 import numpy as np
+import torch
 
 from .detmath import det_erfc_nonneg, det_exp
+from .symbols import FP16, Format, format_of, tensor_bits
 
 PRECISION = 24  # constriction's default Categorical precision
 TOTAL = 1 << PRECISION
-W_MAIN, W_WIDE, WIDE_FACTOR = 0.95, 0.03, 3.0  # Finn's mixture; the 0.02 p_hat part is the escape path
+# the three-component mixture of speculative KV coding (https://fergusfinn.com/blog/kv-entropy-coder/; weights
+# in docs/codec.md section 3): its 0.02 p_hat part is the escape path, whose per-tier weights section 9 measures
+W_MAIN, W_WIDE, WIDE_FACTOR = 0.95, 0.03, 3.0
 
 SUB = 8  # sub-octave levels of std (its top 3 mantissa bits)
 N_OCT_MIN, N_OCTAVES = -4, 9
@@ -76,11 +88,6 @@ def n_table_params(tid: int) -> tuple[int, int, int]:
     else:
         level, q = N_OFFSET_LEVELS + tid - N_OFFSET_LEVELS * N_OFFSETS, 0
     return level, q, n_radius(level)
-
-
-def w_table_params(tid: int) -> tuple[int, int]:
-    """W table id -> (sub-octave j, t level)."""
-    return divmod(tid - W_BASE, W_T_LEVELS)
 
 
 _INV_SQRT2 = 0.7071067811865476
@@ -231,16 +238,15 @@ def tables_digest(weights: list[np.ndarray], extra: bytes = b"") -> str:
 
 @functools.lru_cache(maxsize=1)
 def get_tables() -> Tables:
-    """Build (once per process) and verify the tables."""
-    from . import table_cache
-
+    """Build (once per process) and verify the tables; through the on-disk cache when one is set
+    (`set_table_cache`)."""
     marginal_bytes = default_marginal_weights().astype("<i4").tobytes()
-    weights = table_cache.load(TABLES_SHA256)
+    weights = _cache_load(TABLES_SHA256)
     if weights is None or tables_digest(weights, marginal_bytes) != TABLES_SHA256:
         weights = build_weights()  # no (valid) cached copy: build, verify below, cache
         digest = tables_digest(weights, marginal_bytes)
         if digest == TABLES_SHA256:
-            table_cache.save(digest, weights)
+            _cache_save(digest, weights)
     else:
         digest = TABLES_SHA256
     if digest != TABLES_SHA256:
@@ -257,3 +263,161 @@ def get_tables() -> Tables:
     cost = np.concatenate([PRECISION - np.log2(f.astype(np.float64)) for f in freqs])
     offset = np.concatenate([[0], np.cumsum(size[:-1], dtype=np.int64)])
     return Tables(freqs, size, half, radius, models, cost, offset, digest)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# p_hat: the empirical marginal over all 2^16 bfloat16 bit patterns that escaped values are coded with.
+
+
+@functools.lru_cache(maxsize=1)
+def _fp16_to_bf16_pattern() -> np.ndarray:
+    """The 13-bit float16 prefix (sign, 5 exponent, top 7 mantissa bits) -> the bfloat16 pattern of the
+    same value (exact: every such value is a bfloat16), used to induce the float16 marginal."""
+    p = np.arange(1 << 13)
+    sign = (p >> 12) & 1
+    e5 = (p >> 7) & 31
+    m7 = p & 127
+    normal = (e5 + 112) << 7 | m7
+    special = 255 << 7 | m7
+    hb = np.floor(np.log2(np.maximum(m7, 1))).astype(np.int64)  # exact for integers < 2^7
+    sub = np.where(m7 == 0, 0, (hb + 106) << 7 | ((m7 << (7 - hb)) & 127))
+    mag = np.where(e5 == 31, special, np.where(e5 == 0, sub, normal))
+    return sign << 15 | mag
+
+
+class Marginal:
+    """A distribution over the 2^16 bfloat16 bit patterns, as integer weights summing to ``2^24 - 2^16``
+    (each pattern's coding frequency is weight + 1, so none has zero probability).
+
+    Streams record its SHA-256; decoding with a different marginal fails loudly. Save it with
+    `to_tensor` (an int32 tensor, e.g. into safetensors) and load with `from_tensor`.
+    """
+
+    def __init__(self, weights: np.ndarray | torch.Tensor) -> None:
+        w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+        if w.shape != (N_PATTERNS,):
+            raise ValueError(f"Marginal needs {N_PATTERNS} weights, got shape {tuple(w.shape)}")
+        if not np.issubdtype(w.dtype, np.integer):
+            raise TypeError(f"Marginal weights must be integers, got {w.dtype}")
+        w = w.astype(np.int64)
+        if (w < 0).any() or int(w.sum()) != BUDGET:
+            raise ValueError(f"Marginal weights must be >= 0 and sum to {BUDGET}, got sum {int(w.sum())}")
+        self._weights = w
+        self._weights.setflags(write=False)
+        self.sha256 = hashlib.sha256(b"hf_kvcompress.codec marginal v1\n" + w.astype("<i4").tobytes()).hexdigest()
+        self._models: dict[int, tuple[object, np.ndarray]] = {}
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self._weights
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Marginal) and other.sha256 == self.sha256
+
+    def __hash__(self) -> int:
+        return hash(self.sha256)
+
+    def __repr__(self) -> str:
+        return f"Marginal(sha256={self.sha256[:16]}...)"
+
+    @classmethod
+    def default(cls) -> Marginal:
+        return _default_marginal()
+
+    @classmethod
+    def from_samples(cls, x: torch.Tensor, prior_weight: float = 1.0 / 64) -> Marginal:
+        """Histogram of the coded 16-bit patterns of ``x`` (bfloat16; float32's top half; float16 mapped to
+        the bfloat16 pattern of its 13-bit prefix), mixed with ``prior_weight`` of the default so unseen
+        patterns stay cheap enough."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Marginal.from_samples expects a torch.Tensor, got {type(x).__name__}")
+        if not 0.0 < prior_weight <= 1.0:
+            raise ValueError(f"prior_weight must lie in (0, 1], got {prior_weight}")
+        fmt = format_of(x.dtype)
+        bits = tensor_bits(x)
+        pattern = _fp16_to_bf16_pattern()[bits >> 3] if fmt is FP16 else bits >> fmt.raw_bits
+        counts = np.bincount(pattern, minlength=N_PATTERNS).astype(np.float64)
+        total = max(1.0, counts.sum())
+        mix = (1.0 - prior_weight) * counts / total + prior_weight * default_marginal_weights() / BUDGET
+        return cls(quantize_int(np.floor(mix * 2.0**32).astype(np.int64), BUDGET))
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self._weights.astype(np.int32))
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Marginal:
+        return cls(t)
+
+    def coding(self, fmt: Format) -> tuple[object, np.ndarray]:
+        """(constriction model, effective frequencies) over the format's coded patterns (2^16 or 2^13)."""
+        if fmt.code not in self._models:
+            if fmt is FP16:
+                w = quantize_int(self._weights[_fp16_to_bf16_pattern()] + 1, TOTAL - (1 << 13))
+            else:
+                w = self._weights
+            model = constriction.stream.model.Categorical(w.astype(np.float64), perfect=False)
+            self._models[fmt.code] = (model, w + 1)
+        return self._models[fmt.code]
+
+
+@functools.lru_cache(maxsize=1)
+def _default_marginal() -> Marginal:
+    return Marginal(default_marginal_weights())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On-disk cache of the built weights: a new process skips ~1-3 s of float64 table building. Only a shortcut:
+# `get_tables` verifies whatever it loads against `TABLES_SHA256` (the check a fresh build gets) and rebuilds
+# on any mismatch or read error. The codec has no folder of its own: the application names one
+# (`set_table_cache`; hf_kvcompress sets its download/cache folder), else nothing is cached.
+# ``HF_KVCOMPRESS_TABLE_CACHE=0`` turns it off. Writes are atomic (temporary file, then rename) and failures
+# to write are ignored.
+
+_cache_dir: Path | Callable[[], Path] | None = None
+
+
+def set_table_cache(folder: Path | str | Callable[[], Path] | None) -> None:
+    """Keep the built table weights in ``folder`` (or in the folder a zero-argument function returns on first
+    use, so that setting it creates nothing); None: no on-disk cache."""
+    global _cache_dir
+    _cache_dir = Path(folder) if isinstance(folder, str) else folder
+
+
+def _cache_path(digest: str) -> Path | None:
+    if _cache_dir is None or os.environ.get("HF_KVCOMPRESS_TABLE_CACHE", "1") == "0":
+        return None
+    try:
+        folder = _cache_dir() if callable(_cache_dir) else _cache_dir
+    except OSError:
+        return None
+    return Path(folder) / f"tables-{digest[:16]}.npz"
+
+
+def _cache_load(digest: str) -> list[np.ndarray] | None:
+    """Weights cached for tables of hash ``digest``, unverified (the caller hashes them), or None."""
+    path = _cache_path(digest)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path) as z:
+            flat, sizes = z["weights"].astype(np.int64), z["sizes"].astype(np.int64)
+    except (OSError, ValueError, KeyError):
+        return None
+    if sizes.sum() != flat.size or (sizes <= 0).any():
+        return None
+    return np.split(flat, np.cumsum(sizes)[:-1])
+
+
+def _cache_save(digest: str, weights: list[np.ndarray]) -> None:
+    path = _cache_path(digest)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, weights=np.concatenate(weights).astype(np.int32),
+                     sizes=np.array([w.size for w in weights], dtype=np.int32))
+        os.replace(tmp, path)
+    except OSError:
+        pass
