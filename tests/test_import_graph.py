@@ -90,6 +90,31 @@ def test_the_package_has_no_import_cycle():
     assert cycles(graph) == []
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`module_graph` with each subpackage's modules merged into one node (``hf_kvcompress.codec.lanes`` ->
+    ``hf_kvcompress.codec``; top-level modules stay themselves): folders must not import each other in a loop
+    either, since importing any module of a package runs its ``__init__``."""
+    root = min(graph, key=len)
+
+    def node(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or name == root else name
+
+    merged: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        merged.setdefault(node(name), set()).update(node(t) for t in targets)
+    for name, targets in merged.items():
+        targets.discard(name)
+    return merged
+
+
+def test_the_package_folders_import_each_other_without_cycles():
+    packages = package_graph(module_graph(PACKAGE))
+    assert {"hf_kvcompress.codec", "hf_kvcompress.cache", "hf_kvcompress.lossy"} <= set(packages)
+    # the root package re-exports the public API, so it imports everything and nothing imports it back
+    assert cycles(packages) == []
+
+
 def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
@@ -101,3 +126,17 @@ def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
         "def thing():\n    from .. import a\n    return a\n")
     (package / "c.py").write_text("from .sub import b\n")
     assert cycles(module_graph(package)) == [["pkg.a", "pkg.sub.b"]]
+
+
+def test_the_folder_check_finds_a_cycle_between_two_folders(tmp_path):
+    package = tmp_path / "pkg"
+    for sub in ("one", "two"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "one" / "a.py").write_text("from ..two.b import y\n")
+    (package / "two" / "b.py").write_text("y = 1\n")
+    (package / "two" / "c.py").write_text("def f():\n    from ..one import a\n    return a\n")
+    graph = module_graph(package)
+    assert cycles(graph) == []  # no module cycle: a -> b, c -> a
+    assert cycles(package_graph(graph)) == [["pkg.one", "pkg.two"]]
