@@ -10,14 +10,14 @@ from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.cli import build_parser
 from hf_kvcompress.config import LosslessConfig
 from hf_kvcompress.predictors import linear, registry
-from hf_kvcompress.predictors.base import Predictor
+from hf_kvcompress.predictors.base import REGISTERED, Predictor, register
 
 
 def test_every_name_list_is_the_registrys():
-    assert registry.NAMES == ("generic", "framed", "self", "none", "context", "probe", "twin")
+    assert registry.NAMES == ("context", "framed", "generic", "none", "probe", "self", "twin")  # name order
     assert LosslessConfig.PREDICTORS == registry.NAMES
     assert LosslessConfig.STORAGE_ONLY == registry.STORAGE_ONLY == ("probe", "twin")
-    assert registry.FITTED == ("none", "context", "probe", "twin")
+    assert registry.FITTED == ("context", "none", "probe", "twin")
     assert Calibration.fit.__kwdefaults__["predictors"] == registry.FITTED
     calibrate = build_parser().parse_args(["calibrate"])
     assert calibrate.predictors.split(",") == list(registry.FITTED)
@@ -68,3 +68,15 @@ def test_surprise_is_the_clamped_rms_of_standardised_errors():
         assert torch.allclose(tracker.current((2, 5)), rms.clamp(*linear.SURPRISE_RANGE), rtol=1e-6)
     low, high = linear.SURPRISE_RANGE
     assert tracker.current((2, 5)).min() >= low and tracker.current((2, 5)).max() <= high
+
+
+def test_a_name_registered_twice_is_refused():
+    class Again(Predictor):
+        name = "generic"
+
+        def session(self, inputs):
+            raise NotImplementedError
+
+    with pytest.raises(ValueError, match="'generic' is registered twice"):
+        register(Again)
+    assert REGISTERED["generic"] is registry.PREDICTORS["generic"] is not Again

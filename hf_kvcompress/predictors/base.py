@@ -119,7 +119,7 @@ class PlainSession(PredictorSession):
 class Predictor(ABC):
     """A source of means and spreads for sealed blocks.
 
-    A predictor is one class with a `name` (listed in `registry`); its class attributes say what it needs,
+    A predictor is one class with a `name`, decorated with `register` (its module is imported by `registry`); its class attributes say what it needs,
     and every list of predictor names (config choices, storage-only names, the names a calibration fits, the
     CLI's defaults) is derived from them."""
 
@@ -186,6 +186,19 @@ class Predictor(ABC):
     def model_extras(self, token_ids: torch.Tensor) -> ExtrasSource | None:
         """Inputs computed by rerunning (part of) the model on the cached tokens, or None if not needed."""
         return None
+
+
+#: name -> predictor class, filled by `register` when a predictor module is imported (`registry` imports them all)
+REGISTERED: dict[str, type[Predictor]] = {}
+
+
+def register(cls: type[Predictor]) -> type[Predictor]:
+    """Class decorator: list ``cls`` as predictor ``cls.name`` (`registry` derives every list of names from it)."""
+    if cls.name in REGISTERED:
+        raise ValueError(f"predictor {cls.name!r} is registered twice ({REGISTERED[cls.name].__qualname__}, "
+                         f"{cls.__qualname__})")
+    REGISTERED[cls.name] = cls
+    return cls
 
 
 class ExtrasSource(ABC):

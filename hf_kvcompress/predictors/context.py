@@ -4,9 +4,11 @@ reads only what the cache holds."""
 
 from __future__ import annotations
 
+from .base import register
 from .linear import CalibratedLinearPredictor, FeatureRecipe
 
 
+@register
 class ContextPredictor(CalibratedLinearPredictor):
     """The layer below, earlier heads and the keys, through calibrated linear maps."""
 

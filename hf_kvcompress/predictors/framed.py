@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, PlainSession, Predictor, PredictorSession
+from .base import BlockInputs, PlainSession, Predictor, PredictorSession, register
 from .generic import BLOCK_MEAN, BLOCK_STD, block_stats
 from .rope import RopeFrame
 
@@ -94,6 +94,7 @@ class FramedStatsSession(PlainSession):
         return means[index], stds[index].expand(-1, self.inputs.positions.shape[0], -1)
 
 
+@register
 class FramedStatsPredictor(Predictor):
     """Per-block statistics with keys in an estimated pre-RoPE frame: needs nothing, holds nothing."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, PlainSession, Predictor, PredictorSession
+from .base import BlockInputs, PlainSession, Predictor, PredictorSession, register
 
 BLOCK_MEAN, BLOCK_STD = "block_mean", "block_std"
 
@@ -49,6 +49,7 @@ def block_stats(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Ten
     return {BLOCK_MEAN: mean.to(torch.bfloat16), BLOCK_STD: std.clamp_min(1e-6).to(torch.bfloat16)}
 
 
+@register
 class GenericPredictor(Predictor):
     """Per-block channel statistics sent as side data: needs nothing, and every stream of a block is
     independent, so a cache decodes a layer's blocks in one codec call. The in-generation default: the

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from .base import register
 from .linear import CalibratedLinearPredictor, FeatureRecipe
 
 
+@register
 class NoPredictor(CalibratedLinearPredictor):
     """Per-channel mean and spread: what a predictor has to beat."""
 

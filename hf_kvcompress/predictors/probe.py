@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .base import BlockInputs, PlainSession, PredictorSession
+from .base import BlockInputs, PlainSession, PredictorSession, register
 from .linear import CalibratedLinearPredictor, FeatureRecipe
 from .rope import RopeFrame
 from .runner import HIDDEN, CacheExtras, run_decoder
@@ -38,6 +38,7 @@ class ExactSession(PlainSession):
         return mean, mean.abs().clamp_min(1e-6) * 2.0**-9
 
 
+@register
 class ProbePredictor(CalibratedLinearPredictor):
     """Early exit at layer ``k`` plus linear heads (see module docstring)."""
 

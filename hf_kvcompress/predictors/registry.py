@@ -1,31 +1,18 @@
 """Every predictor by name: the one list that config choices, storage-only names, the names a calibration
 fits and `make_predictor` are derived from. Adding a predictor is one module with its class (a `name` and
-its traits: `Predictor`'s class attributes) and one line in `PREDICTORS`.
-
-The order is the order of error messages and of `Calibration.fit`'s head sets."""
+its traits: `Predictor`'s class attributes, decorated with `base.register`) and its name in the import line below."""
 
 from __future__ import annotations
 
 import torch
 
-from .base import Predictor
-from .context import ContextPredictor
-from .framed import FramedStatsPredictor
-from .generic import GenericPredictor
-from .none import NoPredictor
-from .probe import ProbePredictor
-from .selffit import SelfFitPredictor
-from .twin import TwinPredictor
+# The registry line: importing a predictor module registers its class (`base.register`); a new predictor is a new
+# module named here.
+from . import context, framed, generic, none, probe, selffit, twin  # noqa: F401
+from .base import REGISTERED, Predictor
 
-PREDICTORS: dict[str, type[Predictor]] = {cls.name: cls for cls in (
-    GenericPredictor,
-    FramedStatsPredictor,
-    SelfFitPredictor,
-    NoPredictor,
-    ContextPredictor,
-    ProbePredictor,
-    TwinPredictor,
-)}
+#: name -> class, in name order (the order of error messages, config choices and `Calibration.fit`'s head sets)
+PREDICTORS: dict[str, type[Predictor]] = dict(sorted(REGISTERED.items()))
 
 #: every predictor name (``LosslessConfig.predictor`` / ``save_predictor`` choices)
 NAMES: tuple[str, ...] = tuple(PREDICTORS)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, LayerValues, Predictor
+from .base import BlockInputs, LayerValues, Predictor, register
 from .generic import BLOCK_MEAN, BLOCK_STD, BlockStatsSession, block_stats
 
 #: first epoch boundary in tokens; epochs start at FIRST_EPOCH * 2^k
@@ -147,6 +147,7 @@ class SelfFitSession(BlockStatsSession):
         return super().finish(keys, values)
 
 
+@register
 class SelfFitPredictor(Predictor):
     """Generic block statistics plus cross-layer key maps fitted on the cache's own sealed blocks."""
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .base import BlockInputs, PredictorSession
+from .base import BlockInputs, PredictorSession, register
 from .linear import CalibratedLinearPredictor, FeatureRecipe, flat_heads
 from .rope import RopeFrame
 from .runner import CacheExtras, decoder_layers, run_decoder
@@ -47,6 +47,7 @@ def build_twin(model: torch.nn.Module) -> torch.nn.Module:
     return twin.eval()
 
 
+@register
 class TwinPredictor(CalibratedLinearPredictor):
     """The FP8-weight twin's K/V plus context features, through calibrated linear maps."""
 
