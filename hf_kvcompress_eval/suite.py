@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from hf_kvcompress.config import LossyConfig
+from hf_kvcompress.predictors.registry import FITTED
 from hf_kvcompress.validation import check_bool, check_choice, check_int, check_number, fail
 
 BUILTIN_SUITES = ("quick", "full")
@@ -271,7 +272,7 @@ def _validate(suite: Suite, origin: str) -> None:
     if cal.tokens < cal.chunk:
         fail(where("calibration.tokens"), f"must be >= calibration.chunk ({cal.chunk}), got {cal.tokens}")
     for i, p in enumerate(cal.predictors):
-        check_choice(where(f"calibration.predictors[{i}]"), p, ("none", "context", "probe", "twin"))
+        check_choice(where(f"calibration.predictors[{i}]"), p, FITTED)
     for i, k in enumerate(cal.probe_layers):
         positive(f"calibration.probe_layers[{i}]", k)
     ll = suite.lossless

@@ -6,7 +6,6 @@ import functools
 
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from ..codec import CodecConfig
 from ..predictors import make_predictor
 from .coded import CodedBlock, LosslessContext
 
@@ -19,7 +18,7 @@ def lossless_context(cache) -> LosslessContext:
     )
     # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
     _check_layer_chain(cache, predictor)
-    codec = codec_config(settings)
+    codec = settings.codec_config()
     marginals = None
     if cache.calibration is not None and getattr(predictor, "calibrated", False):
         # only a calibrated predictor reads the calibration in generation (the marginals gain 0.001 bit/scalar
@@ -27,12 +26,6 @@ def lossless_context(cache) -> LosslessContext:
         marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
     return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
                            decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
-
-
-def codec_config(settings) -> CodecConfig:
-    """The codec settings a `LosslessConfig` asks for (files record the LosslessConfig, so they decode)."""
-    return CodecConfig(window=settings.window, fixed_window=settings.fixed_window, header=settings.header,
-                       mean_steps=settings.mean_steps, coder=settings.coder)
 
 
 def find_block(cache, layer: int, start: int):

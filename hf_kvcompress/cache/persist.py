@@ -36,7 +36,6 @@ from ..predictors.base import Predictor
 from ..predictors.runner import decoder_layers
 from ..version import __version__
 from .coded import SCALE_MAX, SCALE_MIN, CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
-from .lossless import codec_config
 
 if TYPE_CHECKING:
     from .cache import CompressedCache
@@ -511,7 +510,7 @@ def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
 
 def _coding_context(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessContext, dict]:
     blocks: dict[tuple[int, int], Block] = {}
-    codec = codec_config(settings)
+    codec = settings.codec_config()
     marginals = cache.calibration.marginal if cache.calibration is not None else None
     context = LosslessContext(predictor, codec, lambda layer, start: blocks.get((layer, start)), marginals, settings.workers)
     return context, blocks
