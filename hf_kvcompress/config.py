@@ -159,9 +159,10 @@ class LossyConfig(_JsonConfig):
     """Lossy mode: old tokens are periodically replaced by a smaller summary.
 
     Attributes:
-        method: ``"summary"`` (entropy selection -> OLS -> SVD, seed 004) or a baseline at the same memory:
-            ``"topk"`` (accumulated attention, H2O/SnapKV style), ``"streaming"`` (sinks + recent window),
-            ``"svd"`` (plain per-head low rank of K and V).
+        method: a registered lossy method (`hf_kvcompress.lossy.registry`, one file each under ``lossy/methods/``
+            with its paper): ``"summary"`` (attention-mass selection, biased least-squares fit, SVD of the rest:
+            docs/lossy.md) or a baseline at the same memory: ``"topk"`` (accumulated attention, H2O/SnapKV
+            style), ``"streaming"`` (sinks + recent window), ``"svd"`` (plain per-head low rank of K and V).
         budget: memory budget per layer as a fraction of the full cache's bytes, a float in (0, 1] (side data
             included; 1.0 keeps everything). Default 0.3 unless ``budget_tokens`` is given. An int is refused
             (``budget=1`` once meant one token): a count goes in ``budget_tokens``. JSON written before
@@ -176,8 +177,8 @@ class LossyConfig(_JsonConfig):
             (those of the forward that triggers it, used in place, plus the kept ones).
         kept_queries: how many queries per layer (per query head) are kept between summaries for the next fit
             (at most ``interval``; int8, counted in the held bytes and reserved in the budget).
-        selection: the summary's stage 1: ``"mass"`` (keep the most attended entries) or ``"entropy"`` (the seed's
-            criterion: entries above ``entropy_threshold`` are compressible, the lowest-entropy ones are kept).
+        selection: the summary's stage 1: ``"mass"`` (keep the most attended entries) or ``"entropy"`` (the
+            criterion of the proposal docs/lossy.md tests: entries above ``entropy_threshold`` are compressible, the lowest-entropy ones are kept).
         fit_bias: fit a per-entry logit bias (Attention Matching) for summary entries; needs a model attached.
         ridge: ridge strength of the value refit, relative to the mean diagonal of its normal matrix (0 = plain
             least squares, solved with ``gelsd``).
