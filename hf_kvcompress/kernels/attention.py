@@ -6,9 +6,9 @@ attention is ``a_qj = exp(l_qj - lse_q)`` with ``l_qj = scaling * q.k_j + b_j`` 
 over all entries (region and context). Per region entry ``j``, with ``W_qj = w_q a_qj`` and
 ``S_j = sum_q W_qj``:
 
-- ``mass_j = S_j / sum_q w_q`` (mean attention the entry gets; `hf_kvcompress.lossy.entropy.attention_mass`);
+- ``mass_j = S_j / sum_q w_q`` (mean attention the entry gets; `hf_kvcompress.lossy.scores.attention_mass`);
 - ``entropy_j = -sum_q (W_qj / S_j) log(W_qj / S_j) = log S_j - (sum_q W_qj log W_qj) / S_j`` (nats; 0 when
-  ``S_j = 0``), the column entropy of `hf_kvcompress.lossy.entropy.entry_entropy`.
+  ``S_j = 0``), the column entropy `hf_kvcompress.lossy.matching.Kernel.entropy` computes from its matrix.
 
 Two passes over the keys (log-sum-exp per query, then per-entry sums over queries), blockwise: memory is
 O(queries + entries), never queries x entries. Triton kernels in `attention_triton`; the torch reference here
