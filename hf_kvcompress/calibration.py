@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 from .codec import Marginal
 from .data import token_ids
 from .downloads import cache_dir, writable_folder
+from .errors import CalibrationError
 from .identity import ModelIdentity, model_fingerprint, model_identity
 from .predictors.base import BlockInputs, ExtrasSource, LayerValues
 from .predictors.linear import CalibratedLinearPredictor, FeatureBuilder, StreamHead, Surprise
@@ -56,9 +57,6 @@ RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-c
 SIGMA_FLOOR = 1e-6
 ESTIMATE_CHUNKS = 1  # chunks the in-sample bits estimate (a report, not a fit input) is computed on
 
-
-class CalibrationError(ValueError):
-    """A calibration file is missing, corrupt, from another version, or does not fit the model."""
 
 
 def library_versions() -> dict[str, str]:

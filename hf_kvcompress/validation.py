@@ -10,11 +10,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-
-class ConfigTypeError(TypeError, ValueError):
-    """A config field of the wrong type. A ``TypeError``, as Python raises for a wrong type (and as `CodecConfig`
-    always did), and a ``ValueError``, as every config error of `CompressionConfig` is documented to be: callers
-    catching either keep working."""
+from .errors import ConfigTypeError
 
 
 def fail(where: str, problem: str) -> NoReturn:

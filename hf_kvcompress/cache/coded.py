@@ -17,11 +17,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, decode_batch, encode, encode_batch
+from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
 from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor, stream_order
 from .pool import DecodedPool, flat_values, values_tensors
 
-SCALE_MIN, SCALE_MAX = -32, 63  # std scale exponents (quarter octaves) one byte can hold
+# The per-stream std scale, in quarter octaves (std * 2^(s/4)), one byte per stream: a format constant (saved files
+# hold it and persist.py refuses codes outside it). The range, std x 2^-8 .. 2^15.75, is a choice, not a tuned value:
+# `choose_scale` clips to it, and a clipped scale only costs rate, never exactness (docs/lossless.md, "Data flow").
+SCALE_MIN, SCALE_MAX = -32, 63
 
 
 @contextlib.contextmanager
@@ -36,10 +40,6 @@ def one_thread():
     finally:
         torch.set_num_threads(threads)
 
-
-class PredictorMismatchError(ValueError):
-    """Decoding found means that differ from the ones used to encode: the predictor did not reproduce
-    (other thread count, CPU, library version or calibration)."""
 
 
 @dataclass

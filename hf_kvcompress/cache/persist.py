@@ -29,6 +29,7 @@ from ..calibration import CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
 from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
+from ..errors import CacheFileError
 from ..identity import ModelIdentity, model_identity
 from ..layer.storage import Block
 from ..predictors import make_predictor
@@ -50,10 +51,6 @@ MAX_HEADER = 1 << 30
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MIN_STREAM_ENTRY = 8  # bytes per window-table entry: a stream of n bytes holds at most n / 8 windows
 
-
-class CacheFileError(ValueError):
-    """A saved cache cannot be loaded: corrupt, truncated, foreign, from another version, model or
-    calibration, or its predictor does not reproduce here."""
 
 
 def reproducibility() -> dict[str, Any]:

@@ -1,18 +1,7 @@
-"""The codec's exception types."""
+"""The codec's exception types (defined in `hf_kvcompress.errors`, with every other error of the library)."""
 
 from __future__ import annotations
 
+from ..errors import CorruptStreamError, ParameterMismatchError
 
-class CorruptStreamError(ValueError):
-    """The bytes are not a stream this codec can decode bit-exactly.
-
-    Raised for foreign, truncated or corrupted input, a format version from the future, tables or a marginal
-    that differ from the encoder's, and a ``mean``/``std`` at decode time that differs from the one used to
-    encode. A subclass of ``ValueError`` so that callers who treat any bad input alike can catch that.
-    """
-
-
-class ParameterMismatchError(CorruptStreamError):
-    """The ``mean`` or ``std`` given to decode is not the one the stream was encoded with (its fingerprint
-    differs): the predictor that produced it did not reproduce."""
-
+__all__ = ["CorruptStreamError", "ParameterMismatchError"]

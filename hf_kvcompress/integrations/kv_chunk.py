@@ -35,6 +35,7 @@ import torch
 from ..cache.coded import choose_scale, compact, one_thread, scale_factor
 from ..calibration import Calibration
 from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
+from ..errors import ChunkError, ChunkPayloadError
 from ..predictors.base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
 from ..predictors.context import ContextPredictor
 from ..predictors.generic import BlockStatsSession, block_stats
@@ -62,13 +63,6 @@ CODEC_CONFIG = CodecConfig(coder="lanes", header="compact", fixed_window=65536, 
 _LOCK = threading.Lock()
 
 
-class ChunkError(ValueError):
-    """A chunk this coder does not take: wrong dtype, layout, or not the calibrated model's shape."""
-
-
-class ChunkPayloadError(ValueError):
-    """Bytes that do not decode to the exact chunk: foreign, truncated, corrupted, or coded with another
-    calibration or for another shape."""
 
 
 @dataclass(frozen=True)
