@@ -6,7 +6,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, fields
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
 from .codec import CodecConfig
 from .lossy import registry as lossy_registry
@@ -16,32 +16,15 @@ from .validation import check_bool, check_choice, check_int, check_number, fail
 MODES = ("none", "lossless", "lossy")
 
 
-# the shared checks of `validation`, with the field named as ``Owner.field``
-def _fail(owner: str, name: str, problem: str) -> NoReturn:
-    fail(f"{owner}.{name}", problem)
-
-
-def _check_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
-    check_int(f"{owner}.{name}", value, minimum=minimum)
-
-
-def _check_float(owner: str, name: str, value: Any, *, low: float, high: float, low_open: bool = False) -> None:
-    check_number(f"{owner}.{name}", value, low=low, high=high, low_open=low_open)
-
-
-def _check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
-    check_choice(f"{owner}.{name}", value, choices)
-
-
-def _check_fraction(owner: str, name: str, value: Any, *, count_hint: str) -> None:
+def _check_fraction(where: str, value: Any, *, count_hint: str) -> None:
     """A fraction in (0, 1] given as a float; an int is refused (pointing to ``count_hint``, formatted with the
     value) because ``1`` reads as "everything" to some and "one token" to others (earlier versions read an int
     budget as tokens)."""
     if isinstance(value, int) and not isinstance(value, bool):
-        _fail(owner, name, f"is a fraction of the full cache, a float in (0, 1], got the int {value}; for a count of "
+        fail(where, f"is a fraction of the full cache, a float in (0, 1], got the int {value}; for a count of "
                            f"token-equivalents per layer use {count_hint.format(value)}"
                            + (" (for the whole cache write 1.0)" if value == 1 else ""))
-    _check_float(owner, name, value, low=0.0, high=1.0, low_open=True)
+    check_number(where, value, low=0.0, high=1.0, low_open=True)
 
 
 class _JsonConfig:
@@ -132,17 +115,17 @@ class LosslessConfig(_JsonConfig):
 
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
-        _check_choice(owner, "predictor", self.predictor, self.PREDICTORS)
+        check_choice(f"{owner}.predictor", self.predictor, self.PREDICTORS)
         if self.predictor in self.STORAGE_ONLY:
-            _fail(owner, "predictor", f"cannot be {self.predictor!r}: it reruns the model to decode every block, "
+            fail(f"{owner}.predictor", f"cannot be {self.predictor!r}: it reruns the model to decode every block, "
                                       "which is impractical at every step of generate() (storage only); generate "
                                       "with 'generic' or 'context' and store with "
                                       f"LosslessConfig(save_predictor={self.predictor!r}) or "
                                       f"cache.save(path, predictor={self.predictor!r})")
-        _check_choice(owner, "save_predictor", self.save_predictor, self.PREDICTORS)
-        _check_int(owner, "probe_layer", self.probe_layer, minimum=1)
-        _check_int(owner, "workers", self.workers, minimum=1)
-        _check_float(owner, "decoded_budget", self.decoded_budget, low=0.0, high=1.0)
+        check_choice(f"{owner}.save_predictor", self.save_predictor, self.PREDICTORS)
+        check_int(f"{owner}.probe_layer", self.probe_layer, minimum=1)
+        check_int(f"{owner}.workers", self.workers, minimum=1)
+        check_number(f"{owner}.decoded_budget", self.decoded_budget, low=0.0, high=1.0)
         try:
             self.codec_config()
         except ValueError as err:  # ConfigTypeError too; the fields have CodecConfig's names: name them as ours
@@ -211,29 +194,29 @@ class LossyConfig(_JsonConfig):
 
     def __post_init__(self) -> None:
         owner = "LossyConfig"
-        _check_choice(owner, "method", self.method, tuple(self.METHODS))
+        check_choice(f"{owner}.method", self.method, tuple(self.METHODS))
         # whether the budget was given (not defaulted): CompressionConfig(budget=...) may fill a defaulted one only
         object.__setattr__(self, "_budget_given", self.budget is not None or self.budget_tokens is not None)
         if self.budget_tokens is not None:
-            _check_int(owner, "budget_tokens", self.budget_tokens, minimum=1)
+            check_int(f"{owner}.budget_tokens", self.budget_tokens, minimum=1)
             if self.budget is not None:
-                _fail(owner, "budget", f"and budget_tokens are alternatives; got budget={self.budget!r} and "
+                fail(f"{owner}.budget", f"and budget_tokens are alternatives; got budget={self.budget!r} and "
                                        f"budget_tokens={self.budget_tokens!r}")
         else:
             if self.budget is None:
                 object.__setattr__(self, "budget", self.DEFAULT_BUDGET)
-            _check_fraction(owner, "budget", self.budget, count_hint="budget_tokens={}")
-        _check_float(owner, "entropy_threshold", self.entropy_threshold, low=0.0, high=100.0)
-        _check_float(owner, "error_tolerance", self.error_tolerance, low=0.0, high=1.0, low_open=True)
-        _check_int(owner, "interval", self.interval, minimum=1)
-        _check_int(owner, "sinks", self.sinks, minimum=0)
-        _check_int(owner, "reference_queries", self.reference_queries, minimum=1)
-        _check_int(owner, "kept_queries", self.kept_queries, minimum=0)
-        _check_choice(owner, "selection", self.selection, self.SELECTIONS)
+            _check_fraction(f"{owner}.budget", self.budget, count_hint="budget_tokens={}")
+        check_number(f"{owner}.entropy_threshold", self.entropy_threshold, low=0.0, high=100.0)
+        check_number(f"{owner}.error_tolerance", self.error_tolerance, low=0.0, high=1.0, low_open=True)
+        check_int(f"{owner}.interval", self.interval, minimum=1)
+        check_int(f"{owner}.sinks", self.sinks, minimum=0)
+        check_int(f"{owner}.reference_queries", self.reference_queries, minimum=1)
+        check_int(f"{owner}.kept_queries", self.kept_queries, minimum=0)
+        check_choice(f"{owner}.selection", self.selection, self.SELECTIONS)
         check_bool(f"{owner}.fit_bias", self.fit_bias)
-        _check_float(owner, "ridge", self.ridge, low=0.0, high=1e6)
-        _check_int(owner, "query_horizon", self.query_horizon, minimum=0)
-        _check_choice(owner, "entry_format", self.entry_format, self.ENTRY_FORMATS)
+        check_number(f"{owner}.ridge", self.ridge, low=0.0, high=1e6)
+        check_int(f"{owner}.query_horizon", self.query_horizon, minimum=0)
+        check_choice(f"{owner}.entry_format", self.entry_format, self.ENTRY_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -269,34 +252,34 @@ class CompressionConfig(_JsonConfig):
 
     def __post_init__(self, budget: float | None) -> None:
         owner = "CompressionConfig"
-        _check_choice(owner, "mode", self.mode, MODES)
+        check_choice(f"{owner}.mode", self.mode, MODES)
         lossless = self.mode == "lossless"
         if self.block_tokens is None:
             object.__setattr__(self, "block_tokens", 128 if lossless else 256)
         if self.residual_tokens is None:
             object.__setattr__(self, "residual_tokens", 0 if lossless else 128)
-        _check_int(owner, "block_tokens", self.block_tokens, minimum=1)
-        _check_int(owner, "residual_tokens", self.residual_tokens, minimum=0)
+        check_int(f"{owner}.block_tokens", self.block_tokens, minimum=1)
+        check_int(f"{owner}.residual_tokens", self.residual_tokens, minimum=0)
         for name, sub in self._nested.items():
             value = getattr(self, name)
             if isinstance(value, dict):
                 object.__setattr__(self, name, sub.from_dict(value))
             elif not isinstance(value, sub):
-                _fail(owner, name, f"must be a {sub.__name__} or a dict, got {type(value).__name__}")
+                fail(f"{owner}.{name}", f"must be a {sub.__name__} or a dict, got {type(value).__name__}")
         if budget is not None:
             self._apply_budget(budget)
 
     def _apply_budget(self, budget: Any) -> None:
         owner = "CompressionConfig"
         if self.mode != "lossy":
-            _fail(owner, "budget", f"applies to mode='lossy' only (the fraction of the cache a summary keeps), got "
+            fail(f"{owner}.budget", f"applies to mode='lossy' only (the fraction of the cache a summary keeps), got "
                                    f"budget={budget!r} with mode={self.mode!r}")
-        _check_fraction(owner, "budget", budget, count_hint="lossy=LossyConfig(budget_tokens={})")
+        _check_fraction(f"{owner}.budget", budget, count_hint="lossy=LossyConfig(budget_tokens={})")
         lossy = self.lossy
         if getattr(lossy, "_budget_given", False) and lossy.budget != budget:
             given = (f"budget_tokens={lossy.budget_tokens}" if lossy.budget_tokens is not None
                      else f"budget={lossy.budget}")
-            _fail(owner, "budget", f"({budget!r}) conflicts with lossy.{given}; give the budget once")
+            fail(f"{owner}.budget", f"({budget!r}) conflicts with lossy.{given}; give the budget once")
         filled = dataclasses.replace(lossy, budget=float(budget), budget_tokens=None)
         object.__setattr__(filled, "_budget_given", False)  # filled from here: a later replace() may refill it
         object.__setattr__(self, "lossy", filled)

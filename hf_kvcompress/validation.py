@@ -1,7 +1,7 @@
 """Field checks for every config of the package: `CompressionConfig` and its parts, the codec's `CodecConfig` and
 the evaluation harness's suite files. One wording ("<where> must ..., got ...") and one exception policy.
 
-A leaf module (it imports nothing from the package), so the model-independent codec can use it too.
+It imports only `errors` (a leaf), so the model-independent codec can use it too.
 """
 
 from __future__ import annotations
