@@ -1,15 +1,16 @@
-"""Lossy mode composed with 8-bit kept entries against transformers' `QuantizedCache` at the same memory
-(docs/lossy.md, *Composed with 8-bit entries*).
+"""Lossy mode composed with quantized kept entries against transformers' `QuantizedCache` at the same memory
+(docs/lossy.md, *Composed with quantized entries*).
 
-Methods: the summary, Top-K and StreamingLLM, each with kept entries in the cache dtype or in int8 / fp8
-(`LossyConfig.entry_format`), at budgets 0.5, 0.25 and 0.125 of the full cache's bytes; `QuantizedCache` with
+Methods: the summary, Top-K and StreamingLLM, each with kept entries in the cache dtype or in int8 / int4 / mixed
+(int4, the most important entries in int8; `LossyConfig.entry_format`), at budgets 0.5, 0.25 and 0.125 of the full
+cache's bytes; `QuantizedCache` with
 quanto int4 / int2, HQQ int4 / int2 and fp8 (backends that do not install are listed, not dropped silently).
 Memory is what each cache really holds after the context (`stats()["held_bytes"]` for ours: K/V, side data and
 kept queries; quantized tensors with their scales plus the unquantized residual for `QuantizedCache`).
 Measured as in `eval/lossy_experiment.py`: held-out attention error, perplexity of the continuation, needles.
 
-    nice python eval/lossy_compare.py              # the reduced setting of docs/lossy.md (8.4 min here)
-    nice python eval/lossy_compare.py --segments 2 --continuation 512 --needles 20    # less noisy, slower
+    nice python eval/lossy_compare.py              # the reduced setting (1 segment, 10 needles)
+    nice python eval/lossy_compare.py --segments 2 --needles 50    # the table of docs/lossy.md
     nice python eval/lossy_compare.py --replot results/lossy_compare/results.json
 
 Prints the table and writes ``results.json`` and ``pareto.png`` under ``--out`` (default
@@ -43,9 +44,10 @@ from hf_kvcompress_eval.suite import LossySection
 METHODS: dict[str, dict] = {
     "summary": {"method": "summary"},
     "summary+int8": {"method": "summary", "entry_format": "int8"},
-    "summary+fp8": {"method": "summary", "entry_format": "fp8"},
-    "topk+int8": {"method": "topk", "entry_format": "int8"},
-    "streaming+int8": {"method": "streaming", "entry_format": "int8"},
+    "summary+int4": {"method": "summary", "entry_format": "int4"},
+    "summary+mixed": {"method": "summary", "entry_format": "mixed"},
+    "topk+mixed": {"method": "topk", "entry_format": "mixed"},
+    "streaming+mixed": {"method": "streaming", "entry_format": "mixed"},
 }
 QUANTIZED = ["fp8", "quanto-4", "quanto-2", "hqq-4", "hqq-2"]
 

@@ -168,7 +168,10 @@ class LossyConfig(_JsonConfig):
         query_horizon: reference queries are moved (RoPE-rotated) to positions spread over this many tokens after
             the summary, where the queries that will read it sit; 0 keeps their own positions.
         entry_format: how the entries a method keeps are stored: ``"model"`` (the cache dtype), ``"int8"`` or
-            ``"fp8"`` (8-bit codes with a float16 scale per vector; sinks and the recent window stay exact).
+            ``"fp8"`` (8-bit codes with a float16 scale per vector), ``"int4"`` (4-bit codes with a float16 scale and
+            offset per vector), ``"mixed"`` (every entry that fits in int4, the most important ones upgraded to
+            int8 with what the budget leaves; a method drops entries only when int4 cannot hold them all); sinks and
+            the recent window stay exact.
     """
 
     method: str = "summary"

@@ -5,16 +5,17 @@ from __future__ import annotations
 import torch
 
 from ..layer.storage import Block, tensor_nbytes
-from .packed import Packed, pack, unpack
+from .packed import Packed, Split, pack, unpack
 
-Values = torch.Tensor | Packed | tuple[torch.Tensor, torch.Tensor]
+Values = torch.Tensor | Packed | Split | tuple[torch.Tensor, torch.Tensor]
 
 
 class LossyBlock(Block):
     """Entries attention sees as they are, plus an optional additive logit bias per entry.
 
     ``values`` is a tensor, or low-rank factors ``(U, W)`` with ``V = U @ W`` (``[b, h, n, r]``, ``[b, h, r, d]``).
-    ``keys`` and tensor ``values`` may be `Packed` (8-bit codes with a scale per vector, see `packed`).
+    ``keys`` and tensor ``values`` may be `Packed` or `Split` (quantized codes with side data per vector, see
+    `packed`).
     ``bias`` (``[batch, kv_heads, entries]``, cache dtype) is added to the attention logits of its entries: a
     fitted log-weight for summary entries, ``-inf`` for entries that must be ignored (padding of a shorter row).
     ``None`` means all zeros and costs nothing.
@@ -22,7 +23,7 @@ class LossyBlock(Block):
 
     exact = False
 
-    def __init__(self, keys: torch.Tensor | Packed, values: Values, bias: torch.Tensor | None, *, tokens: int):
+    def __init__(self, keys: torch.Tensor | Packed | Split, values: Values, bias: torch.Tensor | None, *, tokens: int):
         self.keys = keys
         self.values = values
         self.bias = bias
@@ -44,7 +45,7 @@ class LossyBlock(Block):
 
     def _map(self, fn) -> LossyBlock:
         def apply(t):
-            return t.map(fn) if isinstance(t, Packed) else fn(t)
+            return fn(t) if isinstance(t, torch.Tensor) else t.map(fn)
 
         values = tuple(fn(v) for v in self.values) if isinstance(self.values, tuple) else apply(self.values)
         bias = None if self.bias is None else fn(self.bias)
@@ -116,19 +117,24 @@ class LowRankBlock(Block):
         )
 
 
-def kept_block(keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int, fmt: str) -> LossyBlock:
-    """A block of kept entries with keys and (tensor) values stored in entry format ``fmt``."""
+def kept_block(
+    keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int, fmt: str, high: int = 0
+) -> LossyBlock:
+    """A block of kept entries with keys and (tensor) values stored in entry format ``fmt`` (``mixed``: the first
+    ``high`` entries in int8, see `budget.upgrade_order`)."""
     if not isinstance(values, tuple):
-        values = pack(values, fmt)
-    return LossyBlock(pack(keys, fmt), values, bias, tokens=tokens)
+        values = pack(values, fmt, high)
+    return LossyBlock(pack(keys, fmt, high), values, bias, tokens=tokens)
 
 
-def unpack_device(x: torch.Tensor | Packed) -> torch.device:
+def unpack_device(x: torch.Tensor | Packed | Split) -> torch.device:
+    if isinstance(x, Split):
+        return x.high.codes.device
     return x.codes.device if isinstance(x, Packed) else x.device
 
 
-def _nbytes(x: torch.Tensor | Packed | None) -> int:
-    return x.nbytes() if isinstance(x, Packed) else tensor_nbytes(x)
+def _nbytes(x: torch.Tensor | Packed | Split | None) -> int:
+    return tensor_nbytes(x) if x is None or isinstance(x, torch.Tensor) else x.nbytes()
 
 
 def block_bias(block: Block) -> torch.Tensor | None:

@@ -49,8 +49,11 @@ def entry_bytes(
     return kv_heads * (key + value + (element_size if with_bias else 0))
 
 
-def keep_within(region: Region, budget: int, order: torch.Tensor | None, fmt: str = "model") -> Region | None:
-    """The best entries of ``region`` that fit in ``budget`` bytes per row, or None if none does.
+def keep_within(
+    region: Region, budget: int, order: torch.Tensor | None, fmt: str = "model"
+) -> tuple[Region, torch.Tensor] | None:
+    """The best entries of ``region`` that fit in ``budget`` bytes per row and their indices (``[b, h, t]``), or None
+    if none does.
 
     ``order``: ``[b, h, n]`` score, higher = keep first (None: the newest entries). A bias per entry is stored
     only if a kept entry needs one (a dead or earlier-fitted entry), so the count is settled in two steps.
@@ -67,15 +70,39 @@ def keep_within(region: Region, budget: int, order: torch.Tensor | None, fmt: st
             index = top_entries(order, count)
         kept = region.gather(index)
         if with_bias or bool((kept.bias == 0).all()):
-            return kept
-    return kept
+            return kept, index
+    return kept, index
+
+
+def upgrade_order(
+    score: torch.Tensor, budget: int, head_dim: int, element_size: int, *, with_bias: bool
+) -> tuple[torch.Tensor, int]:
+    """Entry format ``mixed``: how many of ``t`` kept entries (``score`` ``[b, h, t]``, higher = more important) the
+    budget left after storing all of them in int4 lets be stored in int8, and the order that puts those first
+    (``[b, h, t]`` indices into the kept entries; each part in its original order)."""
+    h, t = score.shape[-2:]
+    base = entry_bytes(h, head_dim, element_size, with_bias=with_bias, fmt="int4")
+    extra = 2 * h * (vector_bytes(head_dim, element_size, "int8") - vector_bytes(head_dim, element_size, "int4"))
+    high = max(0, min(t, (budget - t * base) // extra))
+    ranked = score.argsort(dim=-1, descending=True, stable=True)
+    order = torch.cat([ranked[..., :high].sort(dim=-1).values, ranked[..., high:].sort(dim=-1).values], dim=-1)
+    return order, high
 
 
 def kept_blocks(region: Region, budget: int, order: torch.Tensor | None, fmt: str) -> list[Block]:
     """What a selection method returns: the best entries of ``region`` (by ``order``, see `keep_within`) that fit
     in ``budget`` bytes per row, kept as they are in entry format ``fmt`` (no block if none fits)."""
-    kept = keep_within(region, budget, order, fmt)
-    if kept is None:
+    found = keep_within(region, budget, order, fmt)
+    if found is None:
         return []
+    kept, index = found
+    high = 0
+    if fmt == "mixed":
+        # the newest entries are the most important without scores (StreamingLLM)
+        score = index.float() if order is None else torch.gather(order, -1, index)
+        with_bias = not bool((kept.bias == 0).all())
+        upgrade, high = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(),
+                                      with_bias=with_bias)
+        kept = kept.gather(upgrade)
     bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
-    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt)]
+    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt, high=high)]

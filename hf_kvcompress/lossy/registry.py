@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 #: ``compress(region, budget, context)``: the blocks that replace ``region`` within ``budget`` bytes per batch row
 Compress = Callable[["Region", int, "FitContext"], "list[Block]"]
 
-#: ``LossyConfig.entry_format`` values: the cache dtype as it is, or 8-bit codes with a float16 scale per vector
+#: ``LossyConfig.entry_format`` values: the cache dtype as it is, 8-bit codes with a float16 scale per vector,
+#: 4-bit codes with a float16 scale and offset per vector, or 4-bit with the most important entries in 8 bits
 #: (`hf_kvcompress.lossy.packed` implements them)
-ENTRY_FORMATS: tuple[str, ...] = ("model", "int8", "fp8")
+ENTRY_FORMATS: tuple[str, ...] = ("model", "int8", "fp8", "int4", "mixed")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 from ...layer.storage import Block
 from ..blocks import kept_block
-from ..budget import entry_bytes
+from ..budget import entry_bytes, upgrade_order
 from ..matching import Fit, Kernel, fit_row, row, row_context
 from ..region import FitContext, Region, dead_bias_or_none
 from ..registry import register
@@ -48,6 +48,10 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     rows = [(row(region, r), row_context(ctx, r)) for r in range(b)]
     kernels = [Kernel(sub, sub_ctx) for sub, sub_ctx in rows]
     scores = [selection_score(kernel, sub, cfg) for kernel, (sub, _) in zip(kernels, rows)]
+    if count >= n:
+        # nothing is dropped, so nothing needs compensating: the entries stay as they are (only their format
+        # changes), as a quantized cache would hold them
+        return [_block(region, torch.cat(scores), budget, fmt, store_bias)]
     fits, worst = [], torch.zeros(min(count, d) + 1)
     for kernel, score, (sub, _) in zip(kernels, scores, rows):
         index = top_entries(score, count)
@@ -75,8 +79,20 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
             bias = _stored_bias(bias, keys.dtype, store_bias)
             return [kept_block(keys, factors, bias, tokens=region.tokens, fmt=fmt)]
     keys, values, bias = _stack(region, fits)
-    values = values.to(region.values.dtype)
-    return [kept_block(keys, values, _stored_bias(bias, keys.dtype, store_bias), tokens=region.tokens, fmt=fmt)]
+    fitted = Region(keys, values.to(region.values.dtype), bias, region.tokens)
+    score = torch.cat([torch.gather(s, -1, index) for s, (index, _) in zip(scores, fits)])
+    return [_block(fitted, score, budget, fmt, store_bias)]
+
+
+def _block(kept: Region, score: torch.Tensor, budget: int, fmt: str, store_bias: bool) -> Block:
+    """The kept entries as one block in entry format ``fmt``; ``mixed``: the highest ``score`` (``[b, h, t]``) first,
+    as many in int8 as the budget leaves."""
+    high = 0
+    if fmt == "mixed":
+        order, high = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(), with_bias=store_bias)
+        kept = kept.gather(order)
+    bias = _stored_bias(kept.bias, kept.keys.dtype, store_bias)
+    return kept_block(kept.keys, kept.values, bias, tokens=kept.tokens, fmt=fmt, high=high)
 
 
 def selection_score(kernel: Kernel, region: Region, cfg) -> torch.Tensor:
