@@ -118,18 +118,19 @@ class LowRankBlock(Block):
 
 
 def kept_block(
-    keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int, fmt: str, high: int = 0
+    keys: torch.Tensor, values: Values, bias: torch.Tensor | None, *, tokens: int, fmt: str,
+    tiers: tuple[int, ...] = (),
 ) -> LossyBlock:
-    """A block of kept entries with keys and (tensor) values stored in entry format ``fmt`` (``mixed``: the first
-    ``high`` entries in int8, see `budget.upgrade_order`)."""
+    """A block of kept entries with keys and (tensor) values stored in entry format ``fmt`` (``mixed``: ``tiers``
+    entries in each better tier, see `packed.pack` and `budget.upgrade_order`)."""
     if not isinstance(values, tuple):
-        values = pack(values, fmt, high)
-    return LossyBlock(pack(keys, fmt, high), values, bias, tokens=tokens)
+        values = pack(values, fmt, tiers)
+    return LossyBlock(pack(keys, fmt, tiers), values, bias, tokens=tokens)
 
 
 def unpack_device(x: torch.Tensor | Packed | Split) -> torch.device:
     if isinstance(x, Split):
-        return x.high.codes.device
+        return x.parts[0].codes.device
     return x.codes.device if isinstance(x, Packed) else x.device
 
 

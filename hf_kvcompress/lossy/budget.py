@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..layer.storage import Block
 from .blocks import kept_block
-from .packed import vector_bytes
+from .packed import MIXED_TIERS, vector_bytes
 from .region import Region, dead_bias_or_none
 from .scores import top_entries
 
@@ -76,17 +77,26 @@ def keep_within(
 
 def upgrade_order(
     score: torch.Tensor, budget: int, head_dim: int, element_size: int, *, with_bias: bool
-) -> tuple[torch.Tensor, int]:
-    """Entry format ``mixed``: how many of ``t`` kept entries (``score`` ``[b, h, t]``, higher = more important) the
-    budget left after storing all of them in int4 lets be stored in int8, and the order that puts those first
-    (``[b, h, t]`` indices into the kept entries; each part in its original order)."""
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Entry format ``mixed``: of ``t`` kept entries (``score`` ``[b, h, t]``, higher = more important), all stored in
+    the last of `packed.MIXED_TIERS`, how many the budget left lets move up to each better tier (every entry to the
+    second-to-last tier before any to the one above it), and the order that puts the best first: ``(order
+    [b, h, t] indices into the kept entries, counts per tier but the last)``, each tier in its original order."""
     h, t = score.shape[-2:]
-    base = entry_bytes(h, head_dim, element_size, with_bias=with_bias, fmt="int4")
-    extra = 2 * h * (vector_bytes(head_dim, element_size, "int8") - vector_bytes(head_dim, element_size, "int4"))
-    high = max(0, min(t, (budget - t * base) // extra))
+    tiers = MIXED_TIERS
+    spare = budget - t * entry_bytes(h, head_dim, element_size, with_bias=with_bias, fmt=tiers[-1])
+    reach = []  # entries at this tier or better, from the last-but-one tier up
+    for better, worse in zip(tiers[-2::-1], tiers[:0:-1]):
+        step = 2 * h * (vector_bytes(head_dim, element_size, better) - vector_bytes(head_dim, element_size, worse))
+        n = max(0, min(reach[-1] if reach else t, spare // step))
+        spare -= n * step
+        reach.append(n)
+    reach = reach[::-1]  # entries at each tier or better, best tier first (non-decreasing)
+    counts = tuple(n - m for n, m in zip(reach, [0, *reach[:-1]]))
     ranked = score.argsort(dim=-1, descending=True, stable=True)
-    order = torch.cat([ranked[..., :high].sort(dim=-1).values, ranked[..., high:].sort(dim=-1).values], dim=-1)
-    return order, high
+    edges = [0, *accumulate(counts), t]
+    order = torch.cat([ranked[..., a:b].sort(dim=-1).values for a, b in pairwise(edges)], dim=-1)
+    return order, counts
 
 
 def kept_blocks(region: Region, budget: int, order: torch.Tensor | None, fmt: str) -> list[Block]:
@@ -96,13 +106,13 @@ def kept_blocks(region: Region, budget: int, order: torch.Tensor | None, fmt: st
     if found is None:
         return []
     kept, index = found
-    high = 0
+    tiers: tuple[int, ...] = ()
     if fmt == "mixed":
         # the newest entries are the most important without scores (StreamingLLM)
         score = index.float() if order is None else torch.gather(order, -1, index)
         with_bias = not bool((kept.bias == 0).all())
-        upgrade, high = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(),
-                                      with_bias=with_bias)
+        upgrade, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(),
+                                       with_bias=with_bias)
         kept = kept.gather(upgrade)
     bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
-    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt, high=high)]
+    return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt, tiers=tiers)]

@@ -16,6 +16,7 @@ storing the most important ones in 8 bits (int8): the low-precision tail replace
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -25,28 +26,37 @@ _CODE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 SCALE_DTYPE = torch.float16
 
 
+#: entry format ``mixed``: its tiers, best first; a method drops an entry only when the last tier cannot hold them all
+MIXED_TIERS: tuple[str, ...] = ("int8", "int4")
+#: bits per code of the formats stored with a scale and an offset (asymmetric min/max)
+_ASYMMETRIC = {"int4": 4, "int2": 2}
+
+
 @dataclass
 class Packed:
-    """``[b, h, n, d]`` vectors as ``codes`` with ``scales`` ``[b, h, n, 1]`` (and, for ``int4``, ``offsets``
-    ``[b, h, n, 1]``, the codes two per byte: ``[b, h, n, d / 2]`` uint8, element ``2i`` in the low nibble);
-    ``dtype``: what `unpack` gives."""
+    """``[b, h, n, d]`` vectors as ``codes`` with ``scales`` ``[b, h, n, 1]``; for the asymmetric formats also
+    ``offsets`` ``[b, h, n, 1]`` and ``bits`` per code, ``8 / bits`` codes per byte (``[b, h, n, d * bits / 8]``
+    uint8, element ``k * i + j`` in bits ``j * bits ..`` of byte ``i``); ``dtype``: what `unpack` gives."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     dtype: torch.dtype
     offsets: torch.Tensor | None = None
+    bits: int = 8
 
     @property
     def shape(self) -> torch.Size:
         if self.offsets is None:
             return self.codes.shape
-        return torch.Size((*self.codes.shape[:-1], 2 * self.codes.shape[-1]))
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))
 
     def unpack(self) -> torch.Tensor:
         if self.offsets is None:
             return (self.codes.float() * self.scales.float()).to(self.dtype)
-        nibbles = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).flatten(-2)
-        return (nibbles.float() * self.scales.float() + self.offsets.float()).to(self.dtype)
+        mask = (1 << self.bits) - 1
+        parts = [(self.codes >> (self.bits * j)) & mask for j in range(8 // self.bits)]
+        codes = torch.stack(parts, dim=-1).flatten(-2)
+        return (codes.float() * self.scales.float() + self.offsets.float()).to(self.dtype)
 
     def nbytes(self) -> int:
         parts = (self.codes, self.scales) if self.offsets is None else (self.codes, self.scales, self.offsets)
@@ -54,41 +64,44 @@ class Packed:
 
     def map(self, fn) -> Packed:
         """The same vectors with ``fn`` applied to codes and side data (row selection, device moves)."""
-        return Packed(fn(self.codes), fn(self.scales), self.dtype, None if self.offsets is None else fn(self.offsets))
+        offsets = None if self.offsets is None else fn(self.offsets)
+        return Packed(fn(self.codes), fn(self.scales), self.dtype, offsets, self.bits)
 
 
 @dataclass
 class Split:
-    """``[b, h, n, d]`` vectors whose first ``high.shape[-2]`` entries are stored in one format and the rest in
-    another (entry format ``mixed``: int8, then int4)."""
+    """``[b, h, n, d]`` vectors stored in consecutive parts of ``n_i`` entries each, one format per part (entry
+    format ``mixed``: `MIXED_TIERS`, best first)."""
 
-    high: Packed
-    low: Packed
+    parts: tuple[Packed, ...]
 
     @property
     def shape(self) -> torch.Size:
-        a, b = self.high.shape, self.low.shape
-        return torch.Size((*a[:-2], a[-2] + b[-2], a[-1]))
+        a = self.parts[0].shape
+        return torch.Size((*a[:-2], sum(p.shape[-2] for p in self.parts), a[-1]))
 
     def unpack(self) -> torch.Tensor:
-        return torch.cat([self.high.unpack(), self.low.unpack()], dim=-2)
+        return torch.cat([p.unpack() for p in self.parts], dim=-2)
 
     def nbytes(self) -> int:
-        return self.high.nbytes() + self.low.nbytes()
+        return sum(p.nbytes() for p in self.parts)
 
     def map(self, fn) -> Split:
-        return Split(self.high.map(fn), self.low.map(fn))
+        return Split(tuple(p.map(fn) for p in self.parts))
 
 
-def pack(x: torch.Tensor, fmt: str, high: int = 0) -> torch.Tensor | Packed | Split:
-    """``x`` stored in ``fmt`` (``"model"``: unchanged; ``"mixed"``: the first ``high`` entries in int8, the rest in
-    int4)."""
+def pack(x: torch.Tensor, fmt: str, tiers: tuple[int, ...] = ()) -> torch.Tensor | Packed | Split:
+    """``x`` stored in ``fmt`` (``"model"``: unchanged; ``"mixed"``: the first ``tiers[0]`` entries in
+    ``MIXED_TIERS[0]``, the next ``tiers[1]`` in the next tier, ..., the rest in the last tier)."""
     if fmt == "model":
         return x
     if fmt == "mixed":
-        return Split(pack(x[..., :high, :], "int8"), pack(x[..., high:, :], "int4"))
-    if fmt == "int4":
-        return _pack_int4(x)
+        if len(tiers) >= len(MIXED_TIERS):
+            raise ValueError(f"pack: {len(MIXED_TIERS)} tiers take {len(MIXED_TIERS) - 1} counts, got {tiers}")
+        edges = [0, *accumulate(tiers), x.shape[-2]]
+        return Split(tuple(pack(x[..., a:b, :], tier) for tier, (a, b) in zip(MIXED_TIERS, pairwise(edges))))
+    if fmt in _ASYMMETRIC:
+        return _pack_asymmetric(x, _ASYMMETRIC[fmt])
     if fmt not in _CODE:
         raise ValueError(f"entry format must be one of {list(ENTRY_FORMATS)}, got {fmt!r}")
     code_dtype, top = _CODE[fmt]
@@ -100,16 +113,22 @@ def pack(x: torch.Tensor, fmt: str, high: int = 0) -> torch.Tensor | Packed | Sp
     return Packed(codes, scale, x.dtype)
 
 
-def _pack_int4(x: torch.Tensor) -> Packed:
-    if x.shape[-1] % 2:
-        raise ValueError(f"entry format 'int4' packs two codes per byte: needs an even head_dim, got {x.shape[-1]}")
+def _pack_asymmetric(x: torch.Tensor, bits: int) -> Packed:
+    per = 8 // bits
+    if x.shape[-1] % per:
+        raise ValueError(f"entry format 'int{bits}' packs {per} codes per byte: needs a head_dim divisible by {per}, "
+                         f"got {x.shape[-1]}")
     xf = x.float()
     low, high = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
     # codes are made with the rounded offset and scale, so unpack() returns exactly what they encode
     offset = low.to(SCALE_DTYPE)
-    scale = ((high - offset.float()) / 15).clamp_min(1e-8).to(SCALE_DTYPE)
-    codes = ((xf - offset.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)
-    return Packed(codes[..., 0::2] | (codes[..., 1::2] << 4), scale, x.dtype, offset)
+    top = (1 << bits) - 1
+    scale = ((high - offset.float()) / top).clamp_min(1e-8).to(SCALE_DTYPE)
+    codes = ((xf - offset.float()) / scale.float()).round_().clamp_(0, top).to(torch.uint8)
+    packed = codes[..., 0::per]
+    for j in range(1, per):
+        packed = packed | (codes[..., j::per] << (bits * j))
+    return Packed(packed, scale, x.dtype, offset, bits)
 
 
 def unpack(x: torch.Tensor | Packed | Split) -> torch.Tensor:
@@ -117,11 +136,13 @@ def unpack(x: torch.Tensor | Packed | Split) -> torch.Tensor:
 
 
 def vector_bytes(head_dim: int, element_size: int, fmt: str) -> int:
-    """Bytes of one stored key or value vector (one entry, one KV head); ``mixed``: its 4-bit form (what every kept
-    entry costs at least)."""
+    """Bytes of one stored key or value vector (one entry, one KV head); ``mixed``: its last tier's (what every
+    kept entry costs at least)."""
     if fmt == "model":
         return head_dim * element_size
     side = torch.finfo(SCALE_DTYPE).bits // 8
-    if fmt in ("int4", "mixed"):
-        return -(-head_dim // 2) + 2 * side
+    if fmt == "mixed":
+        fmt = MIXED_TIERS[-1]
+    if fmt in _ASYMMETRIC:
+        return -(-head_dim * _ASYMMETRIC[fmt] // 8) + 2 * side
     return head_dim + side

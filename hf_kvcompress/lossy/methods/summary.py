@@ -86,13 +86,14 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
 
 def _block(kept: Region, score: torch.Tensor, budget: int, fmt: str, store_bias: bool) -> Block:
     """The kept entries as one block in entry format ``fmt``; ``mixed``: the highest ``score`` (``[b, h, t]``) first,
-    as many in int8 as the budget leaves."""
-    high = 0
+    in the better tiers as far as the budget leaves room."""
+    tiers: tuple[int, ...] = ()
     if fmt == "mixed":
-        order, high = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(), with_bias=store_bias)
+        order, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(),
+                                     with_bias=store_bias)
         kept = kept.gather(order)
     bias = _stored_bias(kept.bias, kept.keys.dtype, store_bias)
-    return kept_block(kept.keys, kept.values, bias, tokens=kept.tokens, fmt=fmt, high=high)
+    return kept_block(kept.keys, kept.values, bias, tokens=kept.tokens, fmt=fmt, tiers=tiers)
 
 
 def selection_score(kernel: Kernel, region: Region, cfg) -> torch.Tensor:
