@@ -454,7 +454,7 @@ def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.
     What stays on the host: parsing, the mean / std fingerprints (`lanes.prepare_decode`, on the host copies
     of the statistics that every decode checks), and the raw low bits and stream checks of
     `jit.finish_streams`: the decoded keys (4 bytes an element) come back to the host for them and the
-    joined values go to ``out``. A device check would remove that round trip (docs/codec.md 12.1)."""
+    joined values go to ``out``. The check is one serial hash chain per stream (docs/lossless.md, "On a GPU")."""
     dev = torch.device(device)
     bt: Batch = prepare_decode(blobs, mean, std, cfg, 1, params=False)
     fmt, m, st = bt.fmt, bt.m, bt.st
