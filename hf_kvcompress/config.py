@@ -87,8 +87,11 @@ class LosslessConfig(_JsonConfig):
             (``codec.encode_batch`` / ``decode_batch``'s ``threads``). With ``coder="ans"``: forked processes
             over the windows of one stream, when decoding only (``codec.decode``'s ``workers``), which run only
             when a stream holds more than one window: ``fixed_window`` below a block's ``block_tokens *
-            head_dim`` elements (never at the default 65536 with 128-token blocks). docs/lossless.md measures
-            ``workers=2``.
+            head_dim`` elements (never at the default 65536 with 128-token blocks). The bytes are the same
+            whatever the count. 1 stays the default because a second codec thread made decode steps slower
+            on a shared 2-vCPU machine (docs/lossless.md, "Why `workers` stays 1 by default"); it pays where
+            cores are idle. On a CUDA model with Triton, ``generic`` and ``framed`` blocks decode on the GPU and
+            this only affects encoding (docs/lossless.md, "On a GPU").
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see

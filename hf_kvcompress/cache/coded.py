@@ -140,6 +140,7 @@ class LosslessContext:
 
     def _encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         batch, heads, tokens, dim = keys.shape
+        device = keys.device  # where the block's decoded tensors go (the codec works on host copies)
         keys, values = owned(keys.cpu()), owned(values.cpu())  # never pin the residual the block came from
         side = self.predictor.block_side_data(layer, keys, values, start)
         session = self.predictor.session(self._inputs(layer, start, tokens, batch, side))
@@ -170,7 +171,7 @@ class LosslessContext:
                 code([(kind, head)], [session.predict(kind, head)])
                 session.observe(kind, head, (keys if kind == "k" else values)[:, head])
         self.sealed_raw_bytes += 2 * keys.numel() * keys.element_size()
-        block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, keys.device)
+        block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, device)
         self._keep(block, session.finish(keys, values))
         return block
 
@@ -195,7 +196,7 @@ class LosslessContext:
             if values is not None:
                 self._keep(block, values)  # a held block advances the chain memo as a decode would
         missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
-        if (self.depth == 0 or self.predictor.independent_blocks) and len(missing) > 1:
+        if (self.depth == 0 or self.predictor.independent_blocks) and missing:
             groups: dict[tuple, list[int]] = {}
             for i in missing:
                 b = blocks[i]
@@ -217,8 +218,14 @@ class LosslessContext:
         return out
 
     def _decode_together(self, blocks: list[CodedBlock]) -> list[LayerValues] | None:
-        """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not)."""
+        """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not).
+
+        When the predictor reads no layer below (``depth == 0``: its sessions never look at decoded values),
+        the blocks decode into tensors on their own device: on a CUDA model with Triton the codec's decoder
+        runs there (`codec.decode_batch`), and the decoded blocks (the pool's included) stay there. Other
+        predictors compute on host values, so their blocks decode on the host."""
         first = blocks[0]
+        device = first.device if self.depth == 0 else torch.device("cpu")
         batch, heads, tokens, dim = len(first.rows), first.heads, first.tokens, first.dim
         sessions, means, stds, blobs = [], [], [], []
         for block in blocks:
@@ -246,11 +253,12 @@ class LosslessContext:
                 std = torch.stack([stds[i] for i in members]).flatten(0, 2)
                 group_blobs = [blob for i in members for blob in blobs[i]]
                 if config.coder == "lanes":
-                    x = decode_batch(group_blobs, mean, std, config, threads=self.workers)
+                    out = torch.empty((len(group_blobs), dim, tokens), dtype=first.dtype, device=device)
+                    x = decode_batch(group_blobs, mean, std, config, out=out, threads=self.workers)
                 else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
                     shape = (dim, tokens)
                     x = torch.stack(decode_streams(group_blobs, [m.expand(shape) for m in mean],
-                                                   [s.expand(shape) for s in std], config, self.workers))
+                                                   [s.expand(shape) for s in std], config, self.workers)).to(device)
                 x = x.view(len(members), 2 * heads * batch, dim, tokens)
                 for j, i in enumerate(members):
                     decoded[i] = x[j]

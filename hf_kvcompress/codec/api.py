@@ -352,9 +352,21 @@ def _device_for(d: Decoder, mean, std):
     """The device to decode on (CUDA inputs with Triton, or forced kernels), else None: the host path."""
     if d.lengths is None or d.timings is not None:  # causal boundaries are serial; monitoring times the CPU
         return None
-    tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
-    if not dispatch.device_path(*tensors) or not dispatch.use_triton(*tensors):
-        return None  # without Triton the device's torch reference would step symbols from Python: use the CPU
+    return triton_device(mean, std)
+
+
+def triton_device(*values) -> torch.device | None:
+    """The device an entropy decode runs on as Triton kernels: the CUDA device of any tensor among
+    ``values`` (mean, std, out) when `dispatch` says Triton for it, the CPU when the kernels are forced to
+    Triton (the interpreter tests); None for the host decoders. Without Triton a CUDA caller is decoded on
+    the host and gets its result on its device: the device's torch reference would step every symbol from
+    Python."""
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    if not dispatch.device_path(*tensors):
+        return None
+    cuda = [t for t in tensors if t.is_cuda]
+    if not dispatch.use_triton(*(cuda or tensors)):
+        return None
     return device_of(*tensors)
 
 
@@ -433,12 +445,23 @@ def decode_batch(
 ) -> torch.Tensor:
     """Inverse of `encode_batch`: ``[N, ...]`` from N lanes streams of one shape and dtype, decoded in one
     compiled call (GIL released; ``threads`` > 1 splits the streams over that many threads), into ``out``
-    (a contiguous CPU tensor of that shape and dtype) when given. ``mean`` / ``std`` as for `encode_batch`,
-    checked per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for any stream that
-    cannot decode exactly."""
+    (a contiguous tensor of that shape and dtype, on any device) when given. ``mean`` / ``std`` as for
+    `encode_batch`, checked per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for
+    any stream that cannot decode exactly.
+
+    Where it runs (`triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
+    available, the per-element model and the entropy decoding run there (`device_triton.decode_batch_triton`)
+    and the result lands on that device; otherwise the compiled host decoder runs and the result is moved to
+    the CUDA device if one was given. Both give the same bits (docs/codec.md 12.1)."""
     cfg = check_config(config)
     if cfg.coder != "lanes":
         raise ValueError(f"codec.decode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
+    device = triton_device(mean, std, out)
+    if device is not None:
+        lanes._check_threads(threads)
+        from . import device_triton  # optional dependency, imported when a kernel runs as Triton
+
+        return device_triton.decode_batch_triton(blobs, mean, std, cfg, device=device, out=out)
     return lanes.decode_batch_impl(blobs, mean, std, cfg, out=out, threads=threads)
 
 

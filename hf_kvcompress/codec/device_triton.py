@@ -11,6 +11,8 @@ before ``TRITON_INTERPRET=1`` was set (as under pytest).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -19,8 +21,20 @@ import triton.language as tl
 from . import jit
 from . import tables as T
 from .config import CodecConfig
-from .lanes import Batch, _escape_freq, lane_tables, phat_tables, prepare_decode, raise_errors
-from .symbols import FP16, Format
+from .device import tables_for
+from .lanes import (
+    Batch,
+    _escape_freq,
+    _pidx,
+    bits_view,
+    check_out,
+    lane_tables,
+    phat_tables,
+    prepare_decode,
+    raise_errors,
+)
+from .symbols import FORMATS_BY_CODE, FP16, Format
+from .tables import Marginal
 
 
 @triton.jit
@@ -342,12 +356,13 @@ def _refill(x, live, pos, last, bad, words_ptr):
 # tl.cumsum, tl.zeros, tl.cdiv) are decorated when triton is imported, which under the interpreter may be
 # before TRITON_INTERPRET is set (the tests set it late).
 @triton.jit
-def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr, sg_ptr, cum_ptr, coff_ptr,
-                   size_ptr, half_ptr, lut_ptr, fe, z, keys_ptr, ok_ptr, LANES: tl.constexpr,
-                   LUT_BITS: tl.constexpr, STEPS: tl.constexpr, ESC_TABLE: tl.constexpr):
+def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, prow_ptr, pidx_ptr, tid_ptr, cp_ptr, cn_ptr, sg_ptr,
+                   cum_ptr, coff_ptr, size_ptr, half_ptr, lut_ptr, fe, z, keys_ptr, ok_ptr, LANES: tl.constexpr,
+                   LUT_BITS: tl.constexpr, STEPS: tl.constexpr, ESC_TABLE: tl.constexpr, GATHER: tl.constexpr):
     s = tl.program_id(0)
     w0 = tl.load(wstart_ptr + s)
     nw = tl.load(wcount_ptr + s)
+    prow = tl.load(prow_ptr + s)  # this stream's first compact param
     lane = tl.arange(0, LANES)
     lo = tl.load(words_ptr + w0 + 2 * lane).to(tl.uint64)
     hi = tl.load(words_ptr + w0 + 2 * lane + 1).to(tl.uint64)
@@ -360,6 +375,11 @@ def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr
     for r in range(0, (n + LANES - 1) // LANES):
         i = r * LANES + lane
         live = i < n
+        # element i's params: compact statistics (per channel, shared) map elements onto fewer params
+        if GATHER:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
+            pi = prow + tl.load(pidx_ptr + i, mask=live, other=0).to(tl.int64)
+        else:
+            pi = prow + i
         # the round's escape flags
         slot = x & mask24
         q = x >> 24
@@ -368,7 +388,7 @@ def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr
         x, pos, bad = _refill(x, live, pos, last, bad, words_ptr)
         # then their symbols (escaped ones under p_hat, stored after the tables as table ESC_TABLE)
         slot = (x & mask24).to(tl.int64)
-        t = tl.where(valid, tl.load(tid_ptr + s * n + i, mask=live, other=0).to(tl.int64), ESC_TABLE)
+        t = tl.where(valid, tl.load(tid_ptr + pi, mask=live, other=0).to(tl.int64), ESC_TABLE)
         c0 = tl.load(coff_ptr + t)
         b = slot >> (24 - LUT_BITS)
         lbase = t * ((1 << LUT_BITS) + 1)
@@ -388,10 +408,10 @@ def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr
         # keys
         size = tl.load(size_ptr + t)
         half = tl.load(half_ptr + t)
-        sg = tl.load(sg_ptr + s * n + i, mask=live, other=1)
+        sg = tl.load(sg_ptr + pi, mask=live, other=1)
         s0 = tl.where(sg > 0, sym, size - 1 - sym)
-        cp = tl.load(cp_ptr + s * n + i, mask=live, other=0).to(tl.int64)
-        cn = tl.load(cn_ptr + s * n + i, mask=live, other=0).to(tl.int64)
+        cp = tl.load(cp_ptr + pi, mask=live, other=0).to(tl.int64)
+        cn = tl.load(cn_ptr + pi, mask=live, other=0).to(tl.int64)
         key = tl.where(s0 >= half, s0 + cp, s0 + cn)
         key = tl.where(valid, key, tl.where(sym < z, sym + z, 2 * z - 1 - sym))
         tl.store(keys_ptr + s * n + i, key.to(tl.int32), mask=live)
@@ -399,50 +419,73 @@ def _decode_kernel(words_ptr, wstart_ptr, wcount_ptr, n, tid_ptr, cp_ptr, cn_ptr
     tl.store(ok_ptr + s, ok.to(tl.int32))
 
 
-def _device_tables(cfg: CodecConfig, fmt, device) -> tuple[list[torch.Tensor], int]:
-    """cum / coff / size / half / lut of every table, p_hat appended as table ``N_TABLES``; and the binary
-    search steps the widest bucket needs."""
+@functools.lru_cache(maxsize=16)
+def _device_tables(marginal: Marginal, fmt_code: int, device: str) -> tuple[tuple[torch.Tensor, ...], int]:
+    """cum / coff / size / half / lut of every table, p_hat appended as table ``N_TABLES``, on ``device``
+    (cached: ~12 MB); and the binary search steps the widest bucket needs."""
     tab = lane_tables()
-    pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
+    pcum, plut = phat_tables(marginal, FORMATS_BY_CODE[fmt_code])
     cum = np.concatenate([tab.cum, pcum]).astype(np.int64)
     coff = np.concatenate([tab.coff, [tab.cum.size]]).astype(np.int64)
     size = np.concatenate([tab.size, [pcum.size - 1]]).astype(np.int64)
     half = np.concatenate([tab.half, [0]]).astype(np.int64)
     lut = np.concatenate([tab.lut.astype(np.int64), plut.astype(np.int64)])
     steps = int(np.diff(lut.reshape(-1, (1 << jit.LUT_BITS) + 1), axis=1).max()).bit_length()
-    return [torch.from_numpy(a).to(device) for a in (cum, coff, size, half, lut)], steps
+    return tuple(torch.from_numpy(a).to(device) for a in (cum, coff, size, half, lut)), steps
 
 
-def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.device = "cpu") -> torch.Tensor:
-    """`codec.decode_batch` with the entropy decoding in `_decode_kernel` on ``device`` (CUDA, or the CPU
-    under ``TRITON_INTERPRET=1``); the result is on the CPU."""
-    bt: Batch = prepare_decode(blobs, mean, std, cfg, 1)
+def _writable(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy where it is a read-only (broadcast) view, which torch will not wrap."""
+    return a if a.flags.writeable else a.copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _device_pidx(shape: tuple[int, ...], cshape: tuple[int, ...], device: str) -> torch.Tensor:
+    """`lanes._pidx` on ``device`` (one copy per stream shape and statistics shape)."""
+    return torch.from_numpy(_pidx(shape, cshape).astype(np.int64)).to(device)
+
+
+def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.device = "cpu",
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """`codec.decode_batch` with the per-element model (`element_params`) and the entropy decoding
+    (`_decode_kernel`) on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``); the result lands in
+    ``out`` (any device) or in a new tensor on ``device``.
+
+    What stays on the host: parsing, the mean / std fingerprints (`lanes.prepare_decode`, on the host copies
+    of the statistics that every decode checks), and the raw low bits and stream checks of
+    `jit.finish_streams`: the decoded keys (4 bytes an element) come back to the host for them and the
+    joined values go to ``out``. The check is one serial hash chain per stream (docs/lossless.md, "On a GPU")."""
+    dev = torch.device(device)
+    bt: Batch = prepare_decode(blobs, mean, std, cfg, 1, params=False)
     fmt, m, st = bt.fmt, bt.m, bt.st
     n_streams = bt.wstart.size
+    xshape = (n_streams, *bt.shape)
+    check_out(out, fmt, xshape)
     lanes = int(bt.lanes_log2[0])
     if (bt.lanes_log2 != lanes).any():
         raise ValueError("decode_batch_triton: the streams of a batch must use one lane count")
-    idx = np.arange(m, dtype=np.int64) if st.pidx.size == 0 else st.pidx.astype(np.int64)
-    full = st.p_row[:, None] + idx[None, :]  # every element's params, [N, m]
-    dev = torch.device(device)
-    per = [torch.from_numpy(np.ascontiguousarray(a[full])).to(dev) for a in (st.tid.astype(np.int32), st.cp, st.cn,
-                                                                               st.sg.astype(np.int32))]
-    (cum, coff, size, half, lut), steps = _device_tables(cfg, fmt, dev)
+    # the per-element model of the compact statistics, on the device
+    mb, sb = (torch.from_numpy(_writable(a).view(np.int32)).to(dev) for a in (st.mbits, st.sbits))
+    tid, cp, cn, sg = element_params(mb, sb, fmt, cfg.mean_steps, tables_for(fmt, dev))
+    prow = torch.from_numpy(st.p_row).to(dev)
+    gather = st.pidx.size > 0
+    pidx = _device_pidx(tuple(bt.shape), st.cshape, str(dev)) if gather else prow
+    (cum, coff, size, half, lut), steps = _device_tables(cfg.marginal_or_default, fmt.code, str(dev))
     words = torch.from_numpy(bt.buf32.astype(np.int64)).to(dev)
     keys = torch.empty((n_streams, m), dtype=torch.int32, device=dev)
     ok = torch.empty(n_streams, dtype=torch.int32, device=dev)
     _decode_kernel[(n_streams,)](
-        words, torch.from_numpy(bt.wstart).to(dev), torch.from_numpy(bt.wcount).to(dev), m, *per, cum, coff, size,
-        half, lut, _escape_freq(cfg, m), fmt.zero_key, keys, ok, LANES=1 << lanes, LUT_BITS=jit.LUT_BITS,
-        STEPS=steps, ESC_TABLE=T.N_TABLES,
+        words, torch.from_numpy(bt.wstart).to(dev), torch.from_numpy(bt.wcount).to(dev), m, prow, pidx, tid, cp,
+        cn, sg, cum, coff, size, half, lut, _escape_freq(cfg, m), fmt.zero_key, keys, ok, LANES=1 << lanes,
+        LUT_BITS=jit.LUT_BITS, STEPS=steps, ESC_TABLE=T.N_TABLES, GATHER=gather,
     )
     err = np.where(ok.cpu().numpy() == 1, jit.OK, jit.ERR_WORDS_LEFT).astype(np.int32)
     raise_errors(err)
-    np_dtype = np.uint32 if fmt.dtype == torch.float32 else np.uint16
-    out = torch.empty((n_streams, *bt.shape), dtype=fmt.dtype)
-    ov = out.view(torch.int32 if fmt.dtype == torch.float32 else torch.int16).numpy().view(np_dtype).reshape(
-        n_streams, m)
+    host = out if out is not None and out.device.type == "cpu" else torch.empty(xshape, dtype=fmt.dtype)
     jit.finish_streams(keys.cpu().numpy(), bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m,
-                       fmt.pattern_bits, fmt.raw_bits, fmt.zero_key, bt.checks, ov, err, 0, n_streams)
+                       fmt.pattern_bits, fmt.raw_bits, fmt.zero_key, bt.checks, bits_view(host, n_streams, m), err, 0,
+                       n_streams)
     raise_errors(err)
-    return out
+    if out is None:
+        return host.to(dev)
+    return out if out is host else out.copy_(host)

@@ -34,6 +34,7 @@ import torch
 
 from . import jit
 from .config import CodecConfig, check_config, check_stat
+from .device import device_of
 from .errors import CorruptStreamError, ParameterMismatchError
 from .format import varint_bytes
 from .params import SIGMA_CODE_MAX, SIGMA_CODE_MIN, params_kernel, sigma_bits_of_code, t_lut
@@ -130,13 +131,16 @@ def _escape_freq(cfg: CodecConfig, n: int) -> int:
 class Stats(NamedTuple):
     """Per-element parameters of N streams of shape ``shape``, from compact (broadcast) mean / std."""
 
-    tid: np.ndarray
-    cp: np.ndarray
-    cn: np.ndarray
-    sg: np.ndarray
+    tid: np.ndarray | None  # None when the params are left to the device (`prepare_stats(params=False)`)
+    cp: np.ndarray | None
+    cn: np.ndarray | None
+    sg: np.ndarray | None
     pidx: np.ndarray  # int32 [M] element -> compact index (empty: identity)
     p_row: np.ndarray  # int64 [N]: start of each stream's compact params
     fps: np.ndarray  # uint32 [N]
+    mbits: np.ndarray  # uint32: the compact means' float32 bits (what the params are computed from)
+    sbits: np.ndarray  # uint32: the compact stds' float32 bits
+    cshape: tuple[int, ...]  # per-stream shape of the compact statistics (``pidx`` maps ``shape`` onto it)
 
 
 _PARALLEL_PARAMS = 1 << 15  # below this many compact elements a second thread costs more than it saves
@@ -170,10 +174,12 @@ def _as_rows(arr: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | None, std32: np.ndarray | None,
-                  sigma_bits: np.ndarray | None, fmt: Format, mean_steps: int, threads: int = 1) -> Stats:
+                  sigma_bits: np.ndarray | None, fmt: Format, mean_steps: int, threads: int = 1,
+                  params: bool = True) -> Stats:
     """Compact params for N streams of ``shape``; ``mean32`` / ``std32``: checked float32 arrays of ndim
     ``1 + len(shape)`` (leading dim N or 1); ``sigma_bits``: uint32 [N] per-stream std when std is None.
-    Per-element statistics are turned into params on ``threads`` threads."""
+    Per-element statistics are turned into params on ``threads`` threads; ``params=False`` leaves them out
+    (fingerprints and the compact layout only: the Triton decoder computes the params on its device)."""
     mb, mshape, mrows = _as_rows(mean32)
     sb, sshape, srows = _as_rows(std32)
     fps = np.empty(n_streams, dtype=np.uint32)
@@ -190,16 +196,18 @@ def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | N
     mbits = np.ascontiguousarray(np.broadcast_to(m_c, full)).view(np.uint32).reshape(-1)
     sbits = np.ascontiguousarray(np.broadcast_to(s_c, full)).view(np.uint32).reshape(-1)
     k = mbits.size
-    tid = np.empty(k, dtype=np.uint16)
-    cp = np.empty(k, dtype=np.int32)
-    cn = np.empty(k, dtype=np.int32)
-    sg = np.empty(k, dtype=np.int8)
-    _run(params_kernel, (mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
-                             lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg), k,
-         threads if k >= _PARALLEL_PARAMS else 1)
+    tid = cp = cn = sg = None
+    if params:
+        tid = np.empty(k, dtype=np.uint16)
+        cp = np.empty(k, dtype=np.int32)
+        cn = np.empty(k, dtype=np.int32)
+        sg = np.empty(k, dtype=np.int8)
+        _run(params_kernel, (mbits, sbits, fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16, mean_steps,
+                                 lane_tables().radius, t_lut(mean_steps), tid, cp, cn, sg), k,
+             threads if k >= _PARALLEL_PARAMS else 1)
     c = math.prod(cshape)
     p_row = (np.arange(n_streams, dtype=np.int64) * c) if rows > 1 else np.zeros(n_streams, dtype=np.int64)
-    return Stats(tid, cp, cn, sg, _pidx(tuple(shape), cshape), p_row, fps)
+    return Stats(tid, cp, cn, sg, _pidx(tuple(shape), cshape), p_row, fps, mbits, sbits, cshape)
 
 
 def _check_batch_stat(value, name: str, xshape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
@@ -412,8 +420,9 @@ class Batch(NamedTuple):
     checks: np.ndarray  # uint32 [N]
 
 
-def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int) -> Batch:
-    """Parse and verify N streams and their statistics (everything but the entropy decoding)."""
+def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: bool = True) -> Batch:
+    """Parse and verify N streams and their statistics (everything but the entropy decoding); ``params``:
+    whether to compute the per-element params on the host (the Triton decoder computes its own)."""
     if isinstance(blobs, (bytes, bytearray, memoryview)) or not hasattr(blobs, "__len__"):
         raise TypeError(f"codec.decode_batch: blobs must be a sequence of bytes, got {type(blobs).__name__}")
     n_streams = len(blobs)
@@ -467,7 +476,7 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int) -> Batch:
     sigma_bits = None
     if std32 is None:
         sigma_bits = sigma_bits_of_code(np.array([h.sigma for h in heads], dtype=np.int64)).astype(np.uint32)
-    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads)
+    st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads, params)
     bad = [i for i, h in enumerate(heads) if h.fp != int(st.fps[i])]
     if bad:
         raise ParameterMismatchError(
@@ -502,16 +511,9 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     fmt, m, st = bt.fmt, bt.m, bt.st
     n_streams = bt.wstart.size
     xshape = (n_streams, *bt.shape)
-    np_dtype = np.uint32 if fmt.dtype == torch.float32 else np.uint16
-    if out is None:
-        out = torch.empty(xshape, dtype=fmt.dtype)
-    else:
-        if not isinstance(out, torch.Tensor) or out.dtype != fmt.dtype or tuple(out.shape) != xshape:
-            raise ValueError(f"codec.decode_batch: out must be a {fmt.dtype} tensor of shape {xshape}")
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("codec.decode_batch: out must be a contiguous CPU tensor")
-    ov = out.view(torch.int32 if fmt.dtype == torch.float32 else torch.int16).numpy().view(np_dtype).reshape(
-        n_streams, m)
+    check_out(out, fmt, xshape)
+    host = out if out is not None and out.device.type == "cpu" else torch.empty(xshape, dtype=fmt.dtype)
+    ov = bits_view(host, n_streams, m)
     err = np.zeros(n_streams, dtype=np.int32)
     tab = lane_tables()
     pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
@@ -520,7 +522,34 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
             fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, ov, err)
     _run(jit.decode_streams, args, n_streams, threads)
     raise_errors(err)
-    return out
+    if out is not None:
+        return out if out is host else out.copy_(host)
+    return host.to(device_of(mean, std))  # a CUDA mean / std's device, else the CPU
+
+
+def check_out(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...]) -> None:
+    """``decode_batch``'s ``out``: None, or a contiguous tensor of the streams' dtype and shape (any device)."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or out.dtype != fmt.dtype or tuple(out.shape) != xshape:
+        raise ValueError(f"codec.decode_batch: out must be a {fmt.dtype} tensor of shape {xshape}, got "
+                         f"{_describe(out)}")
+    if not out.is_contiguous():
+        raise ValueError("codec.decode_batch: out must be a contiguous tensor")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def bits_view(t: torch.Tensor, n_streams: int, m: int) -> np.ndarray:
+    """A CPU tensor's bit patterns as a writable ``[n_streams, m]`` uint16 / uint32 numpy view."""
+    wide = t.dtype == torch.float32
+    return t.view(torch.int32 if wide else torch.int16).numpy().view(np.uint32 if wide else np.uint16).reshape(
+        n_streams, m)
+
 
 
 def raise_errors(err: np.ndarray) -> None:

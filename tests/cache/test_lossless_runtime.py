@@ -187,3 +187,35 @@ def test_decoded_budget_is_validated():
         CompressionConfig(mode="lossless", lossless={"decoded_budget": 1.5})
     with pytest.raises(ValueError, match="decoded_budget"):
         CompressionConfig(mode="lossless", lossless={"decoded_budget": -0.1})
+
+
+@pytest.mark.parametrize("predictor", ["generic", "context"])
+def test_codec_threads_change_no_byte(predictor, monkeypatch):
+    """``LosslessConfig.workers`` splits a block's streams over codec threads: the same blobs, byte for byte,
+    whatever the count, and the same decoded bits. The kernel calls are counted, so the second thread really
+    took a share of the streams (a stream range per call)."""
+    from hf_kvcompress.codec import jit
+
+    calls: list[tuple[str, int, int]] = []
+    for name in ("encode_streams", "decode_streams"):
+        kernel = getattr(jit, name)
+
+        def counted(*args, kernel=kernel, name=name):
+            calls.append((name, args[-2], args[-1]))
+            return kernel(*args)
+
+        monkeypatch.setattr(jit, name, counted)
+    caches, blobs = [], []
+    for workers in (1, 2):
+        config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                                   lossless={"predictor": predictor, "decoded_budget": 0.0, "workers": workers})
+        cache = CompressedCache(config, model=model6(), calibration=calibration6())
+        prefill(cache, 60, batch=2)
+        caches.append(cache)
+        blobs.append([row.blobs for layer in cache.kv_layers() for block in layer.blocks for row in block.rows])
+    assert blobs[0] == blobs[1] and len(blobs[0]) > 0
+    for a, b in zip(caches[0].kv_layers(), caches[1].kv_layers()):
+        assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+    # one thread: every call covers its whole batch from stream 0; two: some calls start inside the batch
+    for kernel in ("encode_streams", "decode_streams"):
+        assert any(name == kernel and lo > 0 for name, lo, _hi in calls), kernel

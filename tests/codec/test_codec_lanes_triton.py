@@ -58,3 +58,49 @@ def test_triton_decoder_refuses_corruption(monkeypatch):
         bad[flip] ^= 0x04
         with pytest.raises(CorruptStreamError):
             decode_batch_triton([blobs[0], bytes(bad)], 0.0, 2.0, LANES)
+
+
+@pytest.fixture
+def decoders(monkeypatch):
+    """Counts of the streams each lanes decoder decoded: the Triton one and the host's compiled kernel."""
+    from hf_kvcompress.codec import device_triton, jit
+
+    counts = {"triton": 0, "host": 0}
+    triton_decode, host_kernel = device_triton.decode_batch_triton, jit.decode_streams
+
+    def on_device(blobs, *args, **kwargs):
+        counts["triton"] += len(blobs)
+        return triton_decode(blobs, *args, **kwargs)
+
+    def on_host(*args):
+        counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
+        return host_kernel(*args)
+
+    monkeypatch.setattr(device_triton, "decode_batch_triton", on_device)
+    monkeypatch.setattr(jit, "decode_streams", on_host)
+    return counts
+
+
+@pytest.mark.parametrize("stats", ["shared", "channel", "element"])
+def test_decode_batch_routes_to_triton_when_the_kernels_say_so(stats, decoders, monkeypatch):
+    """`codec.decode_batch` takes the Triton decoder where `kernels.dispatch` says Triton (forced here; on a GPU:
+    CUDA statistics or ``out``), writes into ``out`` and gives the host decoder's bits; otherwise the host."""
+    from hf_kvcompress import kernels
+    from hf_kvcompress.codec import lanes
+
+    monkeypatch.setattr(lanes, "lanes_for", lambda n: 2)
+    x = _data(torch.bfloat16, 3)
+    g = torch.Generator().manual_seed(4)
+    shape = {"shared": (1, 1, 8), "channel": (2, 1, 8), "element": (2, 4, 8)}[stats]
+    mean, std = torch.randn(shape, generator=g), torch.rand(shape, generator=g) + 0.5
+    blobs = codec.encode_batch(x, mean, std, LANES)
+    host = codec.decode_batch(blobs, mean, std, LANES)
+    assert decoders == {"triton": 0, "host": 2}
+    out = torch.empty_like(x)
+    with kernels.forced("triton"):
+        y = codec.decode_batch(blobs, mean, std, LANES, out=out)
+    assert y is out and decoders == {"triton": 2, "host": 2}
+    assert_bit_exact(y, host)
+    assert_bit_exact(y, x)
+    with kernels.forced("triton"), pytest.raises(ValueError, match=r"out must be a torch\.bfloat16 tensor of shape"):
+        codec.decode_batch(blobs, mean, std, LANES, out=torch.empty(2, 4, 7, dtype=torch.bfloat16))
