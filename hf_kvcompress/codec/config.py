@@ -279,3 +279,11 @@ def check_config(config: object) -> CodecConfig:
     if not isinstance(config, CodecConfig):
         raise TypeError(f"codec: config must be a CodecConfig, got {type(config).__name__}")
     return config
+
+
+def device_of(*tensors) -> torch.device:
+    """The device of the first CUDA tensor among ``tensors`` (the arguments of a coder call), else the CPU."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return t.device
+    return torch.device("cpu")

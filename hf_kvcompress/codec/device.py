@@ -9,81 +9,26 @@ decoder bit for bit. Checksums (per-window and global CRC32) and the mean / std 
 computed on host copies, so a device decode moves the decoded bits (2 or 4 bytes per element) and the
 statistics to the host once; a device CRC would remove that (docs/kernels.md).
 
-Group ids of the flat device tables follow the codec (`tables`): 0..967 the N and W tables, 968 p_hat (the
-escape path, 2^16 or 2^13 symbols), then 969..971 the binary escape-flag models of the three window tiers
-(symbol 1 = escaped). Per group: ``off`` (start in ``freq`` / ``cum``), ``size``, ``half`` and ``radius``
-(see `params`). ``cum`` is the exclusive prefix sum inside each group, so a symbol's coding interval is
-``[cum, cum + freq)`` out of ``2^24``: exactly constriction's ``perfect=False`` categorical model with weights
-``freq - 1`` (docs/codec.md, section 3).
+The flat device tables (group ids, layout) are `device_tables`'.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..kernels import dispatch
 from .coder import key_of, symbol_of
-from .config import CodecConfig
+from .config import CodecConfig, device_of
+from .device_tables import FLAG_GROUP, DeviceTables, tables_for
 from .errors import CorruptStreamError
 from .params import Params, ParamSource, element_params_xp
-from .symbols import FORMATS_BY_CODE, Format, format_of, raw_padded_nbytes, unpack_raw
-from .tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, get_tables
+from .symbols import Format, format_of, raw_padded_nbytes, unpack_raw
+from .tables import ESCAPE_GROUP, PRECISION
 from .windows import window_sigma_bits
 
 __all__ = ["DeviceSource", "decode_bits", "decode_on_device", "decode_windows", "device_of", "element_params",
            "encode_model", "join_bits", "split_bits", "tables_for"]
-
-
-FLAG_GROUP = ESCAPE_GROUP + 1  # + window tier (0, 1, 2)
-N_GROUPS = FLAG_GROUP + 3
-
-
-@dataclass(frozen=True)
-class DeviceTables:
-    freq: torch.Tensor  # int32 [total]
-    cum: torch.Tensor  # int32 [total]
-    off: torch.Tensor  # int64 [N_GROUPS]
-    size: torch.Tensor  # int32 [N_GROUPS]
-    half: torch.Tensor  # int32 [N_GROUPS]
-    radius: torch.Tensor  # int32 [N_GROUPS]
-
-
-@functools.lru_cache(maxsize=8)
-def _host_tables(fmt_code: int, marginal: Marginal, escape: tuple[int, int, int]) -> DeviceTables:
-    fmt: Format = FORMATS_BY_CODE[fmt_code]
-    t = get_tables()
-    _, phat = marginal.coding(fmt)
-    flags = [np.array([TOTAL - (e << 8), e << 8], dtype=np.int64) for e in escape]
-    groups = [*t.freqs, np.asarray(phat, dtype=np.int64), *flags]
-    sizes = np.array([g.size for g in groups], dtype=np.int64)
-    freq = np.concatenate(groups)
-    cum = np.concatenate([np.concatenate([[0], np.cumsum(g)[:-1]]) for g in groups])
-    pad = N_GROUPS - len(t.half)
-    return DeviceTables(
-        torch.from_numpy(freq.astype(np.int32)), torch.from_numpy(cum.astype(np.int32)),
-        torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)),
-        torch.from_numpy(sizes.astype(np.int32)),
-        torch.from_numpy(np.concatenate([t.half, np.zeros(pad, np.int32)]).astype(np.int32)),
-        torch.from_numpy(np.concatenate([t.radius, np.zeros(pad, np.int32)]).astype(np.int32)),
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _on_device(fmt_code: int, marginal: Marginal, escape: tuple[int, int, int], device: str) -> DeviceTables:
-    h = _host_tables(fmt_code, marginal, escape)
-    return DeviceTables(*(getattr(h, f).to(device) for f in ("freq", "cum", "off", "size", "half", "radius")))
-
-
-def device_tables(fmt: Format, marginal: Marginal | None = None, escape: tuple[int, int, int] = (256, 128, 64),
-                  device: torch.device | str = "cpu") -> DeviceTables:
-    """The tables for ``fmt`` with p_hat ``marginal`` (None: the default) and escape weights ``escape``
-    (units of 2^-16, per window tier), on ``device`` (cached: ~20 MB)."""
-    marginal = marginal if marginal is not None else Marginal.default()
-    return _on_device(fmt.code, marginal, tuple(escape), str(torch.device(device)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,11 +231,6 @@ def _stat_bits(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous().reshape(-1).view(torch.int32)
 
 
-def tables_for(fmt: Format, device, marginal: Marginal | None = None,
-               escape: tuple[int, int, int] = (256, 128, 64)) -> DeviceTables:
-    return device_tables(fmt, marginal, escape, device)
-
-
 def element_params(mean: torch.Tensor, std: torch.Tensor, fmt: Format, mean_steps: int = 8,
                    tables: DeviceTables | None = None) -> tuple[torch.Tensor, ...]:
     """(tid, cp, cn, s) per element (int32), as `params.element_params`, on the inputs' device."""
@@ -342,13 +282,6 @@ def join_bits(key: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch
 
 # ---------------------------------------------------------------------------------------------------------
 # The codec's flows on a device
-
-
-def device_of(*tensors) -> torch.device:
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            return t.device
-    return torch.device("cpu")
 
 
 def _flat_stat(value, host: np.ndarray | None, shape: tuple[int, ...], device) -> torch.Tensor | None:

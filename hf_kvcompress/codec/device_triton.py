@@ -21,7 +21,7 @@ import triton.language as tl
 from . import jit
 from . import tables as T
 from .config import CodecConfig
-from .device import tables_for
+from .device_tables import tables_for
 from .lanes import (
     Batch,
     _escape_freq,

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from . import jit
-from .config import CodecConfig, check_config, check_stat
-from .device import device_of
+from .config import CodecConfig, check_config, check_stat, device_of
 from .errors import CorruptStreamError, ParameterMismatchError
 from .format import varint_bytes
 from .params import SIGMA_CODE_MAX, SIGMA_CODE_MIN, params_kernel, sigma_bits_of_code, t_lut
