@@ -75,3 +75,24 @@ def assert_continues_identically(model, reference, cache, more: torch.Tensor) ->
     assert torch.equal(want.view(torch.int32), got.view(torch.int32))
     for layer, ref in zip(cache.kv_layers(), reference.layers):
         assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
+
+
+def count_lanes_decoders(monkeypatch) -> dict[str, int]:
+    """Count the streams each lanes decoder decodes from now on (the Triton one, the host's compiled kernel):
+    which route a decode took, as work counted, not timed."""
+    from hf_kvcompress.codec import device_triton, jit
+
+    counts = {"triton": 0, "host": 0}
+    triton_decode, host_kernel = device_triton.decode_batch_triton, jit.decode_streams
+
+    def on_device(blobs, *args, **kwargs):
+        counts["triton"] += len(blobs)
+        return triton_decode(blobs, *args, **kwargs)
+
+    def on_host(*args):
+        counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
+        return host_kernel(*args)
+
+    monkeypatch.setattr(device_triton, "decode_batch_triton", on_device)
+    monkeypatch.setattr(jit, "decode_streams", on_host)
+    return counts

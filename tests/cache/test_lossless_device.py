@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's kernels are de
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids, same_bits
+from helpers import count_lanes_decoders, fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, kernels
@@ -34,23 +34,10 @@ def model6():
 @pytest.fixture
 def decoders(monkeypatch):
     """Streams decoded by the Triton lanes decoder and by the host's compiled kernel."""
-    from hf_kvcompress.codec import device_triton, jit, lanes
+    from hf_kvcompress.codec import lanes
 
-    counts = {"triton": 0, "host": 0}
-    triton_decode, host_kernel = device_triton.decode_batch_triton, jit.decode_streams
-
-    def on_device(blobs, *args, **kwargs):
-        counts["triton"] += len(blobs)
-        return triton_decode(blobs, *args, **kwargs)
-
-    def on_host(*args):
-        counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
-        return host_kernel(*args)
-
-    monkeypatch.setattr(device_triton, "decode_batch_triton", on_device)
-    monkeypatch.setattr(jit, "decode_streams", on_host)
     monkeypatch.setattr(lanes, "lanes_for", lambda n: 6)  # 64 lanes: 4 rounds a 256-element stream
-    return counts
+    return count_lanes_decoders(monkeypatch)
 
 
 def _generate(cache):

@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported and 
 import pytest
 import torch
 from codec_testutil import DTYPES, assert_bit_exact, from_patterns, special_patterns
+from helpers import count_lanes_decoders
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
@@ -63,22 +64,7 @@ def test_triton_decoder_refuses_corruption(monkeypatch):
 @pytest.fixture
 def decoders(monkeypatch):
     """Counts of the streams each lanes decoder decoded: the Triton one and the host's compiled kernel."""
-    from hf_kvcompress.codec import device_triton, jit
-
-    counts = {"triton": 0, "host": 0}
-    triton_decode, host_kernel = device_triton.decode_batch_triton, jit.decode_streams
-
-    def on_device(blobs, *args, **kwargs):
-        counts["triton"] += len(blobs)
-        return triton_decode(blobs, *args, **kwargs)
-
-    def on_host(*args):
-        counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
-        return host_kernel(*args)
-
-    monkeypatch.setattr(device_triton, "decode_batch_triton", on_device)
-    monkeypatch.setattr(jit, "decode_streams", on_host)
-    return counts
+    return count_lanes_decoders(monkeypatch)
 
 
 @pytest.mark.parametrize("stats", ["shared", "channel", "element"])
