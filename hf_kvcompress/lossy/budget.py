@@ -99,6 +99,15 @@ def upgrade_order(
     return order, counts
 
 
+def tiered(kept: Region, score: torch.Tensor, budget: int, fmt: str, *, with_bias: bool) -> tuple[Region, tuple[int, ...]]:
+    """``kept`` in the order its entry format stores it, and the counts `packed.pack` takes: unchanged for every
+    format but ``mixed``, whose best-scored entries (``score`` ``[b, h, t]``) go first (`upgrade_order`)."""
+    if fmt != "mixed":
+        return kept, ()
+    order, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(), with_bias=with_bias)
+    return kept.gather(order), tiers
+
+
 def kept_blocks(region: Region, budget: int, order: torch.Tensor | None, fmt: str) -> list[Block]:
     """What a selection method returns: the best entries of ``region`` (by ``order``, see `keep_within`) that fit
     in ``budget`` bytes per row, kept as they are in entry format ``fmt`` (no block if none fits)."""
@@ -106,13 +115,8 @@ def kept_blocks(region: Region, budget: int, order: torch.Tensor | None, fmt: st
     if found is None:
         return []
     kept, index = found
-    tiers: tuple[int, ...] = ()
-    if fmt == "mixed":
-        # the newest entries are the most important without scores (StreamingLLM)
-        score = index.float() if order is None else torch.gather(order, -1, index)
-        with_bias = not bool((kept.bias == 0).all())
-        upgrade, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(),
-                                       with_bias=with_bias)
-        kept = kept.gather(upgrade)
+    # the newest entries are the most important without scores (StreamingLLM)
+    score = index.float() if order is None else torch.gather(order, -1, index)
+    kept, tiers = tiered(kept, score, budget, fmt, with_bias=not bool((kept.bias == 0).all()))
     bias = dead_bias_or_none(kept.bias, kept.keys.dtype)
     return [kept_block(kept.keys, kept.values, bias, tokens=region.tokens, fmt=fmt, tiers=tiers)]

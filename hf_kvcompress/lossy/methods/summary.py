@@ -24,7 +24,7 @@ import torch
 
 from ...layer.storage import Block
 from ..blocks import kept_block
-from ..budget import entry_bytes, upgrade_order
+from ..budget import entry_bytes, tiered
 from ..matching import Fit, Kernel, fit_row, row, row_context
 from ..region import FitContext, Region, dead_bias_or_none
 from ..registry import register
@@ -87,11 +87,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
 def _block(kept: Region, score: torch.Tensor, budget: int, fmt: str, store_bias: bool) -> Block:
     """The kept entries as one block in entry format ``fmt``; ``mixed``: the highest ``score`` (``[b, h, t]``) first,
     in the better tiers as far as the budget leaves room."""
-    tiers: tuple[int, ...] = ()
-    if fmt == "mixed":
-        order, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(),
-                                     with_bias=store_bias)
-        kept = kept.gather(order)
+    kept, tiers = tiered(kept, score, budget, fmt, with_bias=store_bias)
     bias = _stored_bias(kept.bias, kept.keys.dtype, store_bias)
     return kept_block(kept.keys, kept.values, bias, tokens=kept.tokens, fmt=fmt, tiers=tiers)
 
