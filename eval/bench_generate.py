@@ -122,8 +122,11 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=CompressionConfig().block_tokens)
     parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the shared machine: 1)")
-    parser.add_argument("--workers", type=int, default=1, help="LosslessConfig.workers: codec threads per block batch")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every configuration (the shared machine: 1; 2 = both cores)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="LosslessConfig.workers: codec threads per block batch (default: the config's, "
+                             "i.e. torch's thread count)")
     parser.add_argument("--out", default="results/generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -157,7 +160,8 @@ def main() -> None:
             for budget in [float(b) for b in args.budgets.split(",")]:
                 config = CompressionConfig(
                     mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
-                    lossless={"predictor": predictor, "decoded_budget": budget, "workers": args.workers})
+                    lossless={"predictor": predictor, "decoded_budget": budget,
+                              **({} if args.workers is None else {"workers": args.workers})})
                 cal = calibration if predictor in CALIBRATED else None
                 configs.append((f"{predictor} budget={budget:g}",
                                 lambda config=config, cal=cal: CompressedCache(config, model=model, calibration=cal)))

@@ -82,16 +82,19 @@ class LosslessConfig(_JsonConfig):
             ``mean_steps=4`` (0.002 bit/scalar more than 8, coded ~20 % faster); ``coder="lanes"`` (compiled
             interleaved rANS, one call per block; ``"ans"``, constriction, one call per stream, the same rate;
             files saved before 0.2 use it and still load; docs/codec.md section 12).
-        workers: how many threads or processes code a block's streams; 1 (the default) codes in the calling
-            thread. With ``coder="lanes"``: threads, over the block's streams, when encoding and decoding
-            (``codec.encode_batch`` / ``decode_batch``'s ``threads``). With ``coder="ans"``: forked processes
-            over the windows of one stream, when decoding only (``codec.decode``'s ``workers``), which run only
-            when a stream holds more than one window: ``fixed_window`` below a block's ``block_tokens *
-            head_dim`` elements (never at the default 65536 with 128-token blocks). The bytes are the same
-            whatever the count. 1 stays the default because a second codec thread made decode steps slower
-            on a shared 2-vCPU machine (docs/lossless.md, "Why `workers` stays 1 by default"); it pays where
-            cores are idle. On a CUDA model with Triton, ``generic`` and ``framed`` blocks decode on the GPU and
-            this only affects encoding (docs/lossless.md, "On a GPU").
+        workers: how many threads or processes code a block's streams; None (the default) uses every core
+            the process may run on (its CPU affinity), an int fixes the count. With ``coder="lanes"``:
+            threads, over the block's streams, when encoding and decoding (``codec.encode_batch`` /
+            ``decode_batch``'s ``threads``); the calling thread runs one share. With ``coder="ans"``: forked
+            processes over the windows of one stream, when decoding only (``codec.decode``'s ``workers``),
+            which run only when a stream holds more than one window: ``fixed_window`` below a block's
+            ``block_tokens * head_dim`` elements (never at the default 65536 with 128-token blocks). The
+            bytes are the same whatever the count. On this project's 2-vCPU machine a second codec thread
+            made a decode step 1.2-1.5x faster beside torch on one thread, and neither faster nor slower
+            beside torch on two (torch's OpenMP threads spin on the second core between operations); it
+            loses where other processes keep the cores busy: pass ``workers=1`` there (docs/lossless.md,
+            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks decode on the
+            GPU and this only affects encoding (docs/lossless.md, "On a GPU").
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
@@ -105,7 +108,7 @@ class LosslessConfig(_JsonConfig):
     fixed_window: int = 65536
     header: str = "compact"
     mean_steps: int = 4
-    workers: int = 1
+    workers: int | None = None
     decoded_budget: float = 0.05
     coder: str = "lanes"
 
@@ -127,7 +130,8 @@ class LosslessConfig(_JsonConfig):
                                       f"cache.save(path, predictor={self.predictor!r})")
         check_choice(f"{owner}.save_predictor", self.save_predictor, self.PREDICTORS)
         check_int(f"{owner}.probe_layer", self.probe_layer, minimum=1)
-        check_int(f"{owner}.workers", self.workers, minimum=1)
+        if self.workers is not None:
+            check_int(f"{owner}.workers", self.workers, minimum=1)
         check_number(f"{owner}.decoded_budget", self.decoded_budget, low=0.0, high=1.0)
         try:
             self.codec_config()

@@ -105,5 +105,5 @@ def test_lossless_defaults_and_their_json_form_are_unchanged():
     """Saved caches embed this dict: its keys, order and default values are part of the file format."""
     assert LosslessConfig().to_dict() == {
         "predictor": "generic", "save_predictor": "context", "probe_layer": 8, "window": "fixed",
-        "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": 1, "decoded_budget": 0.05,
+        "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": None, "decoded_budget": 0.05,
         "coder": "lanes"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -26,6 +27,14 @@ from .pool import DecodedPool, flat_values, values_tensors
 # hold it and persist.py refuses codes outside it). The range, std x 2^-8 .. 2^15.75, is a choice, not a tuned value:
 # `choose_scale` clips to it, and a clipped scale only costs rate, never exactness (docs/lossless.md, "Data flow").
 SCALE_MIN, SCALE_MAX = -32, 63
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 @contextlib.contextmanager
@@ -71,6 +80,9 @@ class CodedBlock(Block):
         self.dim = dim
         self.dtype = dtype
         self.device = device
+        # set once a decode has checked every stream's hash: the blobs are immutable bytes, so later decodes
+        # (every step) skip that check and keep the structural ones (`codec.decode_batch`'s ``verify``)
+        self.verified = False
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         values = self.context.decoded(self)
@@ -105,7 +117,7 @@ class LosslessContext:
         codec_config: CodecConfig,
         find_block: Callable[[int, int], Block | None],
         marginals: Callable[[int], Marginal | None] | None = None,
-        workers: int = 1,
+        workers: int | None = 1,
         *,
         decoded_budget: float = 0.0,
         layer_count: Callable[[], int | None] | None = None,
@@ -114,7 +126,7 @@ class LosslessContext:
         self.codec_config = codec_config
         self.find_block = find_block
         self.marginals = marginals
-        self.workers = workers
+        self.workers = workers if workers is not None else available_cores()  # LosslessConfig.workers=None
         self.extras_source: ExtrasSource | None = None
         self.layer_count = layer_count or (lambda: None)
         self.depth = predictor.below_depth()
@@ -254,7 +266,8 @@ class LosslessContext:
                 group_blobs = [blob for i in members for blob in blobs[i]]
                 if config.coder == "lanes":
                     out = torch.empty((len(group_blobs), dim, tokens), dtype=first.dtype, device=device)
-                    x = decode_batch(group_blobs, mean, std, config, out=out, threads=self.workers)
+                    verify = [not blocks[i].verified for i in members for _ in blobs[i]]
+                    x = decode_batch(group_blobs, mean, std, config, out=out, threads=self.workers, verify=verify)
                 else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
                     shape = (dim, tokens)
                     x = torch.stack(decode_streams(group_blobs, [m.expand(shape) for m in mean],
@@ -267,12 +280,14 @@ class LosslessContext:
                 f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
                 f"blocks were encoded with: {err}"
             ) from err
-        x = torch.stack(decoded)
+        # one group (the usual case) decoded into one tensor already in block order: no stacking copy
+        x = x if len(shapes) == 1 else torch.stack(decoded)
         # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
         x = x.view(len(blocks), 2, heads, batch, dim, tokens).permute(0, 1, 3, 2, 5, 4).contiguous()
         out = []
         for i, (block, session) in enumerate(zip(blocks, sessions)):
             values = session.finish(x[i, 0], x[i, 1])
+            block.verified = True
             self.decodes += 1
             self._keep(block, values)
             out.append(values)
@@ -304,7 +319,7 @@ class LosslessContext:
                     means.append(mean[b].T)
                     stds.append(compact(std[b].T).mul(scale_factor(row.scales[index])).expand(block.dim, block.tokens))
             try:
-                out = decode_streams(blobs, means, stds, config, self.workers)
+                out = decode_streams(blobs, means, stds, config, self.workers, verify=not block.verified)
             except ParameterMismatchError as err:
                 raise PredictorMismatchError(
                     f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
@@ -322,6 +337,7 @@ class LosslessContext:
                 decode([index], [session.predict(kind, head)])
                 session.observe(kind, head, (keys if kind == "k" else values)[:, head])
         self.decodes += 1
+        block.verified = True
         found = session.finish(keys, values)
         self._keep(block, found)
         return found
@@ -427,12 +443,13 @@ def encode_streams(xs: list[torch.Tensor], means: list[torch.Tensor], stds: list
 
 
 def decode_streams(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
-                   workers: int = 1) -> list[torch.Tensor]:
+                   workers: int = 1, verify: bool = True) -> list[torch.Tensor]:
     """Inverse of `encode_streams`. The ``ans`` coder fingerprints mean and std as given, so they must come
-    in the shapes the encoder had (broadcast views of ``[head_dim, tokens]``, as `encode_block` passes)."""
+    in the shapes the encoder had (broadcast views of ``[head_dim, tokens]``, as `encode_block` passes);
+    it always checks its streams (``verify`` is the lanes coder's, `codec.decode_batch`)."""
     if config.coder != "lanes":
         return [decode(b, m, s, config=config, workers=workers) for b, m, s in zip(blobs, means, stds)]
-    return list(decode_batch(blobs, _stacked(means), _stacked(stds), config, threads=workers))
+    return list(decode_batch(blobs, _stacked(means), _stacked(stds), config, threads=workers, verify=verify))
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:

@@ -264,9 +264,13 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
             device = _layer_device(model, layer)
             target.update(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device), layer)
     except PredictorMismatchError as err:
+        here = reproducibility()
+        why = (f"saved with {header['reproducibility']}, loading with {here}" if header["reproducibility"] != here
+               else f"the file's environment record equals this one ({here}), so the difference lies in what it "
+                    "does not record: the CPU model, whose float32 kernels round differently")
         raise CacheFileError(
-            f"the '{name}' predictor does not reproduce here (saved with {header['reproducibility']}, loading "
-            f"with {reproducibility()}), or the file was edited and its checksum recomputed: {err}"
+            f"the '{name}' predictor does not reproduce here ({why}), or the file was edited and its checksum "
+            f"recomputed; files coded by a model-free predictor ('generic') decode on every machine: {err}"
         ) from err
     except CorruptStreamError as err:
         raise CacheFileError(f"a stream does not decode: {err}") from err

@@ -5,6 +5,7 @@ stream, and stream -> verified header -> windows (serial, threads, processes, or
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -442,12 +443,18 @@ def decode_batch(
     config: CodecConfig | None = None,
     out: torch.Tensor | None = None,
     threads: int | None = None,
+    verify: bool | Sequence[bool] = True,
 ) -> torch.Tensor:
     """Inverse of `encode_batch`: ``[N, ...]`` from N lanes streams of one shape and dtype, decoded in one
     compiled call (GIL released; ``threads`` > 1 splits the streams over that many threads), into ``out``
     (a contiguous tensor of that shape and dtype, on any device) when given. ``mean`` / ``std`` as for
     `encode_batch`, checked per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for
     any stream that cannot decode exactly.
+
+    ``verify`` (True, or one bool per stream): whether to check each stream's hash of its words and decoded
+    values. Pass False only for streams this process has already decoded with the check and held since as
+    immutable ``bytes`` (a cache decoding its own blocks every step); the structural checks (every word
+    consumed, every lane back at its initial state, values inside the dtype) run for every stream.
 
     Where it runs (`triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
     available, the per-element model and the entropy decoding run there (`device_triton.decode_batch_triton`)
@@ -461,8 +468,8 @@ def decode_batch(
         lanes._check_threads(threads)
         from . import device_triton  # optional dependency, imported when a kernel runs as Triton
 
-        return device_triton.decode_batch_triton(blobs, mean, std, cfg, device=device, out=out)
-    return lanes.decode_batch_impl(blobs, mean, std, cfg, out=out, threads=threads)
+        return device_triton.decode_batch_triton(blobs, mean, std, cfg, device=device, out=out, verify=verify)
+    return lanes.decode_batch_impl(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
 
 
 def decode(

@@ -32,6 +32,7 @@ from .lanes import (
     phat_tables,
     prepare_decode,
     raise_errors,
+    verify_mask,
 )
 from .symbols import FORMATS_BY_CODE, FP16, Format
 from .tables import Marginal
@@ -446,7 +447,7 @@ def _device_pidx(shape: tuple[int, ...], cshape: tuple[int, ...], device: str) -
 
 
 def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.device = "cpu",
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, verify=True) -> torch.Tensor:
     """`codec.decode_batch` with the per-element model (`element_params`) and the entropy decoding
     (`_decode_kernel`) on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``); the result lands in
     ``out`` (any device) or in a new tensor on ``device``.
@@ -454,13 +455,15 @@ def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.
     What stays on the host: parsing, the mean / std fingerprints (`lanes.prepare_decode`, on the host copies
     of the statistics that every decode checks), and the raw low bits and stream checks of
     `jit.finish_streams`: the decoded keys (4 bytes an element) come back to the host for them and the
-    joined values go to ``out``. The check is one serial hash chain per stream (docs/lossless.md, "On a GPU")."""
+    joined values go to ``out``. The check is one serial hash chain per stream (docs/lossless.md, "On a GPU"),
+    run where ``verify`` says (`codec.decode_batch`)."""
     dev = torch.device(device)
     bt: Batch = prepare_decode(blobs, mean, std, cfg, 1, params=False)
     fmt, m, st = bt.fmt, bt.m, bt.st
     n_streams = bt.wstart.size
     xshape = (n_streams, *bt.shape)
     check_out(out, fmt, xshape)
+    mask = verify_mask(verify, n_streams)
     lanes = int(bt.lanes_log2[0])
     if (bt.lanes_log2 != lanes).any():
         raise ValueError("decode_batch_triton: the streams of a batch must use one lane count")
@@ -483,7 +486,7 @@ def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.
     raise_errors(err)
     host = out if out is not None and out.device.type == "cpu" else torch.empty(xshape, dtype=fmt.dtype)
     jit.finish_streams(keys.cpu().numpy(), bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m,
-                       fmt.pattern_bits, fmt.raw_bits, fmt.zero_key, bt.checks, bits_view(host, n_streams, m), err, 0,
+                       fmt.pattern_bits, fmt.raw_bits, fmt.zero_key, bt.checks, mask, bits_view(host, n_streams, m), err, 0,
                        n_streams)
     raise_errors(err)
     if out is None:

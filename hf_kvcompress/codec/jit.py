@@ -33,6 +33,10 @@ ERR_KEY = 4  # a decoded value outside the dtype
 ERR_HASH = 5  # the check hash of payload and decoded bits differs
 
 _jit = nb.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+# Hot-loop array indices are cast to unsigned: numba wraps a signed index around (negative = from the end)
+# with 2-3 extra instructions per access, an unsigned one it uses as is. The decode loop's indices are never
+# negative (docs/codec.md 12.4 has the measurement).
+_U = np.uint64
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
@@ -95,17 +99,17 @@ def _find(cum, c0, lut, l0, slot):
     without a branch (selects), wider buckets (the tails, rarely visited) first by a binary search with
     branches."""
     b = slot >> LUT_SHIFT
-    lo = np.int64(lut[l0 + b])
-    hi = np.int64(lut[l0 + b + 1])
+    lo = np.int64(lut[_U(l0 + b)])
+    hi = np.int64(lut[_U(l0 + b + 1)])
     while hi - lo > 7:
         mid = (lo + hi + 1) >> 1
-        if cum[c0 + mid] <= slot:
+        if cum[_U(c0 + mid)] <= slot:
             lo = mid
         else:
             hi = mid - 1
     for _ in range(3):
         mid = (lo + hi + 1) >> 1
-        up = cum[c0 + mid] <= slot
+        up = cum[_U(c0 + mid)] <= slot
         lo = mid if up else lo
         hi = hi if up else mid - 1
     return lo
@@ -192,21 +196,25 @@ def _refill(x, pos, last, buf32):
     if x < np.uint64(RANS_L):
         if pos > last:
             return x, last + 2
-        return (x << np.uint64(32)) | np.uint64(buf32[pos]), pos + 1
+        return (x << np.uint64(32)) | np.uint64(buf32[_U(pos)]), pos + 1
     return x, pos
 
 
 @_jit
-def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_row, tid_a, cp_a, cn_a, sg_a,
+def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run, p_row, tid_a, cp_a, cn_a, sg_a,
                    cum, coff, size_a, half_a, lut, pcum, plut, esc_freq, zero_key, pattern_bits, raw_bits,
-                   checks, out, err, s_lo, s_hi):
+                   checks, verify, out, err, s_lo, s_hi):
     """Decode streams ``s_lo..s_hi-1`` (``lanes_log2[s]`` lanes each): words ``buf32[wstart[s] :
     wstart[s] + wcount[s]]``, raw low bits from byte ``rstart[s]`` of ``buf8`` (the same buffer), into
     ``out[s, :n]`` (full bit patterns); ``err[s]`` gets an error code (0: ok, every word consumed, every
-    lane back at its initial state, the check of words and decoded bits equal to ``checks[s]``).
+    lane back at its initial state, decoded values inside the dtype, and where ``verify[s]`` is set the check
+    of words and decoded bits equal to ``checks[s]``: two serial hash chains, ~10 % of the decode, that a
+    caller skips only for streams it already decoded with the check, whose bytes cannot have changed).
 
     Order as in `encode_streams`: per round of ``lanes`` elements, the flags lane by lane, then the
-    symbols lane by lane. Renormalisation is a branch, not a select: all lanes share one read position, and a select would chain
+    symbols lane by lane. ``run`` > 0 says that ``pidx[i] == i // run`` (per-channel statistics of a
+    ``[channels, tokens]`` stream: ``run`` = tokens): where ``run`` is a multiple of the lane count, a round's
+    elements share one parameter set, loaded once per round instead of once per element. Renormalisation is a branch, not a select: all lanes share one read position, and a select would chain
     every lane's step through it (measured 1.5-2x slower); the predictor lets the lanes run ahead."""
     state = np.empty(1 << 6, dtype=np.uint64)
     z = np.int64(zero_key)
@@ -230,13 +238,18 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
         base = p_row[s]
         r0 = rstart[s]
         code = OK
+        check = verify[s] != 0
         h2 = np.uint64(0x84222325CBF29CE4)
+        per_round = run > 0 and run % lanes == 0
+        pi = np.int64(-1)  # the compact index whose parameters are loaded (none yet)
+        t = c0 = l0 = size = half = cpv = cnv = np.int64(0)
+        flip = False
         for r in range((n + lanes - 1) // lanes):
             i0 = r * lanes
             i1 = min(n, i0 + lanes)
             escaped = np.uint64(0)  # bit k: lane k's element escaped
             for i in range(i0, i1):  # the round's escape flags
-                x = state[i - i0]
+                x = state[_U(i - i0)]
                 slot = x & np.uint64(MASK)
                 q = x >> np.uint64(PREC)
                 if slot < fv:
@@ -244,33 +257,41 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                 else:
                     x = fe * q + slot - fv
                     escaped |= np.uint64(1) << np.uint64(i - i0)
-                state[i - i0], pos = _refill(x, pos, last, buf32)
+                state[_U(i - i0)], pos = _refill(x, pos, last, buf32)
+            want = base + i0 // run if per_round else np.int64(-1)  # the round's compact index
             for i in range(i0, i1):  # then their symbols
-                x = state[i - i0]
+                x = state[_U(i - i0)]
                 slot_i = np.int64(x & np.uint64(MASK))
                 if (escaped >> np.uint64(i - i0)) & np.uint64(1) == 0:
-                    pi = base + (i if ident else pidx[i])
-                    t = np.int64(tid_a[pi])
-                    c0 = coff[t]
-                    sym = _find(cum, c0, lut, t * lut_stride, slot_i)
-                    start = np.int64(cum[c0 + sym])
-                    f = np.int64(cum[c0 + sym + 1]) - start
-                    size = np.int64(size_a[t])
-                    s0 = sym if sg_a[pi] > 0 else size - 1 - sym
-                    key = s0 + (np.int64(cp_a[pi]) if s0 >= half_a[t] else np.int64(cn_a[pi]))
+                    if not per_round or pi != want:  # the element's (per round: the round's) parameters
+                        pi = want if per_round else base + (i if ident else np.int64(pidx[_U(i)]))
+                        t = np.int64(tid_a[_U(pi)])
+                        c0 = coff[_U(t)]
+                        l0 = t * lut_stride
+                        size = np.int64(size_a[_U(t)])
+                        half = np.int64(half_a[_U(t)])
+                        flip = sg_a[_U(pi)] <= 0
+                        cpv = np.int64(cp_a[_U(pi)])
+                        cnv = np.int64(cn_a[_U(pi)])
+                    sym = _find(cum, c0, lut, l0, slot_i)
+                    start = np.int64(cum[_U(c0 + sym)])
+                    f = np.int64(cum[_U(c0 + sym + 1)]) - start
+                    s0 = size - 1 - sym if flip else sym
+                    key = s0 + (cpv if s0 >= half else cnv)
                 else:
                     sym = _find(pcum, 0, plut, 0, slot_i)
-                    start = np.int64(pcum[sym])
-                    f = np.int64(pcum[sym + 1]) - start
+                    start = np.int64(pcum[_U(sym)])
+                    f = np.int64(pcum[_U(sym + 1)]) - start
                     key = sym + z if sym < z else (2 * z - 1) - sym
                 x = np.uint64(f) * (x >> np.uint64(PREC)) + np.uint64(slot_i - start)
-                state[i - i0], pos = _refill(x, pos, last, buf32)
+                state[_U(i - i0)], pos = _refill(x, pos, last, buf32)
                 if key < 0 or key >= n_pat:
                     code = ERR_KEY
                     break
                 v = _value(key, i, z, r0, buf8, raw_bits)
-                h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
-                out[s, i] = v
+                if check:
+                    h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
+                out[_U(s), _U(i)] = v
             if code != OK:
                 break
             if pos > last + 1:
@@ -284,7 +305,7 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, p_r
                     if state[k] != lo_bound:
                         code = ERR_STATE
                         break
-        if code == OK and _stream_check(buf32, w0, nw, h2) != checks[s]:
+        if code == OK and check and _stream_check(buf32, w0, nw, h2) != checks[s]:
             code = ERR_HASH
         err[s] = code
 
@@ -312,23 +333,25 @@ def _stream_check(buf32, w0, nw, h_values):
 
 
 @_jit
-def finish_streams(keys, buf8, buf32, wstart, wcount, rstart, n, pattern_bits, raw_bits, zero_key, checks, out,
-                   err, s_lo, s_hi):
+def finish_streams(keys, buf8, buf32, wstart, wcount, rstart, n, pattern_bits, raw_bits, zero_key, checks, verify,
+                   out, err, s_lo, s_hi):
     """For keys decoded elsewhere (the Triton decoder): join the raw low bits into ``out[s, :n]`` and verify
-    the stream checks, setting ``err[s]`` like `decode_streams`."""
+    the stream checks where ``verify[s]`` is set, setting ``err[s]`` like `decode_streams`."""
     z = np.int64(zero_key)
     n_pat = np.int64(1) << pattern_bits
     for s in range(s_lo, s_hi):
         h2 = np.uint64(0x84222325CBF29CE4)
         code = OK
+        check = verify[s] != 0
         for i in range(n):
             key = np.int64(keys[s, i])
             if key < 0 or key >= n_pat:
                 code = ERR_KEY
                 break
             v = _value(key, i, z, rstart[s], buf8, raw_bits)
-            h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
+            if check:
+                h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
             out[s, i] = v
-        if code == OK and _stream_check(buf32, wstart[s], wcount[s], h2) != checks[s]:
+        if code == OK and check and _stream_check(buf32, wstart[s], wcount[s], h2) != checks[s]:
             code = ERR_HASH
         err[s] = code

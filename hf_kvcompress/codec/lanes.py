@@ -140,6 +140,7 @@ class Stats(NamedTuple):
     mbits: np.ndarray  # uint32: the compact means' float32 bits (what the params are computed from)
     sbits: np.ndarray  # uint32: the compact stds' float32 bits
     cshape: tuple[int, ...]  # per-stream shape of the compact statistics (``pidx`` maps ``shape`` onto it)
+    run: int  # > 0: ``pidx[i] == i // run`` (statistics constant along the last dim), else 0
 
 
 _PARALLEL_PARAMS = 1 << 15  # below this many compact elements a second thread costs more than it saves
@@ -162,6 +163,14 @@ def _pidx(shape: tuple[int, ...], cshape: tuple[int, ...]) -> np.ndarray:
     out = idx.astype(np.int32)
     out.setflags(write=False)
     return out
+
+
+def _run_of(shape: tuple[int, ...], cshape: tuple[int, ...]) -> int:
+    """``run`` > 0 when the compact index of element ``i`` is ``i // run``: statistics that are constant
+    along a stream's last dimension only (the cache's per-channel statistics of ``[channels, tokens]``)."""
+    if len(shape) and shape[-1] > 1 and cshape[-1] == 1 and tuple(cshape[:-1]) == tuple(shape[:-1]):
+        return int(shape[-1])
+    return 0
 
 
 def _as_rows(arr: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -206,7 +215,8 @@ def prepare_stats(shape: tuple[int, ...], n_streams: int, mean32: np.ndarray | N
              threads if k >= _PARALLEL_PARAMS else 1)
     c = math.prod(cshape)
     p_row = (np.arange(n_streams, dtype=np.int64) * c) if rows > 1 else np.zeros(n_streams, dtype=np.int64)
-    return Stats(tid, cp, cn, sg, _pidx(tuple(shape), cshape), p_row, fps, mbits, sbits, cshape)
+    return Stats(tid, cp, cn, sg, _pidx(tuple(shape), cshape), p_row, fps, mbits, sbits, cshape,
+                 _run_of(tuple(shape), cshape))
 
 
 def _check_batch_stat(value, name: str, xshape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
@@ -387,9 +397,13 @@ def _run(kernel, args: tuple, n_streams: int, threads: int) -> None:
         kernel(*args, 0, n_streams)
         return
     cuts = [n_streams * k // nt for k in range(nt + 1)]
-    futs = [_executor(nt).submit(kernel, *args, cuts[k], cuts[k + 1]) for k in range(nt)]
-    for f in futs:
-        f.result()
+    # the calling thread takes the first share: one hand-off fewer, and no core waits idle on the pool
+    futs = [_executor(nt - 1).submit(kernel, *args, cuts[k], cuts[k + 1]) for k in range(1, nt)]
+    try:
+        kernel(*args, cuts[0], cuts[1])
+    finally:
+        for f in futs:
+            f.result()
 
 
 _PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
@@ -503,8 +517,19 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: boo
     return Batch(fmt, shape, m, st, buf8, buf32, wstart, wcount, rstart, lanes, checks)
 
 
+def verify_mask(verify, n_streams: int) -> np.ndarray:
+    """``decode_batch``'s ``verify`` (True, False or one bool per stream) as a uint8 mask for the kernels."""
+    if isinstance(verify, (bool, np.bool_)):
+        return np.full(n_streams, 1 if verify else 0, dtype=np.uint8)
+    mask = np.asarray(verify)
+    if mask.dtype != np.bool_ or mask.shape != (n_streams,):
+        raise ValueError(f"codec.decode_batch: verify must be a bool or {n_streams} bools (one per stream), got "
+                         f"{_describe(verify)}")
+    return mask.astype(np.uint8)
+
+
 def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
-                      threads: int | None = None) -> torch.Tensor:
+                      threads: int | None = None, verify=True) -> torch.Tensor:
     threads = _check_threads(threads)
     bt = prepare_decode(blobs, mean, std, cfg, threads)
     fmt, m, st = bt.fmt, bt.m, bt.st
@@ -516,9 +541,9 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     err = np.zeros(n_streams, dtype=np.int32)
     tab = lane_tables()
     pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
-    args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.p_row, st.tid, st.cp,
+    args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.run, st.p_row, st.tid, st.cp,
             st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut, _escape_freq(cfg, m),
-            fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, ov, err)
+            fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, verify_mask(verify, n_streams), ov, err)
     _run(jit.decode_streams, args, n_streams, threads)
     raise_errors(err)
     if out is not None:

@@ -190,6 +190,51 @@ def test_decoded_budget_is_validated():
 
 
 @pytest.mark.parametrize("predictor", ["generic", "context"])
+def test_stream_hashes_are_checked_at_a_blocks_first_decode_only(predictor, monkeypatch):
+    """Every step decodes every sealed block, but a block's stream hashes are checked only the first time
+    (its bytes are immutable since): counted per stream from the kernel's ``verify`` mask."""
+    from hf_kvcompress.codec import jit
+
+    calls: list[tuple[int, int]] = []  # per kernel call: (streams checked, streams decoded)
+    kernel = jit.decode_streams
+
+    def counted(*args):
+        verify, lo, hi = args[-5], args[-2], args[-1]  # ..., checks, verify, out, err, s_lo, s_hi
+        calls.append((int(verify[lo:hi].sum()), hi - lo))
+        return kernel(*args)
+
+    monkeypatch.setattr(jit, "decode_streams", counted)
+    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                               lossless={"predictor": predictor, "decoded_budget": 0.0, "workers": 1})
+    cache = CompressedCache(config, model=model6(), calibration=calibration6())
+    prefill(cache, 64)
+    per_block = 2 * model6().config.num_key_value_heads  # K and V streams per head, batch 1
+    checked = []
+    for i in range(3):
+        calls.clear()
+        before = sealed_blocks(cache)
+        step(cache, torch.tensor([[5 + i]]))
+        assert sum(n for _, n in calls) == sealed_blocks(cache) * per_block  # every block decoded
+        checked.append(sum(c for c, _ in calls))
+    assert checked[0] == LAYERS * 3 * per_block  # the first decode of each block checks all its streams
+    assert checked[1] == checked[2] == 0 and before == sealed_blocks(cache)  # later steps check none
+
+
+def test_workers_default_is_every_available_core(monkeypatch):
+    """``LosslessConfig.workers=None`` (the default) codes on every core the process may run on; an int
+    fixes the count."""
+    import os
+
+    from hf_kvcompress.cache import coded
+
+    assert make_cache().lossless.workers == coded.available_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert make_cache().lossless.workers == 3
+    fixed = CompressionConfig(mode="lossless", lossless={"workers": 1})
+    assert CompressedCache(fixed, model=model6()).lossless.workers == 1
+
+
+@pytest.mark.parametrize("predictor", ["generic", "context"])
 def test_codec_threads_change_no_byte(predictor, monkeypatch):
     """``LosslessConfig.workers`` splits a block's streams over codec threads: the same blobs, byte for byte,
     whatever the count, and the same decoded bits. The kernel calls are counted, so the second thread really

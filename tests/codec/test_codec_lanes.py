@@ -334,3 +334,38 @@ def test_huge_shape_claim_refused_before_allocating():
         codec.decode(bad, 0.0, 0.0, config=LANES)
     big = torch.zeros(1 << 20, dtype=torch.bfloat16)  # the bound leaves room for legitimately tiny streams
     assert_bit_exact(codec.decode(codec.encode(big, 0.0, 0.0, LANES), 0.0, 0.0, config=LANES), big)
+
+
+def test_verify_mask_skips_only_the_check_hash(batch):
+    """``decode_batch(verify=...)``: a stream whose check field is wrong (header CRC resealed) fails where its
+    hash is verified and decodes exactly where it is not; the structural checks run either way (a flipped
+    payload word still fails unverified, or decodes to the true values)."""
+    x, offset, scale, blobs = batch
+    n = len(blobs)
+    h = L.parse_header(blobs[1])
+    bad = bytearray(blobs[1])
+    bad[h.data_start - 8] ^= 0x01  # the check field (the last u32 before the header CRC)
+    wrong_check = reseal(bytes(bad))
+    streams = [blobs[0], wrong_check, *blobs[2:]]
+    with pytest.raises(CorruptStreamError, match="checksum"):
+        codec.decode_batch(streams, offset, scale, LANES)
+    for threads in (1, 2):
+        mask = np.ones(n, dtype=bool)
+        mask[1] = False
+        assert_bit_exact(codec.decode_batch(streams, offset, scale, LANES, threads=threads, verify=mask), x)
+        mask[1], mask[0] = True, False
+        with pytest.raises(CorruptStreamError, match="checksum"):
+            codec.decode_batch(streams, offset, scale, LANES, threads=threads, verify=mask)
+    start = L.parse_header(blobs[2]).data_start
+    for pos in range(start, len(blobs[2]), 7):
+        flipped = bytearray(blobs[2])
+        flipped[pos] ^= 0x10
+        try:
+            y = codec.decode_batch([blobs[0], blobs[1], bytes(flipped), *blobs[3:]], offset, scale, LANES,
+                                   verify=False)
+        except CorruptStreamError:
+            continue
+        assert_bit_exact(y, x)
+    for wrong in ([True] * (n - 1), np.ones(n, dtype=np.int64), "yes"):
+        with pytest.raises(ValueError, match="verify must be a bool"):
+            codec.decode_batch(blobs, offset, scale, LANES, verify=wrong)
