@@ -116,7 +116,7 @@ def _find(cum, c0, lut, l0, slot):
 
 
 @_jit
-def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a, sg_a,
+def encode_streams(bits, n, lanes_log2, raw_bits, pidx, run, p_row, tid_a, cp_a, cn_a, sg_a,
                    cum, coff, size_a, half_a, pcum, esc_freq, zero_key, words, nwords, checks, s_lo, s_hi):
     """Code streams ``s_lo..s_hi-1`` (bit patterns ``bits[s, :n]``) into ``words[s]``, filled from the end:
     the stream's ``nwords[s]`` words are ``words[s, -nwords[s]:]``, lane states (low, high word each) then
@@ -126,7 +126,7 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a
     of the round's elements, lane by lane, then their symbols, lane by lane. Each phase is one step per
     lane, so a vector decoder (a GPU warp) can place its refills by a prefix sum. The encoder runs it
     backwards. Element ``i`` of stream ``s`` takes its parameters at ``p_row[s] + pidx[i]`` (``pidx``
-    empty: ``i``)."""
+    empty: ``i``; ``run`` as in `decode_streams`: one parameter set per round)."""
     lanes = 1 << lanes_log2
     cap = words.shape[1]
     state = np.empty(lanes, dtype=np.uint64)
@@ -134,15 +134,20 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a
     fe = np.uint64(esc_freq)
     fv = np.uint64(TOTAL - esc_freq)
     ident = pidx.size == 0
+    per_round = run > 0 and run % lanes == 0
     for s in range(s_lo, s_hi):
         for k in range(lanes):
             state[k] = np.uint64(RANS_L)
         pos = cap
         base = p_row[s]
+        pi = np.int64(-1)  # the compact index whose parameters are loaded (none yet)
+        t = size = half = cpv = cnv = c0 = np.int64(0)
+        flip = False
         for r in range((n + lanes - 1) // lanes - 1, -1, -1):
             i0 = r * lanes
             i1 = min(n, i0 + lanes)
             escaped = np.uint64(0)  # bit k: lane k's element escaped
+            want = base + i0 // run if per_round else np.int64(-1)  # the round's compact index
             for phase in range(2):  # the symbols (decoded second, so coded first), then the escape flags
                 for i in range(i1 - 1, i0 - 1, -1):
                     if phase == 1:  # flag: valid [0, TOTAL - fe), escaped [TOTAL - fe, TOTAL)
@@ -150,30 +155,32 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, p_row, tid_a, cp_a, cn_a
                         f = fe if esc else fv
                         start = fv if esc else np.uint64(0)
                     else:
-                        pat = np.int64(bits[s, i]) >> raw_bits
+                        pat = np.int64(bits[_U(s), _U(i)]) >> raw_bits
                         key = pat + z if pat < z else (2 * z - 1) - pat
-                        pi = base + (i if ident else pidx[i])
-                        t = np.int64(tid_a[pi])
-                        size = np.int64(size_a[t])
-                        half = np.int64(half_a[t])
-                        cpv = np.int64(cp_a[pi])
-                        cnv = np.int64(cn_a[pi])
+                        if not per_round or pi != want:  # the element's (per round: the round's) parameters
+                            pi = want if per_round else base + (i if ident else np.int64(pidx[_U(i)]))
+                            t = np.int64(tid_a[_U(pi)])
+                            size = np.int64(size_a[_U(t)])
+                            half = np.int64(half_a[_U(t)])
+                            cpv = np.int64(cp_a[_U(pi)])
+                            cnv = np.int64(cn_a[_U(pi)])
+                            c0 = coff[_U(t)]
+                            flip = sg_a[_U(pi)] <= 0
                         s0 = key - (cpv if key >= z else cnv)
                         if (s0 >= 0) and (s0 < size) and ((key < cnv + half) or (key >= cpv + half)):
-                            sym = s0 if sg_a[pi] > 0 else size - 1 - s0
-                            c0 = coff[t]
-                            start = np.uint64(cum[c0 + sym])
-                            f = np.uint64(cum[c0 + sym + 1]) - start
+                            sym = size - 1 - s0 if flip else s0
+                            start = np.uint64(cum[_U(c0 + sym)])
+                            f = np.uint64(cum[_U(c0 + sym + 1)]) - start
                         else:
                             escaped |= np.uint64(1) << np.uint64(i - i0)
-                            start = np.uint64(pcum[pat])
-                            f = np.uint64(pcum[pat + 1]) - start
-                    x = state[i - i0]
+                            start = np.uint64(pcum[_U(pat)])
+                            f = np.uint64(pcum[_U(pat + 1)]) - start
+                    x = state[_U(i - i0)]
                     if x >= (f << np.uint64(63 - PREC)):  # renormalise: emit the low word
                         pos -= 1
-                        words[s, pos] = np.uint32(x & np.uint64(0xFFFFFFFF))
+                        words[_U(s), _U(pos)] = np.uint32(x & np.uint64(0xFFFFFFFF))
                         x >>= np.uint64(32)
-                    state[i - i0] = ((x // f) << np.uint64(PREC)) + (x % f) + start
+                    state[_U(i - i0)] = ((x // f) << np.uint64(PREC)) + (x % f) + start
         for k in range(lanes - 1, -1, -1):
             pos -= 1
             words[s, pos] = np.uint32(state[k] >> np.uint64(32))

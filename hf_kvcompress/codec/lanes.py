@@ -337,7 +337,7 @@ def encode_batch_impl(x: torch.Tensor, mean, std, cfg: CodecConfig, threads: int
     words = np.empty((n_streams, cap), dtype=np.uint32)
     nwords = np.empty(n_streams, dtype=np.int64)
     checks = np.empty(n_streams, dtype=np.uint32)
-    _run(jit.encode_streams, (bits, m, ll, fmt.raw_bits, st.pidx, st.p_row, st.tid, st.cp, st.cn, st.sg, tab.cum,
+    _run(jit.encode_streams, (bits, m, ll, fmt.raw_bits, st.pidx, st.run, st.p_row, st.tid, st.cp, st.cn, st.sg, tab.cum,
                               tab.coff, tab.size, tab.half, pcum, _escape_freq(cfg, m), fmt.zero_key, words, nwords,
                               checks), n_streams, threads)
     digest = lanes_digest(cfg)
