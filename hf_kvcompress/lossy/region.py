@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .products import linear
+
 if TYPE_CHECKING:
     from ..config import LossyConfig
 
@@ -71,7 +73,7 @@ class FitContext:
     def logits(self, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, h, m, n]`` float32 attention logits of the reference queries against ``keys``."""
         # the scale goes on the [m, d] queries, not on the [m, n] product
-        out = (self.queries * self.scaling) @ keys.float().transpose(-1, -2)
+        out = linear(self.queries * self.scaling, keys.float())
         # plain tokens have bias 0 (a 2,048-token prefill's regions): skip an [m, n] pass
         return out if bias is None or not bool(bias.any()) else out.add_(bias[..., None, :])
 
