@@ -61,7 +61,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.dim() == 2:
         COUNTS["onednn"] += 1
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
-    lead = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
+    lead = x.shape[:-2] if x.shape[:-2] == w.shape[:-2] else torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
     xs = x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
     ws = w.expand(*lead, *w.shape[-2:]).reshape(-1, *w.shape[-2:])
     out = x.new_empty(xs.shape[0], x.shape[-2], w.shape[-2])
