@@ -31,7 +31,7 @@ from .blocks import LossyBlock, block_bias
 from .budget import budget_bytes, full_budget, token_bytes
 from .methods import METHODS
 from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
-from .region import FitContext, Region
+from .region import FitContext, Region, gather_entries
 
 if TYPE_CHECKING:
     from ..config import LossyConfig
@@ -461,7 +461,7 @@ def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Entries ``index`` (``[b, t]``, per batch row, shared by all heads) of ``x`` (``[b, h, n, d]``)."""
-    return torch.gather(x, 2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1])).contiguous()
+    return gather_entries(x, index[:, None, :].expand(-1, x.shape[1], -1))
 
 
 #: attached model -> its rotary embedding module (or None): looked up once per model, not at every summary of every

@@ -38,11 +38,9 @@ class Region:
 
     def gather(self, index: torch.Tensor) -> Region:
         """The entries ``index`` (``[b, h, t]``) of every row and head, in that order."""
-        dim = self.keys.shape[-1]
-        expanded = index[..., None].expand(*index.shape, dim)
         return Region(
-            torch.gather(self.keys, 2, expanded),
-            torch.gather(self.values, 2, expanded),
+            gather_entries(self.keys, index),
+            gather_entries(self.values, index),
             torch.gather(self.bias, 2, index),
             self.tokens,
         )
@@ -76,6 +74,19 @@ class FitContext:
         out = linear(self.queries * self.scaling, keys.float())
         # plain tokens have bias 0 (a 2,048-token prefill's regions): skip an [m, n] pass
         return out if bias is None or not bool(bias.any()) else out.add_(bias[..., None, :])
+
+
+def gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[b, h, index[b, h, j], :]``: entries ``index`` (``[b, h, t]``) of ``x`` (``[b, h, n, d]``) as
+    ``[b, h, t, d]``. Whole rows by one ``index_select`` over the flattened entries: ``torch.gather`` with the index
+    expanded over ``d`` reads an index per element and took 10x longer (0.24 ms against 0.02 ms for 529 of 1,980
+    bfloat16 entries of 3 heads; 40x for the 2,044 of 2,048 rows the sink block leaves in the residual)."""
+    b, h, n, d = x.shape
+    if index.numel() == 0 or n == 0:
+        return x.new_empty(b, h, index.shape[-1], d)
+    offsets = torch.arange(b * h, device=index.device).view(b, h, 1) * n
+    flat = (index.to(device=x.device, dtype=torch.long) + offsets.to(x.device)).reshape(-1)
+    return x.reshape(b * h * n, d).index_select(0, flat).view(b, h, index.shape[-1], d)
 
 
 def dead_bias_or_none(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
