@@ -32,13 +32,14 @@ class Kernel:
     def __init__(self, region: Region, ctx: FitContext):
         self.region = region
         self.ctx = ctx
-        region_logits = ctx.logits(region.keys, region.bias)
         context_logits = ctx.logits(ctx.context_keys, ctx.context_bias)
-        # the row maximum without concatenating the two [m, n] blocks (an empty block has none)
-        tops = [x.amax(-1, keepdim=True) for x in (region_logits, context_logits) if x.shape[-1]]
-        top = torch.maximum(*tops) if len(tops) == 2 else tops[0]
-        top = torch.nan_to_num(top, neginf=0.0)  # a query with nothing live: anything finite will do
-        self.region_exp = region_logits.sub_(top).exp_()
+        # the row maximum over both blocks without concatenating them (an empty block has none)
+        context_top = context_logits.amax(-1, keepdim=True) if context_logits.shape[-1] else None
+        if region.entries:
+            self.region_exp, top = ctx.exp_logits(region.keys, region.bias, context_top)
+        else:
+            self.region_exp = context_logits.new_empty(*context_logits.shape[:-1], 0)
+            top = torch.nan_to_num(context_top, neginf=0.0)  # a query with nothing live: anything finite will do
         self.context_exp = context_logits.sub_(top).exp_()
         self.region_z, self.context_z = self.region_exp.sum(-1), self.context_exp.sum(-1)
         self.query_weight = ctx.query_weight

@@ -16,6 +16,8 @@ them drop to bfloat16 on machines with AMX).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 #: None: not checked yet; then whether oneDNN's float32 product is used (`_onednn_ok`)
@@ -75,3 +77,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (float32, or float64 if an input is) for ``a`` ``[..., m, k]``, ``b`` ``[..., k, n]`` through `linear` (``b`` is transposed
     into a contiguous copy: cheap where ``n`` is small, as the summary's value products' ``head_dim``)."""
     return linear(a, b.float().transpose(-1, -2))
+
+
+def linear_each(x: torch.Tensor, w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(i, x[i] @ w[i].T)`` for every index ``i`` of the flattened leading dimensions (the same for ``x``
+    ``[..., m, k]`` and ``w`` ``[..., n, k]``), each a fresh float32 ``[m, n]`` tensor the caller may change in
+    place: lets a caller finish one product while it is in cache and write it where it belongs (`linear` must copy
+    the products of all indices into one output)."""
+    if x.shape[:-2] != w.shape[:-2]:
+        raise ValueError(f"linear_each: leading dimensions differ: {tuple(x.shape)} and {tuple(w.shape)}")
+    xs, ws = x.reshape(-1, *x.shape[-2:]), w.reshape(-1, *w.shape[-2:])
+    for i in range(xs.shape[0]):
+        yield i, linear(xs[i], ws[i])

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .products import linear
+from .products import linear, linear_each
 
 if TYPE_CHECKING:
     from ..config import LossyConfig
@@ -74,6 +74,33 @@ class FitContext:
         out = linear(self.queries * self.scaling, keys.float())
         # plain tokens have bias 0 (a 2,048-token prefill's regions): skip an [m, n] pass
         return out if bias is None or not bool(bias.any()) else out.add_(bias[..., None, :])
+
+    def exp_logits(
+        self, keys: torch.Tensor, bias: torch.Tensor | None, floor: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(exp(logits - top) [b, h, m, n], top [b, h, m, 1])`` for the `logits` against ``keys`` (``n > 0``),
+        ``top`` the row maximum of these logits and of ``floor`` (``[b, h, m, 1]``, the row maximum of the other
+        entries the queries see, or None); a row with nothing live gets ``top = 0``.
+
+        One head at a time: its bias, row maximum, shift and exp run while its ``[m, n]`` product is in cache, and
+        the exp writes straight into the output (assembling every head's product first cost one more pass over
+        the logits: 0.08 s of a 2,048-token prefill's summaries, docs/lossy.md *Speed and queries*)."""
+        q = self.queries * self.scaling
+        lead, m, n = q.shape[:-2], q.shape[-2], keys.shape[-2]
+        out = q.new_empty(*lead, m, n)
+        top = q.new_empty(*lead, m, 1)
+        flat_out, flat_top = out.view(-1, m, n), top.view(-1, m, 1)
+        flat_bias = bias.reshape(-1, n).float() if bias is not None and bool(bias.any()) else None
+        flat_floor = None if floor is None else floor.reshape(-1, m, 1)
+        for i, part in linear_each(q, keys.float()):
+            if flat_bias is not None:
+                part.add_(flat_bias[i])
+            row_top = part.amax(-1, keepdim=True)
+            if flat_floor is not None:
+                row_top = torch.maximum(row_top, flat_floor[i])
+            flat_top[i] = torch.nan_to_num(row_top, neginf=0.0)  # a query with nothing live: anything finite
+            torch.exp(part.sub_(flat_top[i]), out=flat_out[i])
+        return out, top
 
 
 def gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

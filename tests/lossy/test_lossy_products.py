@@ -67,3 +67,24 @@ def test_the_summary_fit_runs_its_products_through_onednn_where_torch_has_it():
         assert used["onednn"] >= 2 * 4 and used["matmul"] == 0  # 2 heads x (2 logits, Gram, right-hand side)
     else:
         assert used["onednn"] == 0 and used["matmul"] >= 4
+
+
+def test_exp_logits_one_head_at_a_time_equals_the_whole_computation():
+    """`FitContext.exp_logits` (per head, exp written in place) against the logits of all heads at once: biases
+    (with a dead entry), the row maximum taken with the other entries' (``floor``), a row with nothing live."""
+    gen = torch.Generator().manual_seed(5)
+    h, n, d, m = 3, 40, 16, 12
+    keys = torch.randn(1, h, n, d, generator=gen)
+    bias = torch.randn(1, h, n, generator=gen)
+    bias[0, 1, 7] = float("-inf")
+    ctx = FitContext(torch.randn(1, h, m, d, generator=gen), torch.ones(1, h, m), keys[..., :0, :], keys[..., :0, :],
+                     bias[..., :0], d**-0.5, True, LossyConfig())
+    floor = torch.randn(1, h, m, 1, generator=gen) + 2.0
+    got, top = ctx.exp_logits(keys, bias, floor)
+    logits = ctx.logits(keys, bias)
+    expected_top = torch.maximum(logits.amax(-1, keepdim=True), floor)
+    torch.testing.assert_close(top, expected_top)
+    torch.testing.assert_close(got, (logits - expected_top).exp())
+    assert bool((got[0, 1, :, 7] == 0).all())
+    dead, dead_top = ctx.exp_logits(keys, torch.full_like(bias, float("-inf")), None)
+    assert bool((dead == 0).all()) and bool((dead_top == 0).all())
