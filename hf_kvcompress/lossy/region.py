@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ from .products import linear, linear_each
 
 if TYPE_CHECKING:
     from ..config import LossyConfig
+
+LOG2E = 1.0 / math.log(2.0)
 
 
 @dataclass
@@ -84,14 +87,17 @@ class FitContext:
 
         One head at a time: its bias, row maximum, shift and exp run while its ``[m, n]`` product is in cache, and
         the exp writes straight into the output (assembling every head's product first cost one more pass over
-        the logits: 0.08 s of a 2,048-token prefill's summaries, docs/lossy.md *Speed and queries*)."""
-        q = self.queries * self.scaling
+        the logits: 0.08 s of a 2,048-token prefill's summaries, docs/lossy.md *Speed and queries*). In base 2:
+        ``exp(l - top) = exp2(l log2(e) - top log2(e))``, the factor folded into the queries' scale, because
+        ``torch.exp2`` ran 4.5x faster than ``torch.exp`` on this project's CPU (0.22 against 0.98 ms for
+        ``768 x 1980``; both vectorised, within about 1 ulp)."""
+        q = self.queries * (self.scaling * LOG2E)
         lead, m, n = q.shape[:-2], q.shape[-2], keys.shape[-2]
         out = q.new_empty(*lead, m, n)
         top = q.new_empty(*lead, m, 1)
         flat_out, flat_top = out.view(-1, m, n), top.view(-1, m, 1)
-        flat_bias = bias.reshape(-1, n).float() if bias is not None and bool(bias.any()) else None
-        flat_floor = None if floor is None else floor.reshape(-1, m, 1)
+        flat_bias = bias.reshape(-1, n).float() * LOG2E if bias is not None and bool(bias.any()) else None
+        flat_floor = None if floor is None else floor.reshape(-1, m, 1) * LOG2E
         for i, part in linear_each(q, keys.float()):
             if flat_bias is not None:
                 part.add_(flat_bias[i])
@@ -99,8 +105,8 @@ class FitContext:
             if flat_floor is not None:
                 row_top = torch.maximum(row_top, flat_floor[i])
             flat_top[i] = torch.nan_to_num(row_top, neginf=0.0)  # a query with nothing live: anything finite
-            torch.exp(part.sub_(flat_top[i]), out=flat_out[i])
-        return out, top
+            torch.exp2(part.sub_(flat_top[i]), out=flat_out[i])
+        return out, top.mul_(math.log(2.0))
 
 
 def gather_entries(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
