@@ -5,7 +5,7 @@ on, MKL's float32 kernels reached a third of what oneDNN's (also part of torch's
 ``torch.nn.Linear`` uses for bfloat16) did on the same core: for the summary's shapes (``[768, 64] x [64, 1980]``
 logits, ``[768, 1980] x [1980, 64]`` outputs, the ``600 x 600`` Gram of ``768`` queries) 2.5-2.9x faster, with the
 same float32 arithmetic (products exact in float32, float32 accumulation; relative error of a ``600 x 600`` Gram
-1e-6 against float64, MKL's 5e-7; docs/lossy.md, *Speed and queries*). oneDNN's float32 matrix product is reached
+1e-6 against float64, MKL's 5e-7; docs/lossy.md, *Speed and queries*, *Fourth look*). oneDNN's float32 matrix product is reached
 per call through ``torch.ops.mkldnn._linear_pointwise`` (``x @ w.T``, one 2-D ``w``), which changes no global
 state (``torch.set_float32_matmul_precision`` would also route products to oneDNN but process-wide, and lets
 them drop to bfloat16 on machines with AMX).
