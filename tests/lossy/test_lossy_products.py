@@ -44,6 +44,26 @@ def test_bfloat16_inputs_are_multiplied_in_float32_and_float64_stays_float64():
     torch.testing.assert_close(got64, x.double() @ w.double().mT, atol=1e-12, rtol=1e-12)
 
 
+def test_matmul_wherever_onednn_is_off_or_refuses(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 6, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.mkldnn, "enabled", False)
+        before = dict(products.COUNTS)
+        torch.testing.assert_close(linear(x, w), x @ w.mT)
+        assert spent(before) == {"onednn": 0, "matmul": 1}
+    assert torch.backends.mkldnn.enabled
+
+    def refuse(x, w):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(products, "_onednn", refuse)
+    monkeypatch.setattr(products, "_ONEDNN", True)
+    before = dict(products.COUNTS)
+    torch.testing.assert_close(linear(x, w), x @ w.mT)
+    assert spent(before) == {"onednn": 0, "matmul": 1}
+
+
 def test_empty_products():
     assert linear(torch.zeros(1, 2, 0, 4), torch.zeros(1, 2, 3, 4)).shape == (1, 2, 0, 3)
     assert linear(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 0, 4)).shape == (1, 2, 5, 0)
@@ -57,7 +77,8 @@ def test_the_summary_fit_runs_its_products_through_onednn_where_torch_has_it():
     h, n, d, m = 2, 60, 16, 90
     region = Region(torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen),
                     torch.zeros(1, h, n), n)
-    ctx = FitContext(torch.randn(1, h, m, d, generator=gen), torch.ones(1, h, m), torch.randn(1, h, 6, d, generator=gen),
+    context = torch.randn(1, h, 6, d, generator=gen)
+    ctx = FitContext(torch.randn(1, h, m, d, generator=gen), torch.ones(1, h, m), context,
                      torch.randn(1, h, 6, d, generator=gen), torch.zeros(1, h, 6), d**-0.5, True, LossyConfig())
     before = dict(products.COUNTS)
     kernel = Kernel(region, ctx)
