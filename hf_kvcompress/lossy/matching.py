@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from .products import linear, matmul
 from .region import FitContext, Region
 from .solvers import nnls, ridge_lstsq, ridge_solve, symmetric_gram
 
@@ -31,13 +32,14 @@ class Kernel:
     def __init__(self, region: Region, ctx: FitContext):
         self.region = region
         self.ctx = ctx
-        region_logits = ctx.logits(region.keys, region.bias)
         context_logits = ctx.logits(ctx.context_keys, ctx.context_bias)
-        # the row maximum without concatenating the two [m, n] blocks (an empty block has none)
-        tops = [x.amax(-1, keepdim=True) for x in (region_logits, context_logits) if x.shape[-1]]
-        top = torch.maximum(*tops) if len(tops) == 2 else tops[0]
-        top = torch.nan_to_num(top, neginf=0.0)  # a query with nothing live: anything finite will do
-        self.region_exp = region_logits.sub_(top).exp_()
+        # the row maximum over both blocks without concatenating them (an empty block has none)
+        context_top = context_logits.amax(-1, keepdim=True) if context_logits.shape[-1] else None
+        if region.entries:
+            self.region_exp, top = ctx.exp_logits(region.keys, region.bias, context_top)
+        else:
+            self.region_exp = context_logits.new_empty(*context_logits.shape[:-1], 0)
+            top = torch.nan_to_num(context_top, neginf=0.0)  # a query with nothing live: anything finite will do
         self.context_exp = context_logits.sub_(top).exp_()
         self.region_z, self.context_z = self.region_exp.sum(-1), self.context_exp.sum(-1)
         self.query_weight = ctx.query_weight
@@ -45,12 +47,12 @@ class Kernel:
     @cached_property
     def context_n(self) -> torch.Tensor:
         """``[1, h, m, d]``: the exact context's un-normalised output."""
-        return self.context_exp @ self.ctx.context_values.float()
+        return matmul(self.context_exp, self.ctx.context_values.float())
 
     @cached_property
     def output(self) -> torch.Tensor:
         """``[1, h, m, d]``: the full layer's attention output for each reference query."""
-        numerator = self.region_exp @ self.region.values.float() + self.context_n
+        numerator = matmul(self.region_exp, self.region.values.float()) + self.context_n
         return numerator / self.full_z[..., None]
 
     @property
@@ -91,7 +93,7 @@ class Fit:
 
     def weights_times(self, u: torch.Tensor) -> torch.Tensor:
         """``weights @ u`` for ``u`` ``[1, h, t, k]`` without the ``[m, t]`` weights."""
-        return (self.columns @ (self.weight[..., None] * u)) / self.summary_z[..., None]
+        return matmul(self.columns, self.weight[..., None] * u) / self.summary_z[..., None]
 
 
 #: multiplicative NNLS updates per fit: measured offline on SmolLM2 (docs/lossy.md, *Numerics*), 25 instead of 100 iterations cost
@@ -127,15 +129,18 @@ def fit_row(
     # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
     row_scale = root_w / kernel.full_z
     scaled = base * row_scale[..., None]
+    # [h, t, m]: the products below read the kept entries' columns as rows (`products.linear` takes x @ w.T)
+    columns = scaled[0].transpose(-1, -2).contiguous()
     gram = None
     if ridge > 0 or use_bias:
         known = None if prefix is None else prefix.gram
-        gram = symmetric_gram(scaled[0]) if known is None else _extend_gram(known, scaled[0])
+        gram = symmetric_gram(columns) if known is None else _extend_gram(known, columns)
     if use_bias and bool((kernel.query_weight > 0).any()):
         target = (kernel.region_z * row_scale)[0]
         weight = nnls(scaled[0], target, init=weight[0], iters=iters, gram=gram)[None].float() * live
     bias = torch.where(weight > 0, weight.clamp_min(1e-30).log(), torch.full_like(weight, float("-inf")))
-    summary_z = kernel.context_z + (base @ weight[..., None])[..., 0]
+    # one product per head (a batched [m, t] x [t, 1] matmul took 7x longer)
+    summary_z = kernel.context_z + linear(base, weight[..., None, :])[..., 0]
     prior = kept.values.float()
     try:
         if ridge == 0:
@@ -149,7 +154,7 @@ def fit_row(
             # fitted the mass), so the Gram is the NNLS one: design diag(w), Gram diag(w) G diag(w)
             target = (kernel.output * summary_z[..., None] - kernel.context_n) * row_scale[..., None]
             w = weight[0]
-            rhs = w[..., None] * (scaled[0].transpose(-1, -2) @ target[0])
+            rhs = w[..., None] * linear(columns, target[0].transpose(-1, -2))
             values = ridge_solve(gram * w[..., :, None] * w[..., None, :], rhs, ridge=ridge, prior=prior[0],
                                  design=lambda: scaled[0] * w[..., None, :], target=target[0])[None].float()
     except FloatingPointError:
@@ -162,12 +167,13 @@ def fit_row(
     return Fit(values, bias, base, weight, summary_z, gram)
 
 
-def _extend_gram(known: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
-    """``scaled^T scaled`` (``[h, m, t]``) when ``known`` is already that of the first ``t0`` columns."""
-    t0, t = known.shape[-1], scaled.shape[-1]
-    gram = scaled.new_empty(scaled.shape[0], t, t)
+def _extend_gram(known: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``columns columns^T`` (``[h, t, m]``: the Gram of the columns of ``scaled``) when ``known`` is already that
+    of the first ``t0`` columns."""
+    t0, t = known.shape[-1], columns.shape[-2]
+    gram = columns.new_empty(columns.shape[0], t, t)
     gram[:, :t0, :t0] = known
-    rows = scaled[..., t0:].transpose(-1, -2) @ scaled  # [h, t - t0, t]
+    rows = linear(columns[:, t0:], columns)  # [h, t - t0, t]
     gram[:, t0:, :] = rows
     gram[:, :t0, t0:] = rows[..., :t0].transpose(-1, -2)
     return gram

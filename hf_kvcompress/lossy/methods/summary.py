@@ -26,7 +26,7 @@ from ...layer.storage import Block
 from ..blocks import kept_block
 from ..budget import entry_bytes, tiered
 from ..matching import Fit, Kernel, fit_row, row, row_context
-from ..region import FitContext, Region, dead_bias_or_none
+from ..region import FitContext, Region, dead_bias_or_none, gather_entries
 from ..registry import register
 from ..scores import top_entries
 from ..solvers import truncated_svd
@@ -128,7 +128,7 @@ def smallest_rank(errors: torch.Tensor, tolerance: float) -> int:
 
 def _in_position_order(index: torch.Tensor, fit: Fit) -> tuple[torch.Tensor, Fit]:
     order = index.argsort(dim=-1)
-    values = torch.gather(fit.values, 2, order[..., None].expand_as(fit.values))
+    values = gather_entries(fit.values, order)
     return torch.gather(index, -1, order), Fit(values, torch.gather(fit.bias, -1, order))
 
 
