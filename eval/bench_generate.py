@@ -90,8 +90,9 @@ def measure(model, name: str, make_cache, prefix, tokens, reference_logits) -> t
         "fill_s": fill_seconds,
         "fill_peak_rss_growth": build.peak_bytes,
         "peak_rss_growth": growth,
+        # the calibration's loaded heads are walked: stats() counts them (a calibration shared by several caches
+        # in one process, as here, is counted by each)
         "walk_bytes": walk_held_bytes(cache, skip=[getattr(cache, "model_config", None),
-                                                   getattr(cache, "calibration", None),
                                                    _calibrated_predictor(cache)]),
     }
     if isinstance(cache, CompressedCache):
