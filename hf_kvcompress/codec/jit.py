@@ -40,6 +40,15 @@ _U = np.uint64
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
+def _element_params(pi, tid_a, cp_a, cn_a, sg_a, coff, size_a, half_a):
+    """Compact entry ``pi``'s coding parameters, as both loops use them: table, its offset in ``cum``, size,
+    half, the two key offsets and whether the symbol order is flipped."""
+    t = np.int64(tid_a[_U(pi)])
+    return (t, np.int64(coff[_U(t)]), np.int64(size_a[_U(t)]), np.int64(half_a[_U(t)]), np.int64(cp_a[_U(pi)]),
+            np.int64(cn_a[_U(pi)]), sg_a[_U(pi)] <= 0)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
 def _fmix64(h):
     h ^= h >> np.uint64(33)
     h *= np.uint64(0xFF51AFD7ED558CCD)
@@ -141,7 +150,7 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, run, p_row, tid_a, cp_a,
         pos = cap
         base = p_row[s]
         pi = np.int64(-1)  # the compact index whose parameters are loaded (none yet)
-        t = size = half = cpv = cnv = c0 = np.int64(0)
+        size = half = cpv = cnv = c0 = np.int64(0)
         flip = False
         for r in range((n + lanes - 1) // lanes - 1, -1, -1):
             i0 = r * lanes
@@ -159,13 +168,8 @@ def encode_streams(bits, n, lanes_log2, raw_bits, pidx, run, p_row, tid_a, cp_a,
                         key = pat + z if pat < z else (2 * z - 1) - pat
                         if not per_round or pi != want:  # the element's (per round: the round's) parameters
                             pi = want if per_round else base + (i if ident else np.int64(pidx[_U(i)]))
-                            t = np.int64(tid_a[_U(pi)])
-                            size = np.int64(size_a[_U(t)])
-                            half = np.int64(half_a[_U(t)])
-                            cpv = np.int64(cp_a[_U(pi)])
-                            cnv = np.int64(cn_a[_U(pi)])
-                            c0 = coff[_U(t)]
-                            flip = sg_a[_U(pi)] <= 0
+                            _, c0, size, half, cpv, cnv, flip = _element_params(pi, tid_a, cp_a, cn_a, sg_a, coff,
+                                                                                size_a, half_a)
                         s0 = key - (cpv if key >= z else cnv)
                         if (s0 >= 0) and (s0 < size) and ((key < cnv + half) or (key >= cpv + half)):
                             sym = size - 1 - s0 if flip else s0
@@ -272,14 +276,9 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run
                 if (escaped >> np.uint64(i - i0)) & np.uint64(1) == 0:
                     if not per_round or pi != want:  # the element's (per round: the round's) parameters
                         pi = want if per_round else base + (i if ident else np.int64(pidx[_U(i)]))
-                        t = np.int64(tid_a[_U(pi)])
-                        c0 = coff[_U(t)]
+                        t, c0, size, half, cpv, cnv, flip = _element_params(pi, tid_a, cp_a, cn_a, sg_a, coff,
+                                                                            size_a, half_a)
                         l0 = t * lut_stride
-                        size = np.int64(size_a[_U(t)])
-                        half = np.int64(half_a[_U(t)])
-                        flip = sg_a[_U(pi)] <= 0
-                        cpv = np.int64(cp_a[_U(pi)])
-                        cnv = np.int64(cn_a[_U(pi)])
                     sym = _find(cum, c0, lut, l0, slot_i)
                     start = np.int64(cum[_U(c0 + sym)])
                     f = np.int64(cum[_U(c0 + sym + 1)]) - start
