@@ -14,13 +14,22 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, decode_batch, encode, encode_batch
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
-from ..predictors.base import BlockInputs, ExtrasSource, LayerValues, Predictor, stream_order
+from ..predictors.base import (
+    BlockInputs,
+    ExtrasSource,
+    LayerValues,
+    Predictor,
+    PredictorSession,
+    stream_order,
+)
 from .pool import DecodedPool, flat_values, values_tensors
 
 # The per-stream std scale, in quarter octaves (std * 2^(s/4)), one byte per stream: a format constant (saved files
@@ -229,8 +238,42 @@ class LosslessContext:
             out.append((values.keys.to(block.device), values.values.to(block.device)))
         return out
 
-    def _decode_together(self, blocks: list[CodedBlock]) -> list[LayerValues] | None:
-        """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not).
+    def read_into(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`Storage.read_into`. When ``keys`` / ``values`` are CPU views of one buffer (as the layer hands them),
+        adjacent blocks that are not held decoded go to `_decode_together` with their place in it: blocks the
+        predictor predicts in one batch decode straight there, other independent ones are copied there once.
+        Everything else is read as by `read_all` and copied."""
+        at, direct = [], [False] * len(blocks)
+        position = 0
+        for block in blocks:
+            at.append(position)
+            position += block.entries
+        runs: list[list[int]] = []  # same-shaped blocks not held decoded, in runs of adjacent positions
+        for i, block in enumerate(blocks):
+            if not isinstance(block, CodedBlock) or self.depth != 0 or self._held(block) is not None:
+                continue
+            if runs and runs[-1][-1] == i - 1 and _same_shape(blocks[i - 1], block):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            into = _destination(keys, values, at[run[0]], len(run), blocks[run[0]])
+            if into is None:
+                continue
+            with one_thread():
+                if self._decode_together([blocks[i] for i in run], into=into) is not None:
+                    for i in run:
+                        direct[i] = True
+        rest = [i for i in range(len(blocks)) if not direct[i]]
+        if rest:
+            for i, (k, v) in zip(rest, self.read_all([blocks[i] for i in rest])):
+                n = k.shape[-2]
+                keys[..., at[i] : at[i] + n, :].copy_(k)
+                values[..., at[i] : at[i] + n, :].copy_(v)
+
+    def _decode_together(self, blocks: list[CodedBlock], into: torch.Tensor | None = None) -> list[LayerValues] | None:
+        """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not),
+        also into ``into`` when given (`_destination`): in place when the predictor predicted them in one batch.
 
         When the predictor reads no layer below (``depth == 0``: its sessions never look at decoded values),
         the blocks decode into tensors on their own device: on a CUDA model with Triton the codec's decoder
@@ -239,20 +282,13 @@ class LosslessContext:
         first = blocks[0]
         device = first.device if self.depth == 0 else torch.device("cpu")
         batch, heads, tokens, dim = len(first.rows), first.heads, first.tokens, first.dim
-        sessions, means, stds, blobs = [], [], [], []
-        for block in blocks:
-            side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
-            session = self.predictor.session(self._inputs(block.layer, block.start, tokens, batch, side))
-            if not session.independent:
-                return None
-            mean, std = session.predict_all(heads)  # [2 * heads, batch, tokens or 1, dim]
-            # [2 * heads, batch]: the same float32 factors as `scale_factor` gives the encoder
-            factors = torch.tensor([[scale_factor(c) for c in row.scales] for row in block.rows], dtype=torch.float32).T
-            sessions.append(session)
-            means.append(mean.transpose(-1, -2))
-            stds.append(std.transpose(-1, -2) * factors[..., None, None])
-            blobs.append([row.blobs[index] for index in range(2 * heads) for row in block.rows])
+        predicted = self._predict_together(blocks)
+        if predicted is None:
+            return None
+        sessions, means, stds = predicted
         config = self.codec_for(first.layer)
+        if into is not None and sessions is None and config.coder == "lanes":
+            return self._decode_in_place(blocks, means, stds, config, into)
         # one codec call per shape of statistics (per-channel or per-element means: a self-fitting predictor
         # gives both kinds in one layer), each in the shapes the encoder had
         shapes: dict[tuple, list[int]] = {}
@@ -261,12 +297,16 @@ class LosslessContext:
         decoded: list[torch.Tensor | None] = [None] * len(blocks)
         try:
             for members in shapes.values():
-                mean = torch.stack([means[i] for i in members]).flatten(0, 2)  # blob order: block, stream, row
-                std = torch.stack([stds[i] for i in members]).flatten(0, 2)
-                group_blobs = [blob for i in members for blob in blobs[i]]
+                if len(members) == len(blocks) and isinstance(means, torch.Tensor):  # predicted as one batch
+                    mean, std = means.flatten(0, 2), stds.flatten(0, 2)  # blob order: block, stream, row
+                else:
+                    mean = torch.stack([means[i] for i in members]).flatten(0, 2)
+                    std = torch.stack([stds[i] for i in members]).flatten(0, 2)
+                group_blobs = [row.blobs[index] for i in members for index in range(2 * heads)
+                               for row in blocks[i].rows]
                 if config.coder == "lanes":
                     out = torch.empty((len(group_blobs), dim, tokens), dtype=first.dtype, device=device)
-                    verify = [not blocks[i].verified for i in members for _ in blobs[i]]
+                    verify = [not blocks[i].verified for i in members for _ in range(2 * heads * batch)]
                     x = decode_batch(group_blobs, mean, std, config, out=out, threads=self.workers, verify=verify)
                 else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
                     shape = (dim, tokens)
@@ -284,14 +324,75 @@ class LosslessContext:
         x = x if len(shapes) == 1 else torch.stack(decoded)
         # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
         x = x.view(len(blocks), 2, heads, batch, dim, tokens).permute(0, 1, 3, 2, 5, 4).contiguous()
+        if into is not None:  # sessions keep what `finish` gets, so they get x, and the destination a copy
+            into.copy_(x.permute(0, 1, 3, 2, 5, 4))
         out = []
-        for i, (block, session) in enumerate(zip(blocks, sessions)):
-            values = session.finish(x[i, 0], x[i, 1])
+        for i, block in enumerate(blocks):
+            if sessions is None:  # PlainSession.finish of a block with nothing below
+                values = LayerValues(x[i, 0], x[i, 1], torch.ones(batch, tokens))
+            else:
+                values = sessions[i].finish(x[i, 0], x[i, 1])
             block.verified = True
             self.decodes += 1
             self._keep(block, values)
             out.append(values)
         return out
+
+    def _decode_in_place(self, blocks: list[CodedBlock], means: torch.Tensor, stds: torch.Tensor,
+                         config: CodecConfig, into: torch.Tensor) -> list[LayerValues]:
+        """Blocks predicted in one batch, decoded in one codec call into ``into`` (`_destination`)."""
+        first = blocks[0]
+        blobs = [row.blobs[index] for block in blocks for index in range(2 * first.heads) for row in block.rows]
+        verify = [not block.verified for block in blocks for _ in range(2 * first.heads * len(first.rows))]
+        try:
+            decode_batch(blobs, means.flatten(0, 2), stds.flatten(0, 2), config, out=into, threads=self.workers,
+                         verify=verify)
+        except ParameterMismatchError as err:
+            raise PredictorMismatchError(
+                f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
+                f"blocks were encoded with: {err}"
+            ) from err
+        out = []
+        for i, block in enumerate(blocks):
+            # [heads, rows, dim, tokens] views -> [rows, heads, tokens, dim]; the pool copies what it keeps
+            values = LayerValues(into[i, 0].permute(1, 0, 3, 2), into[i, 1].permute(1, 0, 3, 2),
+                                 torch.ones(len(first.rows), first.tokens))
+            block.verified = True
+            self.decodes += 1
+            self._keep(block, values)
+            out.append(values)
+        return out
+
+    def _predict_together(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, Any, Any] | None:
+        """Sessions, means and stds (``[2 * heads, batch, dim, 1 or tokens]`` per block, the std scaled by the
+        block's per-stream codes) of blocks decoded together, or None if a session is not independent. A
+        predictor with a batched form (`Predictor.predict_blocks`) predicts them all at once: sessions None,
+        means and stds one ``[blocks, ...]`` tensor each."""
+        first = blocks[0]
+        batch, heads, tokens = len(first.rows), first.heads, first.tokens
+        # [blocks, 2 * heads, batch]: the same float32 factors as `scale_factor` gives the encoder
+        codes = np.array([[row.scales for row in block.rows] for block in blocks], dtype=np.int64)
+        factors = torch.from_numpy(_SCALE_FACTORS[codes - SCALE_MIN]).transpose(1, 2)[..., None, None]
+        for block in blocks:
+            self._catch_up(block.layer, block.start)
+        if self.extras_source is None and self.depth == 0:
+            side = {name: torch.stack([row.side[name] for block in blocks for row in block.rows])
+                    for name in first.rows[0].side}
+            batched = self.predictor.predict_blocks(side, len(blocks), heads)
+            if batched is not None:
+                mean, std = batched
+                return None, mean.transpose(-1, -2), std.transpose(-1, -2) * factors
+        sessions, means, stds = [], [], []
+        for i, block in enumerate(blocks):
+            side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
+            session = self.predictor.session(self._inputs(block.layer, block.start, tokens, batch, side))
+            if not session.independent:
+                return None
+            mean, std = session.predict_all(heads)  # [2 * heads, batch, tokens or 1, dim]
+            sessions.append(session)
+            means.append(mean.transpose(-1, -2))
+            stds.append(std.transpose(-1, -2) * factors[i])
+        return sessions, means, stds
 
     def _held(self, block: Block) -> LayerValues | None:
         found = self.pool.get(block)
@@ -479,9 +580,39 @@ class CodedStorage(Storage):
     def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.context.read_all(blocks)
 
+    def read_into(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.context.read_into(blocks, keys, values)
+
+
+def _same_shape(a: CodedBlock, b: CodedBlock) -> bool:
+    return (a.tokens, len(a.rows), a.heads, a.dim, a.dtype) == (b.tokens, len(b.rows), b.heads, b.dim, b.dtype)
+
+
+def _destination(keys: torch.Tensor, values: torch.Tensor, start: int, count: int,
+                 block: CodedBlock) -> torch.Tensor | None:
+    """``count`` blocks shaped like ``block`` at entries ``start..`` of ``keys`` / ``values`` as one
+    ``[blocks, k/v, heads, rows, dim, tokens]`` view, the order of a block's streams in a codec call; None
+    unless keys and values are CPU views of one buffer, values after keys, in the block's dtype."""
+    if keys.device.type != "cpu" or keys.dtype != block.dtype or values.dtype != block.dtype:
+        return None
+    if keys.untyped_storage().data_ptr() != values.untyped_storage().data_ptr() or keys.stride() != values.stride():
+        return None
+    offset = values.storage_offset() - keys.storage_offset()
+    rows, heads, _, dim = keys.shape
+    if offset <= 0 or (rows, heads, dim) != (len(block.rows), block.heads, block.dim):
+        return None
+    s_row, s_head, s_token, s_dim = keys.stride()
+    return torch.as_strided(keys, (count, 2, heads, rows, dim, block.tokens),
+                            (block.tokens * s_token, offset, s_head, s_row, s_dim, s_token),
+                            keys.storage_offset() + start * s_token)
+
 
 def scale_factor(code: int) -> float:
     return math.pow(2.0, code / 4.0)
+
+
+# every code's factor as the float32 the encoder multiplies by (`scale_factor` rounded to float32)
+_SCALE_FACTORS = np.array([scale_factor(code) for code in range(SCALE_MIN, SCALE_MAX + 1)], dtype=np.float32)
 
 
 def choose_scale(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> int:

@@ -447,7 +447,9 @@ def decode_batch(
 ) -> torch.Tensor:
     """Inverse of `encode_batch`: ``[N, ...]`` from N lanes streams of one shape and dtype, decoded in one
     compiled call (GIL released; ``threads`` > 1 splits the streams over that many threads), into ``out``
-    (a contiguous tensor of that shape and dtype, on any device) when given. ``mean`` / ``std`` as for
+    when given: a tensor of that dtype and shape, or ``[*lead, *shape]`` with the N streams in row-major order of
+    ``lead``, on any device, with any strides that do not overlap (a CPU view is written in place: a cache
+    decodes its blocks straight into the tensors attention reads). ``mean`` / ``std`` as for
     `encode_batch`, checked per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for
     any stream that cannot decode exactly.
 

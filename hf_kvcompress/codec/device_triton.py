@@ -28,6 +28,7 @@ from .lanes import (
     _pidx,
     bits_view,
     check_out,
+    copy_into,
     lane_tables,
     phat_tables,
     prepare_decode,
@@ -484,11 +485,12 @@ def decode_batch_triton(blobs, mean, std, cfg: CodecConfig, device: str | torch.
     )
     err = np.where(ok.cpu().numpy() == 1, jit.OK, jit.ERR_WORDS_LEFT).astype(np.int32)
     raise_errors(err)
-    host = out if out is not None and out.device.type == "cpu" else torch.empty(xshape, dtype=fmt.dtype)
+    host = out if out is not None and out.device.type == "cpu" and out.is_contiguous() else torch.empty(
+        xshape, dtype=fmt.dtype)
     jit.finish_streams(keys.cpu().numpy(), bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m,
                        fmt.pattern_bits, fmt.raw_bits, fmt.zero_key, bt.checks, mask, bits_view(host, n_streams, m), err, 0,
                        n_streams)
     raise_errors(err)
     if out is None:
         return host.to(dev)
-    return out if out is host else out.copy_(host)
+    return out if out is host else copy_into(out, host)

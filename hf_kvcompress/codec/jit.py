@@ -101,6 +101,64 @@ def fingerprints(mean_bits, mean_rows, mean_shape, std_bits, std_rows, std_shape
         out[i] = np.uint32(_fmix64(h) & np.uint64(0xFFFFFFFF))
 
 
+def _crc_table() -> np.ndarray:
+    """zlib's CRC-32 (reflected polynomial 0xEDB88320) byte table."""
+    table = np.empty(256, dtype=np.uint32)
+    for b in range(256):
+        c = b
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        table[b] = c
+    return table
+
+
+CRC_TABLE = _crc_table()
+
+
+@_jit
+def check_headers(buf8, hstart, sizes, like, lanes_bits, max_lanes_log2, sigma_at, sigma_min, sigma_max, crc_table,
+                  lanes_log2, sigma, digest, fp, check):
+    """Fast path of the header parse for a batch whose streams share the first stream's header layout: stream
+    ``s``'s header (``like.size + 16`` bytes from ``buf8[hstart[s]]``) must equal ``like`` (the first
+    header's bytes before its digest) except in the flags byte's lane bits, carry a lane count up to
+    ``2^max_lanes_log2`` and, where ``sigma_at`` >= 0, a sigma code within bounds there, and pass its CRC-32.
+    Fills the per-stream fields; returns the first stream that does not (-1: all do), which the caller
+    parses the slow way for its exact error. See `lanes.parse_header` for the layout."""
+    n_like = like.size
+    for s in range(hstart.size):
+        h = hstart[s]
+        if sizes[s] < n_like + 16:
+            return s
+        for k in range(n_like):
+            b = buf8[h + k]
+            if k == 3:  # flags: the lane bits may differ
+                if (b & ~lanes_bits) != (like[k] & ~lanes_bits) or (b & lanes_bits) >> 4 > max_lanes_log2:
+                    return s
+            elif (sigma_at < 0 or k < sigma_at or k >= sigma_at + 2) and b != like[k]:  # the sigma code may differ
+                return s
+        if sigma_at >= 0:
+            code = np.int64(buf8[h + sigma_at]) | (np.int64(buf8[h + sigma_at + 1]) << 8)
+            if code < sigma_min or code > sigma_max:
+                return s
+            sigma[s] = code
+        crc = np.uint32(0xFFFFFFFF)
+        for k in range(n_like + 12):
+            crc = crc_table[(crc ^ np.uint32(buf8[h + k])) & np.uint32(0xFF)] ^ (crc >> np.uint32(8))
+        if crc ^ np.uint32(0xFFFFFFFF) != _u32le(buf8, h + n_like + 12):
+            return s
+        lanes_log2[s] = (buf8[h + 3] & lanes_bits) >> 4
+        digest[s] = _u32le(buf8, h + n_like)
+        fp[s] = _u32le(buf8, h + n_like + 4)
+        check[s] = _u32le(buf8, h + n_like + 8)
+    return -1
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _u32le(buf8, a):
+    return (np.uint32(buf8[a]) | (np.uint32(buf8[a + 1]) << np.uint32(8)) | (np.uint32(buf8[a + 2]) << np.uint32(16))
+            | (np.uint32(buf8[a + 3]) << np.uint32(24)))
+
+
 @nb.njit(cache=True, nogil=True, inline="always")
 def _find(cum, c0, lut, l0, slot):
     """Symbol whose [cum[s], cum[s+1]) holds ``slot``: the bucket narrows it to [lut[b], lut[b+1]]; up to eight
@@ -214,10 +272,13 @@ def _refill(x, pos, last, buf32):
 @_jit
 def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run, p_row, tid_a, cp_a, cn_a, sg_a,
                    cum, coff, size_a, half_a, lut, pcum, plut, esc_freq, zero_key, pattern_bits, raw_bits,
-                   checks, verify, out, err, s_lo, s_hi):
+                   checks, verify, out, obase, orun, ohi, olo, err, s_lo, s_hi):
     """Decode streams ``s_lo..s_hi-1`` (``lanes_log2[s]`` lanes each): words ``buf32[wstart[s] :
-    wstart[s] + wcount[s]]``, raw low bits from byte ``rstart[s]`` of ``buf8`` (the same buffer), into
-    ``out[s, :n]`` (full bit patterns); ``err[s]`` gets an error code (0: ok, every word consumed, every
+    wstart[s] + wcount[s]]``, raw low bits from byte ``rstart[s]`` of ``buf8`` (the same buffer), into the
+    flat ``out`` (full bit patterns): element ``i`` of stream ``s`` at ``obase[s] + (i // orun) * ohi +
+    (i % orun) * olo`` (a strided destination: a cache writes its blocks straight into the tensor attention
+    reads; a stream that is not one contiguous run of ``out`` is decoded into a scratch buffer, then stored run by
+    run: strided stores inside the decode loop measured 10 % slower); ``err[s]`` gets an error code (0: ok, every word consumed, every
     lane back at its initial state, decoded values inside the dtype, and where ``verify[s]`` is set the check
     of words and decoded bits equal to ``checks[s]``: two serial hash chains, ~10 % of the decode, that a
     caller skips only for streams it already decoded with the check, whose bytes cannot have changed).
@@ -235,6 +296,8 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run
     ident = pidx.size == 0
     n_pat = np.int64(1) << pattern_bits
     lut_stride = (1 << LUT_BITS) + 1
+    direct = olo == 1 and (ohi == orun or n <= orun)  # every stream one contiguous run of out
+    scratch = np.empty(0 if direct else n, dtype=out.dtype)
     for s in range(s_lo, s_hi):
         w0 = wstart[s]
         nw = wcount[s]
@@ -255,6 +318,8 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run
         pi = np.int64(-1)  # the compact index whose parameters are loaded (none yet)
         t = c0 = l0 = size = half = cpv = cnv = np.int64(0)
         flip = False
+        dst = out if direct else scratch
+        d0 = obase[s] if direct else np.int64(0)
         for r in range((n + lanes - 1) // lanes):
             i0 = r * lanes
             i1 = min(n, i0 + lanes)
@@ -297,7 +362,7 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run
                 v = _value(key, i, z, r0, buf8, raw_bits)
                 if check:
                     h2 = (h2 ^ np.uint64(v)) * np.uint64(_FNV)
-                out[_U(s), _U(i)] = v
+                dst[_U(d0 + i)] = v
             if code != OK:
                 break
             if pos > last + 1:
@@ -313,6 +378,12 @@ def decode_streams(buf8, buf32, wstart, wcount, rstart, n, lanes_log2, pidx, run
                         break
         if code == OK and check and _stream_check(buf32, w0, nw, h2) != checks[s]:
             code = ERR_HASH
+        if code == OK and not direct:  # run by run into the destination, its stores in address order
+            runs = n // orun
+            for lo in range(orun):
+                a = obase[s] + lo * olo
+                for hi in range(runs):
+                    out[_U(a + hi * ohi)] = scratch[_U(hi * orun + lo)]
         err[s] = code
 
 

@@ -441,21 +441,16 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: boo
     n_streams = len(blobs)
     if n_streams == 0:
         raise ValueError("codec.decode_batch: no streams given (the output shape would be unknown)")
-    heads = []
     for i, b in enumerate(blobs):
         if not isinstance(b, (bytes, bytearray, memoryview)):
             raise TypeError(f"codec: blobs[{i}] must be bytes, got {type(b).__name__}")
-        heads.append(parse_header(bytes(b) if not isinstance(b, bytes) else b))
-    h0 = heads[0]
-    for i, h in enumerate(heads):
-        if (h.fmt, h.shape, h.has_mean, h.has_std) != (h0.fmt, h0.shape, h0.has_mean, h0.has_std):
-            raise ValueError(
-                f"codec.decode_batch: stream {i} holds {h.fmt.name} {h.shape} (mean {h.has_mean}, std "
-                f"{h.has_std}), stream 0 {h0.fmt.name} {h0.shape}; a batch needs one shape, dtype and stats"
-            )
+    sizes = np.fromiter(map(len, blobs), dtype=np.int64, count=n_streams)
+    h0 = parse_header(bytes(blobs[0]))
+    hd = _headers_like_first(blobs, sizes, h0)
+    if hd is None:  # a header differs from the first's layout or fails a check: parse each for the exact error
+        hd = _headers_one_by_one(blobs, sizes)
     fmt, shape = h0.fmt, h0.shape
-    want_digest = lanes_digest(cfg)
-    if any(h.digest != want_digest for h in heads):
+    if (hd.digest != lanes_digest(cfg)).any():
         raise CorruptStreamError(
             "lanes codec stream was written with other codec tables, marginal or CodecConfig than the config "
             "passed to decode (digest mismatch); pass the encoder's config"
@@ -468,12 +463,10 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: boo
     xshape = (n_streams, *shape)
     m = math.prod(shape)
     nraw = raw_padded_nbytes(m, fmt) if fmt.raw_bits else 0
-    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
-    data = np.array([h.data_start for h in heads], dtype=np.int64)
-    wbytes = sizes - data - nraw
+    wbytes = sizes - hd.data - nraw
     if (wbytes < 0).any() or (wbytes % 4).any():
         i = int(np.flatnonzero((wbytes < 0) | (wbytes % 4 != 0))[0])
-        raise _corrupt(f"stream {i}: payload of {int(sizes[i] - data[i])} bytes does not fit its raw bits")
+        raise _corrupt(f"stream {i}: payload of {int(sizes[i] - hd.data[i])} bytes does not fit its raw bits")
     # before allocating: each element carries at least the information of a valid escape flag, so a
     # stream of w words cannot hold more than 32 w / that many elements (a corrupt shape fails here)
     cap = 32 * (int(wbytes.min()) // 4 + 1) / -math.log2(1.0 - min(cfg.escape) / 65536.0)
@@ -488,33 +481,90 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: boo
         ) from None
     sigma_bits = None
     if std32 is None:
-        sigma_bits = sigma_bits_of_code(np.array([h.sigma for h in heads], dtype=np.int64)).astype(np.uint32)
+        sigma_bits = sigma_bits_of_code(hd.sigma).astype(np.uint32)
     st = prepare_stats(shape, n_streams, mean32, std32, sigma_bits, fmt, cfg.mean_steps, threads, params)
-    bad = [i for i, h in enumerate(heads) if h.fp != int(st.fps[i])]
-    if bad:
+    bad = np.flatnonzero(hd.fp != st.fps)
+    if bad.size:
         raise ParameterMismatchError(
             f"the mean or std passed to decode differs from the one used to encode (fingerprint mismatch in "
-            f"stream {bad[0]}); decoding would produce garbage"
+            f"stream {int(bad[0])}); decoding would produce garbage"
         )
-    # one buffer, each stream's words 4-byte aligned (pads before each blob), read as u32 and as bytes
-    parts = []
-    wstart = np.empty(n_streams, dtype=np.int64)
-    pos = 0
-    for i, b in enumerate(blobs):
-        pad = -(pos + int(data[i])) % 4
-        parts.append(_PADS[pad])
-        parts.append(b)
-        wstart[i] = pos + pad + int(data[i])
-        pos += pad + int(sizes[i])
-    parts.append(_PADS[-pos % 4])
-    buf8 = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    buf8, wstart = hd.buf8, hd.start + hd.data
     buf32 = buf8.view("<u4")
     wcount = wbytes // 4
     rstart = wstart + wbytes
     wstart //= 4
-    lanes = np.array([h.lanes_log2 for h in heads], dtype=np.int64)
-    checks = np.array([h.check for h in heads], dtype=np.uint32)
-    return Batch(fmt, shape, m, st, buf8, buf32, wstart, wcount, rstart, lanes, checks)
+    return Batch(fmt, shape, m, st, buf8, buf32, wstart, wcount, rstart, hd.lanes, hd.check)
+
+
+class Headers(NamedTuple):
+    """The streams of one batch joined in one buffer (``start[s]``: offset of stream ``s``; its words 4-byte
+    aligned at ``start[s] + data[s]``) and their header fields, one array each."""
+
+    buf8: np.ndarray
+    start: np.ndarray  # int64
+    data: np.ndarray  # int64: header length
+    lanes: np.ndarray  # int64: log2 of the lane count
+    sigma: np.ndarray  # int64
+    digest: np.ndarray  # uint32
+    fp: np.ndarray  # uint32
+    check: np.ndarray  # uint32
+
+
+def _join(blobs, sizes: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every blob in one byte buffer, zero pads before each so that its words (at ``data`` bytes) are 4-byte
+    aligned, and a pad after the last so the buffer reads as u32: (buffer, start of each blob)."""
+    # blob i starts 4-aligned minus data[i]; so blob i - 1 ends at size - data of it (mod 4), and the pad between
+    # them only depends on the two headers' lengths and the earlier blob's size
+    pads = np.empty(sizes.size, dtype=np.int64)
+    pads[0] = -data[0] % 4
+    pads[1:] = -(sizes[:-1] - data[:-1] + data[1:]) % 4
+    ends = np.cumsum(pads + sizes)
+    start = ends - sizes
+    parts: list = [None] * (2 * sizes.size + 1)
+    parts[0:-1:2] = [_PADS[p] for p in pads.tolist()]
+    parts[1::2] = blobs
+    parts[-1] = _PADS[-int(ends[-1]) % 4]
+    return np.frombuffer(b"".join(parts), dtype=np.uint8), start
+
+
+def _headers_like_first(blobs, sizes: np.ndarray, h0: Parsed) -> Headers | None:
+    """`Headers` when every stream's header has the first one's layout (the usual batch: one shape, dtype and
+    statistics), checked in one compiled pass (`jit.check_headers`); None if any header is not like it."""
+    n = sizes.size
+    data = np.full(n, h0.data_start, dtype=np.int64)
+    buf8, start = _join(blobs, sizes, data)
+    like = buf8[start[0] : start[0] + h0.data_start - 16].copy()
+    sigma_at = -1 if h0.has_std else h0.data_start - 18
+    lanes = np.empty(n, dtype=np.int64)
+    sigma = np.zeros(n, dtype=np.int64)
+    digest, fp, check = (np.empty(n, dtype=np.uint32) for _ in range(3))
+    bad = jit.check_headers(buf8, start, sizes, like, 0x70, MAX_LANES_LOG2, sigma_at, SIGMA_CODE_MIN, SIGMA_CODE_MAX,
+                            jit.CRC_TABLE, lanes, sigma, digest, fp, check)
+    if bad >= 0:
+        return None
+    return Headers(buf8, start, data, lanes, sigma, digest, fp, check)
+
+
+def _headers_one_by_one(blobs, sizes: np.ndarray) -> Headers:
+    """`Headers` from parsing every header on its own: raises the error of the first bad one."""
+    heads = [parse_header(bytes(b)) for b in blobs]
+    h0 = heads[0]
+    for i, h in enumerate(heads):
+        if (h.fmt, h.shape, h.has_mean, h.has_std) != (h0.fmt, h0.shape, h0.has_mean, h0.has_std):
+            raise ValueError(
+                f"codec.decode_batch: stream {i} holds {h.fmt.name} {h.shape} (mean {h.has_mean}, std "
+                f"{h.has_std}), stream 0 {h0.fmt.name} {h0.shape}; a batch needs one shape, dtype and stats"
+            )
+    data = np.array([h.data_start for h in heads], dtype=np.int64)
+    buf8, start = _join(blobs, sizes, data)
+    fields = {name: np.array([getattr(h, name) for h in heads], dtype=dtype)
+              for name, dtype in (("lanes_log2", np.int64), ("sigma", np.int64), ("digest", np.uint32),
+                                  ("fp", np.uint32), ("check", np.uint32))}
+    return Headers(buf8, start, data, fields["lanes_log2"], fields["sigma"], fields["digest"], fields["fp"],
+                   fields["check"])
+
+
 
 
 def verify_mask(verify, n_streams: int) -> np.ndarray:
@@ -536,30 +586,86 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     n_streams = bt.wstart.size
     xshape = (n_streams, *bt.shape)
     check_out(out, fmt, xshape)
-    host = out if out is not None and out.device.type == "cpu" else torch.empty(xshape, dtype=fmt.dtype)
-    ov = bits_view(host, n_streams, m)
+    layout = out_layout(out, bt.shape) if out is not None and out.device.type == "cpu" else None
+    host = out if layout is not None else torch.empty(xshape, dtype=fmt.dtype)
+    if layout is None:
+        layout = out_layout(host, bt.shape)
+        assert layout is not None  # a contiguous tensor folds
+    flat, obase, orun, ohi, olo = layout
     err = np.zeros(n_streams, dtype=np.int32)
     tab = lane_tables()
     pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
     args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.run, st.p_row, st.tid, st.cp,
             st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut, _escape_freq(cfg, m),
-            fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, verify_mask(verify, n_streams), ov, err)
+            fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, verify_mask(verify, n_streams), flat, obase, orun,
+            ohi, olo, err)
     _run(jit.decode_streams, args, n_streams, threads)
     raise_errors(err)
     if out is not None:
-        return out if out is host else out.copy_(host)
+        return out if out is host else copy_into(out, host)
     return host.to(device_of(mean, std))  # a CUDA mean / std's device, else the CPU
 
 
 def check_out(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...]) -> None:
-    """``decode_batch``'s ``out``: None, or a contiguous tensor of the streams' dtype and shape (any device)."""
+    """``decode_batch``'s ``out``: None, or a tensor of the streams' dtype, of shape ``xshape`` (``[N, *shape]``)
+    or ``[*lead, *shape]`` with the ``lead`` dims holding the N streams in row-major order; any device, any
+    strides whose elements do not overlap."""
     if out is None:
         return
-    if not isinstance(out, torch.Tensor) or out.dtype != fmt.dtype or tuple(out.shape) != xshape:
-        raise ValueError(f"codec.decode_batch: out must be a {fmt.dtype} tensor of shape {xshape}, got "
-                         f"{_describe(out)}")
-    if not out.is_contiguous():
-        raise ValueError("codec.decode_batch: out must be a contiguous tensor")
+    n_streams, shape = xshape[0], xshape[1:]
+    lead = out.dim() - len(shape) if isinstance(out, torch.Tensor) else 0
+    if (not isinstance(out, torch.Tensor) or out.dtype != fmt.dtype or lead < 1
+            or tuple(out.shape[lead:]) != shape or math.prod(out.shape[:lead]) != n_streams):
+        raise ValueError(f"codec.decode_batch: out must be a {fmt.dtype} tensor of shape {xshape} (or [*lead, "
+                         f"*{shape}] with {n_streams} streams in lead), got {_describe(out)}")
+    if _overlaps(out):
+        raise ValueError("codec.decode_batch: out's elements overlap (a broadcast or expanded view); pass a tensor "
+                         "that gives every element its own memory")
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` might share memory: its dims of size > 1, by stride, must each step over
+    everything the smaller ones span (a sufficient test; views cut from one tensor pass it)."""
+    span = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def out_layout(out: torch.Tensor, shape: tuple[int, ...]):
+    """Where the decode kernel writes a CPU ``out`` checked by `check_out`: (a flat writable bit view of the memory
+    it spans, each stream's first element in it, run, stride between runs, stride in a run), element ``i`` of a
+    stream at ``base + (i // run) * between + (i % run) * within``; None when a stream's dims do not fold into
+    two strides (the caller decodes into a contiguous tensor and copies)."""
+    lead = out.dim() - len(shape)
+    if out.numel() == 0:  # streams without elements: nothing to write
+        return bits_view(out.new_empty(0), 0, 0).reshape(0), np.zeros(math.prod(out.shape[:lead]), np.int64), 1, 0, 0
+    dims = [(size, stride) for size, stride in zip(out.shape[lead:], out.stride()[lead:]) if size != 1]
+    folded: list[tuple[int, int]] = []
+    for size, stride in dims:  # merge a dim into the one before when they step like one dim
+        if folded and folded[-1][1] == size * stride:
+            folded[-1] = (folded[-1][0] * size, stride)
+        else:
+            folded.append((size, stride))
+    if len(folded) > 2:
+        return None
+    folded = [(1, 0)] * (2 - len(folded)) + folded
+    (_, between), (run, within) = folded
+    base = np.zeros((), dtype=np.int64)
+    for size, stride in zip(out.shape[:lead], out.stride()[:lead]):
+        base = (base[..., None] + np.arange(size, dtype=np.int64) * stride)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(out.shape, out.stride()))
+    flat = torch.as_strided(out, (span,), (1,))
+    wide = out.dtype == torch.float32
+    bits = flat.view(torch.int32 if wide else torch.int16).numpy().view(np.uint32 if wide else np.uint16)
+    return bits, base.reshape(-1), max(1, run), between, within
+
+
+def copy_into(out: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``out`` (shape as `check_out` allows) filled with the ``[N, *shape]`` ``decoded``."""
+    return out.copy_(decoded.view(out.shape))
 
 
 def _describe(value) -> str:

@@ -88,9 +88,7 @@ class CompressedLayer(CacheLayerMixin):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        parts_k, parts_v = self._held_parts()
-        keys = torch.cat([*parts_k, key_states], dim=-2)
-        values = torch.cat([*parts_v, value_states], dim=-2)
+        keys, values = self._held_with(key_states, value_states)
         self.residual_keys = torch.cat([self.residual_keys, key_states], dim=-2)
         self.residual_values = torch.cat([self.residual_values, value_states], dim=-2)
         self.seen_tokens += key_states.shape[-2]
@@ -211,6 +209,32 @@ class CompressedLayer(CacheLayerMixin):
         }
 
     # ------------------------------------------------------------------ internals
+
+    def _held_with(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every held entry followed by the new states, as two new tensors (what `DynamicLayer`'s concatenation
+        gives): the storage writes the blocks into them (`Storage.read_into`), so a decoding storage needs no
+        copy of its own. Keys and values share one buffer when their shapes agree (one destination for a
+        codec call that decodes both)."""
+        held = sum(block.entries for block in self.blocks)
+        parts_k = [self.residual_keys, key_states]
+        parts_v = [self.residual_values, value_states]
+        tokens = held + sum(t.shape[-2] for t in parts_k)
+        k_shape = (*key_states.shape[:2], tokens, key_states.shape[3])
+        v_shape = (*value_states.shape[:2], tokens, value_states.shape[3])
+        if k_shape == v_shape:
+            both = key_states.new_empty((2, *k_shape))
+            keys, values = both[0], both[1]  # not unbind: autograd refuses in-place writes to its views
+        else:
+            keys, values = key_states.new_empty(k_shape), value_states.new_empty(v_shape)
+        if self.blocks:
+            self.storage.read_into(self.blocks, keys[..., :held, :], values[..., :held, :])
+        at = held
+        for k, v in zip(parts_k, parts_v):
+            n = k.shape[-2]
+            keys[..., at : at + n, :].copy_(k)
+            values[..., at : at + n, :].copy_(v)
+            at += n
+        return keys, values
 
     def _held_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keys, values = [], []

@@ -54,6 +54,17 @@ class Storage(ABC):
         """``block.read()`` of each block, in order (a storage may read a layer's blocks in one batch)."""
         return [block.read() for block in blocks]
 
+    def read_into(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The blocks' keys and values one after another along dim -2 of ``keys`` / ``values`` (``[batch,
+        kv_heads, entries of all blocks, head_dim]``, views of the tensors attention reads). This copies
+        `read_all`'s tensors; a storage that decodes may write there directly."""
+        at = 0
+        for k, v in self.read_all(blocks):
+            n = k.shape[-2]
+            keys[..., at : at + n, :].copy_(k)
+            values[..., at : at + n, :].copy_(v)
+            at += n
+
 
 class RawBlock(Block):
     """Plain tensors: what `DynamicCache` holds."""

@@ -159,6 +159,17 @@ class Predictor(ABC):
     #: in one call even when the sessions read the layer below
     independent_blocks: bool = False
 
+    def predict_blocks(self, side: dict[str, torch.Tensor], blocks: int,
+                       heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Mean and std of every stream of ``blocks`` same-shaped blocks of one layer in one call, for a
+        predictor whose sessions read nothing but their block's side data (no positions, layers below or
+        extras): ``side`` holds each side tensor of every block's rows, ``[blocks * batch, ...]`` (block-major);
+        the result is ``[blocks, 2 * heads, batch, 1 or tokens, head_dim]``, equal to each block's
+        `PredictorSession.predict_all`. None (the default): no batched form, the cache opens a session per
+        block. It saves the per-block Python of a decode step, and lets the blocks decode straight into the
+        tensors attention reads (docs/codec.md 12.5)."""
+        return None
+
     def history(self, layer: int, start: int) -> int | None:
         """For predictors fitted on the cache's own blocks: None when a block of ``layer`` at ``start`` can be
         coded now, else the start of the earlier block of ``layer`` it must see first (decoded, then

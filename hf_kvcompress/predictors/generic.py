@@ -33,11 +33,20 @@ class BlockStatsSession(PlainSession):
         return mean, std
 
     def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # [batch, 2, heads, dim] -> [2 * heads, batch, 1, dim]: one value per channel, broadcast over tokens
-        def streams(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(1, 2, 0, 3).reshape(2 * heads, t.shape[0], 1, t.shape[3])
+        mean, std = stream_stats(self.mean, self.std, 1, heads)
+        return mean[0], std[0]
 
-        return streams(self.mean), streams(self.std)
+
+def stream_stats(mean: torch.Tensor, std: torch.Tensor, blocks: int,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block statistics ``[blocks * batch, 2, heads, dim]`` (float32) as per-stream statistics ``[blocks,
+    2 * heads, batch, 1, dim]`` in `stream_order`: one value per channel, broadcast over tokens."""
+
+    def streams(t: torch.Tensor) -> torch.Tensor:
+        rows, dim = t.shape[0] // blocks, t.shape[3]
+        return t.view(blocks, rows, 2, heads, dim).permute(0, 2, 3, 1, 4).reshape(blocks, 2 * heads, rows, 1, dim)
+
+    return streams(mean), streams(std)
 
 
 def block_stats(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -66,3 +75,7 @@ class GenericPredictor(Predictor):
 
     def below_depth(self) -> int:
         return 0
+
+    def predict_blocks(self, side: dict[str, torch.Tensor], blocks: int,
+                       heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return stream_stats(side[BLOCK_MEAN].to(torch.float32), side[BLOCK_STD].to(torch.float32), blocks, heads)

@@ -199,7 +199,7 @@ def test_stream_hashes_are_checked_at_a_blocks_first_decode_only(predictor, monk
     kernel = jit.decode_streams
 
     def counted(*args):
-        verify, lo, hi = args[-5], args[-2], args[-1]  # ..., checks, verify, out, err, s_lo, s_hi
+        verify, lo, hi = args[-9], args[-2], args[-1]  # ..., checks, verify, out, obase, orun, ohi, olo, err, s_lo, s_hi
         calls.append((int(verify[lo:hi].sum()), hi - lo))
         return kernel(*args)
 
@@ -218,6 +218,54 @@ def test_stream_hashes_are_checked_at_a_blocks_first_decode_only(predictor, monk
         checked.append(sum(c for c, _ in calls))
     assert checked[0] == LAYERS * 3 * per_block  # the first decode of each block checks all its streams
     assert checked[1] == checked[2] == 0 and before == sealed_blocks(cache)  # later steps check none
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.0])
+def test_generic_blocks_decode_straight_into_the_attention_tensors(budget, monkeypatch):
+    """With `generic` (predicted in one batch per layer) every block a step decodes is written by the codec
+    straight into the keys / values the layer returns (`LosslessContext._decode_in_place`), one codec call per
+    layer, and the step's output equals DynamicCache's. Blocks held in the pool are copied there, and what the
+    pool keeps of an in-place decode is its own copy, never a view that pins the layer's buffer."""
+    from hf_kvcompress.cache import coded
+
+    in_place: list[int] = []
+    original = coded.LosslessContext._decode_in_place
+
+    def counted(self, blocks, *args):
+        in_place.append(len(blocks))
+        return original(self, blocks, *args)
+
+    monkeypatch.setattr(coded.LosslessContext, "_decode_in_place", counted)
+    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                               lossless={"predictor": "generic", "decoded_budget": budget, "workers": 1})
+    cache = CompressedCache(config, model=model6())
+    reference = DynamicCache()
+    ids = random_ids(1, 70, seed=3)
+    with torch.no_grad():
+        model6()(ids, cache=cache, use_cache=True)
+        model6()(ids, cache=reference, use_cache=True)
+    for i in range(3):
+        if i == 1:  # new blocks (as after a beam step): all of them decode, in place, and the pool takes them
+            cache.reorder_cache(torch.tensor([0]))
+            reference.reorder_cache(torch.tensor([0]))
+        in_place.clear()
+        decodes = cache.lossless.decodes
+        token = torch.tensor([[7 + i]])
+        with torch.no_grad():
+            ours = model6()(token, cache=cache, use_cache=True).logits
+            theirs = model6()(token, cache=reference, use_cache=True).logits
+        assert same_bits(ours, theirs)
+        assert sum(in_place) == cache.lossless.decodes - decodes  # every decode of the step, in place
+        assert len(in_place) <= LAYERS and ((budget == 1.0 and i != 1) or sum(in_place) > 0)
+        if budget == 1.0 and i == 1:
+            assert len(cache.lossless.pool.entries) >= sum(in_place)  # (and the blocks sealed this step)
+        for t in cache.lossless.decoded_tensors():  # each its own storage: no view of a layer's buffer
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        # within 1 % (stream scales count one byte each, the walk skips Python ints)
+        walked = walk_held_bytes(cache, skip=[cache.model_config, cache.lossless.predictor])
+        assert abs(cache.stats()["held_bytes"] - walked) <= 0.01 * walked
+    for layer, ref in zip(cache.kv_layers(), reference.layers):
+        assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
 
 
 def test_workers_default_is_every_available_core(monkeypatch):

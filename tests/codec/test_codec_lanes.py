@@ -197,6 +197,46 @@ def test_batch_equals_per_stream(dtype, kind):
     assert_bit_exact(out, x)
 
 
+def test_decode_into_strided_out():
+    """``decode_batch(out=...)`` into views (transposed, sliced, streams spread over lead dims, a stream shape
+    that does not fold into two strides): the same bits as a plain decode, and nothing outside the view written."""
+    x, offset, scale = realistic((1, 6, 16, 24), seed=3)
+    x, offset, scale = x[0], offset[0], scale[0]  # 6 streams of [16, 24]
+    blobs = codec.encode_batch(x, offset, scale, LANES)
+    want = codec.decode_batch(blobs, offset, scale, LANES)
+    assert_bit_exact(want, x)
+    sentinel = torch.tensor(-7.0, dtype=x.dtype)
+
+    def check(buffer: torch.Tensor, view: torch.Tensor, expect: torch.Tensor) -> None:
+        buffer.fill_(sentinel)
+        got = codec.decode_batch(blobs, offset, scale, LANES, out=view)
+        assert got is view
+        assert_bit_exact(view.reshape(expect.shape), expect)
+        mask = torch.ones(buffer.shape, dtype=torch.bool)
+        mask.as_strided(view.shape, view.stride(), view.storage_offset() - buffer.storage_offset()).fill_(False)
+        assert (buffer.view(torch.int16)[mask] == sentinel.view(torch.int16)).all()
+
+    # each stream transposed in a [6, 24, 16] buffer (element (c, t) of a stream at t * 16 + c)
+    buf = torch.empty(6, 24, 16, dtype=x.dtype)
+    check(buf, buf.transpose(1, 2), x)
+    # every other token of a wider buffer, and streams in a [2, 3] lead with gaps between them
+    buf = torch.empty(2, 4, 16, 50, dtype=x.dtype)
+    check(buf, buf[:, 1:, :, 1:49:2], x.view(2, 3, 16, 24))
+    # the layout a cache reads: [blocks, k/v, heads, rows, dim, tokens] over [k/v, rows, heads, tokens, dim]
+    buf = torch.empty(2, 1, 3, 40, 16, dtype=x.dtype)
+    view = buf[:, :, :, :24].permute(0, 2, 1, 4, 3)  # [k/v, heads, rows, dim, tokens]
+    check(buf, view, x.view(2, 3, 1, 16, 24))
+    # streams of [4, 4, 24] laid out so that their dims do not fold: decoded contiguous, then copied
+    x3 = x.view(6, 4, 4, 24)
+    blobs = codec.encode_batch(x3, offset.view(6, 1, 1, 24), scale.view(6, 1, 1, 24), LANES)
+    buf = torch.empty(6, 4, 8, 24, dtype=x.dtype)
+    view = buf[:, :, ::2].transpose(1, 2)
+    assert L.out_layout(view, (4, 4, 24)) is None
+    got = codec.decode_batch(blobs, offset.view(6, 1, 1, 24), scale.view(6, 1, 1, 24), LANES, out=view)
+    assert got is view
+    assert_bit_exact(view, x3)
+
+
 def test_rate_close_to_ans():
     """The same tables at the same precision: the lanes stream is within 0.02 bit/scalar of the ans one."""
     x, offset, scale = realistic((1, 2, 256, 64), seed=6)
@@ -272,8 +312,10 @@ def test_config_and_arguments_refused(batch):
         codec.decode_batch([*blobs[:3], codec.encode(x[0, :10], offset[0], scale[0], LANES)], offset, scale, LANES)
     with pytest.raises(ValueError, match="out"):
         codec.decode_batch(blobs, offset, scale, LANES, out=torch.empty(4, 64, 64))
+    with pytest.raises(ValueError, match="overlap"):
+        codec.decode_batch(blobs, offset, scale, LANES, out=torch.empty(1, 64, 64, dtype=torch.bfloat16).expand(4, 64, 64))
     with pytest.raises(ValueError, match="out"):
-        codec.decode_batch(blobs, offset, scale, LANES, out=torch.empty(4, 64, 128, dtype=torch.bfloat16)[..., ::2])
+        codec.decode_batch(blobs, offset, scale, LANES, out=torch.empty(3, 64, 64, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="dtype"):
         codec.encode_batch(x.to(torch.int32), None, None, LANES)
     with pytest.raises(ValueError, match="supports coder='ans'"):
@@ -322,6 +364,41 @@ def test_header_fields_are_guarded(batch):
             except CorruptStreamError:
                 continue
             assert_bit_exact(y, x[0])
+
+
+@pytest.mark.parametrize("with_std", [True, False], ids=["std", "sigma-code"])
+def test_batch_header_check_agrees_with_parsing_each(batch, with_std):
+    """The compiled header check of a batch (`jit.check_headers`) against parsing every header on its own: for
+    every bit of a later stream's header flipped, with and without its CRC recomputed, it either hands the
+    batch to the per-stream parse (which then raises, or finds a layout the check does not take) or gives
+    exactly the fields that parse gives."""
+    x, offset, _scale, blobs = batch
+    if not with_std:
+        blobs = codec.encode_batch(x, offset, None, LANES)
+    end = L.parse_header(blobs[2]).data_start
+    fast_count = 0
+    for bit in range(end * 8):
+        bad = bytearray(blobs[2])
+        bad[bit // 8] ^= 1 << (bit % 8)
+        for blob in (bytes(bad), reseal(bytes(bad))):
+            group = [blobs[0], blobs[1], blob, blobs[3]]
+            sizes = np.array([len(b) for b in group], dtype=np.int64)
+            fast = L._headers_like_first(group, sizes, L.parse_header(group[0]))
+            try:
+                slow = L._headers_one_by_one(group, sizes)
+            except (CorruptStreamError, ValueError):
+                assert fast is None
+                continue
+            if fast is not None:
+                fast_count += 1
+                for name, u, v in zip(L.Headers._fields, fast, slow):
+                    assert np.array_equal(u, v), name
+    assert fast_count > 0  # resealed flips of the digest, fp, check and lane bits stay on the fast path
+    sizes = np.array([len(b) for b in blobs], dtype=np.int64)
+    fast = L._headers_like_first(blobs, sizes, L.parse_header(blobs[0]))
+    assert fast is not None
+    for u, v in zip(fast, L._headers_one_by_one(blobs, sizes)):
+        assert np.array_equal(u, v)
 
 
 def test_huge_shape_claim_refused_before_allocating():
