@@ -241,7 +241,8 @@ class CompressedCache(Cache):
         raw = sum(s["raw_bytes"] for s in layers)
         stored = sum(s["stored_bytes"] for s in layers)
         scalars = sum(s["scalars"] for s in layers)
-        decoded = storage_bytes(self.lossless.decoded_tensors()) if self.lossless is not None else 0
+        decoded = (storage_bytes(self.lossless.decoded_tensors()) + self.lossless.ahead_bytes()
+                   if self.lossless is not None else 0)
         ids = storage_bytes([self.token_ids]) if self.token_ids is not None else 0
         calibration = self.calibration.loaded_bytes() if self.calibration is not None else 0
         dtypes = {str(layer.dtype).replace("torch.", "") for layer in self.layers if getattr(layer, "dtype", None)}

@@ -19,7 +19,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codec import CodecConfig, Marginal, ParameterMismatchError, decode, decode_batch, encode, encode_batch
+from ..codec import (
+    CodecConfig,
+    CorruptStreamError,
+    Marginal,
+    ParameterMismatchError,
+    decode,
+    decode_batch,
+    encode,
+    encode_batch,
+    start_decode_batch,
+)
+from ..codec.lanes import DecodeJob
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
 from ..predictors.base import (
@@ -71,6 +82,24 @@ class CodedRow:
     def nbytes(self) -> int:
         side = sum(t.numel() * t.element_size() for t in self.side.values())
         return sum(len(b) for b in self.blobs) + len(self.scales) + side
+
+
+@dataclass
+class _Ahead:
+    """A decode `LosslessContext._start_ahead` began: ``blocks`` at positions ``indices`` of ``layer``'s block
+    list, decoding into ``out`` (``[blocks, k/v, heads, rows, dim, tokens]``)."""
+
+    layer: int
+    indices: list[int]
+    blocks: list[CodedBlock]
+    out: torch.Tensor
+    job: DecodeJob
+
+    def fits(self, blocks: list[Block], context: LosslessContext) -> bool:
+        """Whether ``blocks`` (a layer's list at its read) still hold these blocks at these places, none of
+        them held decoded meanwhile."""
+        return all(i < len(blocks) and blocks[i] is block and context._held(block) is None
+                   for i, block in zip(self.indices, self.blocks))
 
 
 class CodedBlock(Block):
@@ -143,6 +172,9 @@ class LosslessContext:
         #: raw bytes of every sealed block (the pool's budget is a fraction of it); refreshed by the cache
         self.sealed_raw_bytes = 0
         self.decodes = 0
+        #: the blocks of a layer (set by the cache): lets a layer's read start the next layer's decode ahead
+        self.blocks_of: Callable[[int], list[Block]] | None = None
+        self._ahead: _Ahead | None = None
         self._chain: dict[tuple[int, int], tuple[Block, LayerValues]] = {}
         self._highest = 0  # the highest layer kept so far, and the layer count it implies once a pass ends
         self._passed_layers: int | None = None
@@ -248,9 +280,15 @@ class LosslessContext:
         for block in blocks:
             at.append(position)
             position += block.entries
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead.fits(blocks, self):
+                self._take_ahead(ahead, blocks, keys, values, at, direct)
+            else:  # blocks changed since (rows selected, cropped, a structural change): not needed any more
+                ahead.job.cancel()
         runs: list[list[int]] = []  # same-shaped blocks not held decoded, in runs of adjacent positions
         for i, block in enumerate(blocks):
-            if not isinstance(block, CodedBlock) or self.depth != 0 or self._held(block) is not None:
+            if direct[i] or not isinstance(block, CodedBlock) or self.depth != 0 or self._held(block) is not None:
                 continue
             if runs and runs[-1][-1] == i - 1 and _same_shape(blocks[i - 1], block):
                 runs[-1].append(i)
@@ -270,6 +308,71 @@ class LosslessContext:
                 n = k.shape[-2]
                 keys[..., at[i] : at[i] + n, :].copy_(k)
                 values[..., at[i] : at[i] + n, :].copy_(v)
+        if blocks and isinstance(blocks[0], CodedBlock):
+            self._start_ahead(blocks[0].layer + 1)
+
+    def _start_ahead(self, layer: int) -> None:
+        """Start decoding ``layer``'s blocks on the other codec threads while the model computes the layer below
+        (their decode needs nothing from it when the predictor reads no layer below): a `DecodeJob` in chunks,
+        which the layer's read finishes on its own thread (`_take_ahead`). Only for predictors that predict a
+        layer's blocks in one batch, on the CPU, with ``workers`` >= 2 (one thread computes the model)."""
+        count = self.layer_count() or self._passed_layers
+        if self.workers < 2 or self.depth != 0 or self.blocks_of is None or count is None or layer >= count:
+            return
+        blocks = self.blocks_of(layer)
+        run: list[int] = []
+        for i, block in enumerate(blocks):  # the first run of adjacent same-shaped blocks not held decoded
+            if isinstance(block, CodedBlock) and self._held(block) is None and (
+                    not run or (run[-1] == i - 1 and _same_shape(blocks[run[-1]], block))):
+                run.append(i)
+            elif run:
+                break
+        if not run or blocks[run[0]].device.type != "cpu":
+            return
+        chosen = [blocks[i] for i in run]
+        first = chosen[0]
+        with one_thread():
+            predicted = self._predict_together(chosen)
+        config = self.codec_for(layer)
+        if predicted is None or predicted[0] is not None or config.coder != "lanes":
+            return
+        _, means, stds = predicted
+        blobs = [row.blobs[index] for block in chosen for index in range(2 * first.heads) for row in block.rows]
+        verify = [not block.verified for block in chosen for _ in range(2 * first.heads * len(first.rows))]
+        out = torch.empty((len(chosen), 2, first.heads, len(first.rows), first.dim, first.tokens), dtype=first.dtype)
+        try:
+            job = start_decode_batch(blobs, means.flatten(0, 2), stds.flatten(0, 2), config, out,
+                                     threads=self.workers - 1, verify=verify, chunks=4 * self.workers)
+        except (CorruptStreamError, ParameterMismatchError):
+            return  # the layer's own read decodes these blocks and raises this error where it belongs
+        if job is not None:  # None: these blocks decode on a device (Triton), where the layer's read decodes them
+            self._ahead = _Ahead(layer, run, chosen, out, job)
+
+    def _take_ahead(self, ahead: _Ahead, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor,
+                    at: list[int], direct: list[bool]) -> None:
+        """Finish the decode `_start_ahead` began for these blocks and put them where attention reads them."""
+        first = ahead.blocks[0]
+        try:
+            ahead.job.finish()
+        except ParameterMismatchError as err:
+            raise PredictorMismatchError(
+                f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
+                f"blocks were encoded with: {err}"
+            ) from err
+        into = _destination(keys, values, at[ahead.indices[0]], len(ahead.blocks), first)
+        for j, (i, block) in enumerate(zip(ahead.indices, ahead.blocks)):
+            x = ahead.out[j]  # [k/v, heads, rows, dim, tokens]
+            if into is None:
+                keys[..., at[i] : at[i] + block.tokens, :].copy_(x[0].permute(1, 0, 3, 2))
+                values[..., at[i] : at[i] + block.tokens, :].copy_(x[1].permute(1, 0, 3, 2))
+            values_of = LayerValues(x[0].permute(1, 0, 3, 2), x[1].permute(1, 0, 3, 2),
+                                    torch.ones(len(block.rows), block.tokens))
+            block.verified = True
+            self.decodes += 1
+            self._keep(block, values_of)  # the pool copies what it keeps: nothing holds ``ahead.out`` after
+            direct[i] = True
+        if into is not None:
+            into.copy_(ahead.out)
 
     def _decode_together(self, blocks: list[CodedBlock], into: torch.Tensor | None = None) -> list[LayerValues] | None:
         """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not),
@@ -525,9 +628,18 @@ class LosslessContext:
         for _, values in self._chain.values():
             out.extend(values_tensors(values))
         out.extend(self.predictor.state_tensors())
+        if self._ahead is not None:  # between two layers' reads of a step
+            out.append(self._ahead.out)
         return out
 
+    def ahead_bytes(self) -> int:
+        """Bytes a decode started ahead holds beside its output tensor (its copy of the streams), 0 if none."""
+        return 0 if self._ahead is None else self._ahead.job.nbytes()
+
     def forget(self) -> None:
+        if self._ahead is not None:
+            self._ahead.job.cancel()
+            self._ahead = None
         self.pool.clear()
         self._chain.clear()
         self.predictor.forget_state()

@@ -24,8 +24,17 @@ def lossless_context(cache) -> LosslessContext:
         # only a calibrated predictor reads the calibration in generation (the marginals gain 0.001 bit/scalar
         # for `generic`: not worth holding them); `save` reads what it needs then
         marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
-    return LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
-                           decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
+    context = LosslessContext(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
+                              decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
+    context.blocks_of = functools.partial(layer_blocks, cache)
+    return context
+
+
+def layer_blocks(cache, layer: int) -> list:
+    """The sealed blocks of ``cache``'s layer ``layer`` (empty if it holds none or does not exist)."""
+    if layer < 0 or layer >= len(cache.layers):
+        return []
+    return list(getattr(cache.layers[layer], "blocks", ()))
 
 
 def find_block(cache, layer: int, start: int):

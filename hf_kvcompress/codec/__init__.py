@@ -9,7 +9,7 @@ docs/codec.md for the formats and the arithmetic.
 
 from __future__ import annotations
 
-from .api import decode, decode_batch, decode_range, encode, encode_batch, stream_info
+from .api import decode, decode_batch, decode_range, encode, encode_batch, start_decode_batch, stream_info
 from .config import CodecConfig
 from .errors import CorruptStreamError, ParameterMismatchError
 from .stats import CodecStats, encode_with_stats
@@ -28,5 +28,6 @@ __all__ = [
     "encode_batch",
     "encode_with_stats",
     "set_table_cache",
+    "start_decode_batch",
     "stream_info",
 ]

@@ -474,6 +474,29 @@ def decode_batch(
     return lanes.decode_batch_impl(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
 
 
+def start_decode_batch(
+    blobs: list[bytes],
+    mean: torch.Tensor | float | None,
+    std: torch.Tensor | float | None,
+    config: CodecConfig,
+    out: torch.Tensor | None = None,
+    threads: int = 1,
+    verify: bool | Sequence[bool] = True,
+    chunks: int = 8,
+) -> lanes.DecodeJob | None:
+    """`decode_batch` begun in the background: the streams are parsed and checked here (the same errors),
+    then ``threads`` background threads decode them in ``chunks`` pieces while the caller goes on; the returned
+    `lanes.DecodeJob`'s ``finish()`` decodes what is left on the calling thread and returns what
+    `decode_batch` would. None where `decode_batch` would decode on a device (Triton): call it instead."""
+    cfg = check_config(config)
+    if cfg.coder != "lanes":
+        raise ValueError(f"codec.start_decode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
+    if triton_device(mean, std, out) is not None:
+        return None
+    lanes._check_threads(threads)
+    return lanes.DecodeJob(blobs, mean, std, cfg, out, verify, chunks).start(threads)
+
+
 def decode(
     blob: bytes,
     mean: torch.Tensor | float | None = None,

@@ -581,29 +581,102 @@ def verify_mask(verify, n_streams: int) -> np.ndarray:
 def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
                       threads: int | None = None, verify=True) -> torch.Tensor:
     threads = _check_threads(threads)
-    bt = prepare_decode(blobs, mean, std, cfg, threads)
-    fmt, m, st = bt.fmt, bt.m, bt.st
-    n_streams = bt.wstart.size
-    xshape = (n_streams, *bt.shape)
-    check_out(out, fmt, xshape)
-    layout = out_layout(out, bt.shape) if out is not None and out.device.type == "cpu" else None
-    host = out if layout is not None else torch.empty(xshape, dtype=fmt.dtype)
-    if layout is None:
-        layout = out_layout(host, bt.shape)
-        assert layout is not None  # a contiguous tensor folds
-    flat, obase, orun, ohi, olo = layout
-    err = np.zeros(n_streams, dtype=np.int32)
-    tab = lane_tables()
-    pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
-    args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.run, st.p_row, st.tid, st.cp,
-            st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut, _escape_freq(cfg, m),
-            fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks, verify_mask(verify, n_streams), flat, obase, orun,
-            ohi, olo, err)
-    _run(jit.decode_streams, args, n_streams, threads)
-    raise_errors(err)
-    if out is not None:
-        return out if out is host else copy_into(out, host)
-    return host.to(device_of(mean, std))  # a CUDA mean / std's device, else the CPU
+    job = DecodeJob(blobs, mean, std, cfg, out, verify, threads)
+    _run(jit.decode_streams, job.args, job.streams, threads)
+    return job.result(mean, std)
+
+
+class DecodeJob:
+    """One `decode_batch`, parsed and checked (`prepare_decode`), whose kernel work can run in pieces: chunks of
+    streams that any thread may take. `start` hands chunks to background threads and returns at once;
+    `finish` takes what is left on the calling thread, waits for the rest and returns the tensor (raising as
+    `decode_batch`); `cancel` hands out nothing more and waits for the chunks already running. A cache uses it
+    to decode layer ``l + 1`` on a second core while layer ``l`` computes (`cache.coded.LosslessContext`)."""
+
+    def __init__(self, blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None, verify=True, chunks: int = 1,
+                 threads: int = 1):
+        bt = prepare_decode(blobs, mean, std, cfg, threads)
+        fmt, m, st = bt.fmt, bt.m, bt.st
+        self.streams = n_streams = bt.wstart.size
+        xshape = (n_streams, *bt.shape)
+        check_out(out, fmt, xshape)
+        layout = out_layout(out, bt.shape) if out is not None and out.device.type == "cpu" else None
+        self.out = out
+        self.host = out if layout is not None else torch.empty(xshape, dtype=fmt.dtype)
+        if layout is None:
+            layout = out_layout(self.host, bt.shape)
+            assert layout is not None  # a contiguous tensor folds
+        flat, obase, orun, ohi, olo = layout
+        self.err = np.zeros(n_streams, dtype=np.int32)
+        tab = lane_tables()
+        pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
+        self.args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.run, st.p_row,
+                     st.tid, st.cp, st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut,
+                     _escape_freq(cfg, m), fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks,
+                     verify_mask(verify, n_streams), flat, obase, orun, ohi, olo, self.err)
+        self._cuts = sorted({n_streams * k // max(1, chunks) for k in range(max(1, chunks) + 1)})
+        self._next = 0
+        self._lock = threading.Lock()
+        self._running: list = []
+
+    def _take(self) -> tuple[int, int] | None:
+        with self._lock:
+            k = self._next
+            if k >= len(self._cuts) - 1:
+                return None
+            self._next = k + 1
+        return self._cuts[k], self._cuts[k + 1]
+
+    def _work(self) -> None:
+        while (chunk := self._take()) is not None:
+            jit.decode_streams(*self.args, *chunk)
+
+    def start(self, threads: int = 1) -> DecodeJob:
+        """Let ``threads`` background threads take chunks (`_ahead_executor`: not the pool `decode_batch` and
+        `encode_batch` split their work on, so those never queue behind a job)."""
+        self._running = [_ahead_executor(threads).submit(self._work) for _ in range(threads)]
+        return self
+
+    def finish(self) -> torch.Tensor:
+        """Decode the chunks nobody took yet here, wait for the others; the decoded tensor (``out`` if given)."""
+        try:
+            self._work()
+        finally:
+            for f in self._running:
+                f.result()
+        return self.result(None, None)
+
+    def cancel(self) -> None:
+        """Hand out no more chunks and wait for the running ones (their errors are dropped with the job)."""
+        with self._lock:
+            self._next = len(self._cuts)
+        for f in self._running:
+            f.result()
+
+    def result(self, mean, std) -> torch.Tensor:
+        """After every chunk ran: `CorruptStreamError` for the first stream that failed, else the tensor."""
+        raise_errors(self.err)
+        if self.out is not None:
+            return self.out if self.out is self.host else copy_into(self.out, self.host)
+        return self.host.to(device_of(mean, std))  # a CUDA mean / std's device, else the CPU
+
+    def nbytes(self) -> int:
+        """Bytes the job holds beside ``out``: the joined streams and its temporary output."""
+        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
+        return self.args[0].nbytes + extra
+
+
+_ahead_pool: ThreadPoolExecutor | None = None
+_ahead_size = 0
+
+
+def _ahead_executor(n: int) -> ThreadPoolExecutor:
+    global _ahead_pool, _ahead_size
+    with _pool_lock:
+        if _ahead_pool is None or _ahead_size < n:
+            _ahead_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvc-ahead")
+            _ahead_size = n
+        return _ahead_pool
 
 
 def check_out(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...]) -> None:

@@ -268,6 +268,86 @@ def test_generic_blocks_decode_straight_into_the_attention_tensors(budget, monke
         assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
 
 
+def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch):
+    """With two codec threads, reading layer l starts layer l + 1's decode on the other thread
+    (`LosslessContext._start_ahead`), and layer l + 1's read finishes it: every layer but the first of a step
+    comes through it, the step equals DynamicCache's bit for bit, nothing is left running or held between steps,
+    and a decode started for blocks that change before their read (rows reordered) is dropped."""
+    from hf_kvcompress.cache import coded
+
+    taken: list[int] = []
+    original = coded.LosslessContext._take_ahead
+
+    def counted(self, ahead, *args):
+        taken.append(ahead.layer)
+        return original(self, ahead, *args)
+
+    monkeypatch.setattr(coded.LosslessContext, "_take_ahead", counted)
+    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                               lossless={"predictor": "generic", "decoded_budget": 0.0, "workers": 2})
+    cache = CompressedCache(config, model=model6())
+    reference = DynamicCache()
+    ids = random_ids(1, 70, seed=3)
+    with torch.no_grad():
+        model6()(ids, cache=cache, use_cache=True)
+        model6()(ids, cache=reference, use_cache=True)
+    for i in range(3):
+        taken.clear()
+        decodes, before = cache.lossless.decodes, sealed_blocks(cache)
+        token = torch.tensor([[7 + i]])
+        with torch.no_grad():
+            ours = model6()(token, cache=cache, use_cache=True).logits
+            theirs = model6()(token, cache=reference, use_cache=True).logits
+        assert same_bits(ours, theirs)
+        assert taken == list(range(1, LAYERS))
+        assert cache.lossless.decodes - decodes == before  # each block once, ahead or not
+        assert cache.lossless._ahead is None and cache.lossless.ahead_bytes() == 0
+    # a decode started ahead for blocks that are then replaced: cancelled, and the read decodes the new ones
+    cache.lossless._start_ahead(2)
+    job = cache.lossless._ahead.job
+    cache.reorder_cache(torch.tensor([0]))
+    reference.reorder_cache(torch.tensor([0]))
+    assert cache.lossless._ahead is None and job._next == len(job._cuts)  # nothing more handed out
+    with torch.no_grad():
+        ours = model6()(torch.tensor([[11]]), cache=cache, use_cache=True).logits
+        theirs = model6()(torch.tensor([[11]]), cache=reference, use_cache=True).logits
+    assert same_bits(ours, theirs)
+
+
+def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer():
+    """A damaged stream in a block of layer 3 that the second codec thread decodes ahead raises the codec's
+    `CorruptStreamError` when layer 3 reads it: never swallowed, never another layer's values."""
+    from hf_kvcompress.codec import CorruptStreamError
+
+    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                               lossless={"predictor": "generic", "decoded_budget": 0.0, "workers": 2})
+    cache = CompressedCache(config, model=model6())
+    with torch.no_grad():
+        model6()(random_ids(1, 70, seed=3), cache=cache, use_cache=True)
+    block = cache.kv_layers()[3].blocks[1]
+    row = block.rows[0]
+    bad = bytearray(row.blobs[2])
+    bad[len(bad) // 2] ^= 0x10
+    row.blobs[2] = bytes(bad)
+    block.verified = False  # a block whose bytes were not checked yet (as after a load)
+    reached: list[int] = []
+    from hf_kvcompress.cache import coded
+
+    original = coded.LosslessContext.read_into
+
+    def traced(self, blocks, keys, values):
+        reached.append(blocks[0].layer)
+        return original(self, blocks, keys, values)
+
+    coded.LosslessContext.read_into = traced
+    try:
+        with pytest.raises(CorruptStreamError), torch.no_grad():
+            model6()(torch.tensor([[7]]), cache=cache, use_cache=True)
+    finally:
+        coded.LosslessContext.read_into = original
+    assert reached == [0, 1, 2, 3]
+
+
 def test_workers_default_is_every_available_core(monkeypatch):
     """``LosslessConfig.workers=None`` (the default) codes on every core the process may run on; an int
     fixes the count."""

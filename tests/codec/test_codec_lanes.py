@@ -237,6 +237,31 @@ def test_decode_into_strided_out():
     assert_bit_exact(view, x3)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_start_decode_batch_equals_decode_batch(threads, batch):
+    """`codec.start_decode_batch`: background threads take chunks while the caller goes on, `finish` takes the
+    rest and gives decode_batch's bits (into ``out`` too); a damaged stream raises at `finish`, naming it; a
+    cancelled job hands out nothing more."""
+    x, offset, scale, blobs = batch
+    want = codec.decode_batch(blobs, offset, scale, LANES)
+    job = codec.start_decode_batch(blobs, offset, scale, LANES, threads=threads, chunks=3)
+    assert_bit_exact(job.finish(), want)
+    out = torch.empty(2, 2, 64, 64, dtype=x.dtype).transpose(-1, -2)  # a strided view, lead dims [2, 2]
+    job = codec.start_decode_batch(blobs, offset, scale, LANES, out, threads=threads, chunks=8)
+    assert job.finish() is out
+    assert_bit_exact(out.reshape(4, 64, 64), want)
+    bad = bytearray(blobs[3])
+    bad[len(bad) // 2] ^= 0x04
+    job = codec.start_decode_batch([*blobs[:3], bytes(bad)], offset, scale, LANES, threads=threads, chunks=4)
+    with pytest.raises(CorruptStreamError, match="stream 3"):
+        job.finish()
+    with pytest.raises(ParameterMismatchError):  # checked before anything starts, as in decode_batch
+        codec.start_decode_batch(blobs, offset + 1e-3, scale, LANES, threads=threads)
+    job = codec.start_decode_batch(blobs, offset, scale, LANES, threads=threads, chunks=64)
+    job.cancel()
+    assert job._take() is None
+
+
 def test_rate_close_to_ans():
     """The same tables at the same precision: the lanes stream is within 0.02 bit/scalar of the ans one."""
     x, offset, scale = realistic((1, 2, 256, 64), seed=6)
