@@ -268,7 +268,16 @@ def test_generic_blocks_decode_straight_into_the_attention_tensors(budget, monke
         assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
 
 
-def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch):
+@pytest.fixture
+def torch_one_thread():
+    """torch on one thread (as beside a codec that decodes ahead on the other core), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch, torch_one_thread):
     """With two codec threads, reading layer l starts layer l + 1's decode on the other thread
     (`LosslessContext._start_ahead`), and layer l + 1's read finishes it: every layer but the first of a step
     comes through it, the step equals DynamicCache's bit for bit, nothing is left running or held between steps,
@@ -312,9 +321,15 @@ def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch):
         ours = model6()(torch.tensor([[11]]), cache=cache, use_cache=True).logits
         theirs = model6()(torch.tensor([[11]]), cache=reference, use_cache=True).logits
     assert same_bits(ours, theirs)
+    taken.clear()
+    torch.set_num_threads(2)  # torch on both cores of a two-core machine: nothing is decoded ahead
+    monkeypatch.setattr(coded, "available_cores", lambda: 2)
+    with torch.no_grad():
+        model6()(torch.tensor([[12]]), cache=cache, use_cache=True)
+    assert taken == []
 
 
-def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer():
+def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(monkeypatch, torch_one_thread):
     """A damaged stream in a block of layer 3 that the second codec thread decodes ahead raises the codec's
     `CorruptStreamError` when layer 3 reads it: never swallowed, never another layer's values."""
     from hf_kvcompress.codec import CorruptStreamError
@@ -331,21 +346,24 @@ def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer():
     row.blobs[2] = bytes(bad)
     block.verified = False  # a block whose bytes were not checked yet (as after a load)
     reached: list[int] = []
+    ahead: list[int] = []
     from hf_kvcompress.cache import coded
 
-    original = coded.LosslessContext.read_into
+    read, take = coded.LosslessContext.read_into, coded.LosslessContext._take_ahead
 
     def traced(self, blocks, keys, values):
         reached.append(blocks[0].layer)
-        return original(self, blocks, keys, values)
+        return read(self, blocks, keys, values)
 
-    coded.LosslessContext.read_into = traced
-    try:
-        with pytest.raises(CorruptStreamError), torch.no_grad():
-            model6()(torch.tensor([[7]]), cache=cache, use_cache=True)
-    finally:
-        coded.LosslessContext.read_into = original
-    assert reached == [0, 1, 2, 3]
+    def taken(self, job, *args):
+        ahead.append(job.layer)
+        return take(self, job, *args)
+
+    monkeypatch.setattr(coded.LosslessContext, "read_into", traced)
+    monkeypatch.setattr(coded.LosslessContext, "_take_ahead", taken)
+    with pytest.raises(CorruptStreamError), torch.no_grad():
+        model6()(torch.tensor([[7]]), cache=cache, use_cache=True)
+    assert reached == [0, 1, 2, 3] and ahead == [1, 2, 3]  # layer 3's blocks were decoded ahead
 
 
 def test_workers_default_is_every_available_core(monkeypatch):
