@@ -367,18 +367,18 @@ def _stream_sigma_codes(bits: np.ndarray, mean32: np.ndarray | None, fmt: Format
 
 # --------------------------------------------------------------------------------------- decode
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pools: dict[str, tuple[ThreadPoolExecutor, int]] = {}
 _pool_lock = threading.Lock()
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+def _executor(n: int, name: str = "kvc-lanes") -> ThreadPoolExecutor:
+    """The process's thread pool ``name`` with at least ``n`` threads (replaced by a larger one when needed)."""
     with _pool_lock:
-        if _pool is None or _pool_size < n:
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvc-lanes")
-            _pool_size = n
-        return _pool
+        pool, size = _pools.get(name, (None, 0))
+        if pool is None or size < n:
+            pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=name)
+            _pools[name] = (pool, n)
+        return pool
 
 
 def _check_threads(threads: int | None) -> int:
@@ -632,9 +632,9 @@ class DecodeJob:
             jit.decode_streams(*self.args, *chunk)
 
     def start(self, threads: int = 1) -> DecodeJob:
-        """Let ``threads`` background threads take chunks (`_ahead_executor`: not the pool `decode_batch` and
+        """Let ``threads`` background threads take chunks (a pool of their own, not the one `decode_batch` and
         `encode_batch` split their work on, so those never queue behind a job)."""
-        self._running = [_ahead_executor(threads).submit(self._work) for _ in range(threads)]
+        self._running = [_executor(threads, "kvc-ahead").submit(self._work) for _ in range(threads)]
         return self
 
     def finish(self) -> torch.Tensor:
@@ -664,19 +664,6 @@ class DecodeJob:
         """Bytes the job holds beside ``out``: the joined streams and its temporary output."""
         extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
         return self.args[0].nbytes + extra
-
-
-_ahead_pool: ThreadPoolExecutor | None = None
-_ahead_size = 0
-
-
-def _ahead_executor(n: int) -> ThreadPoolExecutor:
-    global _ahead_pool, _ahead_size
-    with _pool_lock:
-        if _ahead_pool is None or _ahead_size < n:
-            _ahead_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvc-ahead")
-            _ahead_size = n
-        return _ahead_pool
 
 
 def check_out(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...]) -> None:

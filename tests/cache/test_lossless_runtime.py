@@ -220,6 +220,18 @@ def test_stream_hashes_are_checked_at_a_blocks_first_decode_only(predictor, monk
     assert checked[1] == checked[2] == 0 and before == sealed_blocks(cache)  # later steps check none
 
 
+def generic_after_prefill(budget: float, workers: int) -> tuple[CompressedCache, DynamicCache]:
+    """A `generic` lossless cache and a DynamicCache after the same 70-token prefill of ``model6``."""
+    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                               lossless={"predictor": "generic", "decoded_budget": budget, "workers": workers})
+    cache, reference = CompressedCache(config, model=model6()), DynamicCache()
+    ids = random_ids(1, 70, seed=3)
+    with torch.no_grad():
+        model6()(ids, cache=cache, use_cache=True)
+        model6()(ids, cache=reference, use_cache=True)
+    return cache, reference
+
+
 @pytest.mark.parametrize("budget", [0.0, 1.0])
 def test_generic_blocks_decode_straight_into_the_attention_tensors(budget, monkeypatch):
     """With `generic` (predicted in one batch per layer) every block a step decodes is written by the codec
@@ -236,14 +248,7 @@ def test_generic_blocks_decode_straight_into_the_attention_tensors(budget, monke
         return original(self, blocks, *args)
 
     monkeypatch.setattr(coded.LosslessContext, "_decode_in_place", counted)
-    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
-                               lossless={"predictor": "generic", "decoded_budget": budget, "workers": 1})
-    cache = CompressedCache(config, model=model6())
-    reference = DynamicCache()
-    ids = random_ids(1, 70, seed=3)
-    with torch.no_grad():
-        model6()(ids, cache=cache, use_cache=True)
-        model6()(ids, cache=reference, use_cache=True)
+    cache, reference = generic_after_prefill(budget, workers=1)
     for i in range(3):
         if i == 1:  # new blocks (as after a beam step): all of them decode, in place, and the pool takes them
             cache.reorder_cache(torch.tensor([0]))
@@ -292,14 +297,7 @@ def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch, torch_
         return original(self, ahead, *args)
 
     monkeypatch.setattr(coded.LosslessContext, "_take_ahead", counted)
-    config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
-                               lossless={"predictor": "generic", "decoded_budget": 0.0, "workers": 2})
-    cache = CompressedCache(config, model=model6())
-    reference = DynamicCache()
-    ids = random_ids(1, 70, seed=3)
-    with torch.no_grad():
-        model6()(ids, cache=cache, use_cache=True)
-        model6()(ids, cache=reference, use_cache=True)
+    cache, reference = generic_after_prefill(0.0, workers=2)
     for i in range(3):
         taken.clear()
         decodes, before = cache.lossless.decodes, sealed_blocks(cache)
