@@ -327,9 +327,12 @@ def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch, torch_
     assert taken == []
 
 
-def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(monkeypatch, torch_one_thread):
-    """A damaged stream in a block of layer 3 that the second codec thread decodes ahead raises the codec's
-    `CorruptStreamError` when layer 3 reads it: never swallowed, never another layer's values."""
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(where, monkeypatch, torch_one_thread):
+    """A damaged stream in a block of layer 3 raises the codec's `CorruptStreamError` when layer 3 reads it:
+    a damaged payload from the decode the second codec thread ran ahead, a damaged header (found while layer 2
+    starts that decode, which is then not started) from layer 3's own decode. Never swallowed, never another
+    layer's values."""
     from hf_kvcompress.codec import CorruptStreamError
 
     config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
@@ -340,7 +343,7 @@ def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(monkeypatch, torch
     block = cache.kv_layers()[3].blocks[1]
     row = block.rows[0]
     bad = bytearray(row.blobs[2])
-    bad[len(bad) // 2] ^= 0x10
+    bad[len(bad) // 2 if where == "payload" else 12] ^= 0x10
     row.blobs[2] = bytes(bad)
     block.verified = False  # a block whose bytes were not checked yet (as after a load)
     reached: list[int] = []
@@ -361,7 +364,7 @@ def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(monkeypatch, torch
     monkeypatch.setattr(coded.LosslessContext, "_take_ahead", taken)
     with pytest.raises(CorruptStreamError), torch.no_grad():
         model6()(torch.tensor([[7]]), cache=cache, use_cache=True)
-    assert reached == [0, 1, 2, 3] and ahead == [1, 2, 3]  # layer 3's blocks were decoded ahead
+    assert reached == [0, 1, 2, 3] and ahead == ([1, 2, 3] if where == "payload" else [1, 2])
 
 
 def test_workers_default_is_every_available_core(monkeypatch):
