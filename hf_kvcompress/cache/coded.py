@@ -286,6 +286,7 @@ class LosslessContext:
                 self._take_ahead(ahead, blocks, keys, values, at, direct)
             else:  # blocks changed since (rows selected, cropped, a structural change): not needed any more
                 ahead.job.cancel()
+            del ahead  # its buffers go before the next layer's are allocated (peak RSS: docs/codec.md 12.5)
         runs: list[list[int]] = []  # same-shaped blocks not held decoded, in runs of adjacent positions
         for i, block in enumerate(blocks):
             if direct[i] or not isinstance(block, CodedBlock) or self.depth != 0 or self._held(block) is not None:
