@@ -342,8 +342,7 @@ class LosslessContext:
         if predicted is None or predicted[0] is not None or config.coder != "lanes":
             return
         _, means, stds = predicted
-        blobs = [row.blobs[index] for block in chosen for index in range(2 * first.heads) for row in block.rows]
-        verify = [not block.verified for block in chosen for _ in range(2 * first.heads * len(first.rows))]
+        blobs, verify = _batch_streams(chosen)
         out = torch.empty((len(chosen), 2, first.heads, len(first.rows), first.dim, first.tokens), dtype=first.dtype)
         # chunks of ~3 streams at 2,048 tokens: 32 chunks a layer beat 8 by 2-6 % in an A/B (the last chunk one
         # thread waits for is shorter)
@@ -358,28 +357,18 @@ class LosslessContext:
     def _take_ahead(self, ahead: _Ahead, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor,
                     at: list[int], direct: list[bool]) -> None:
         """Finish the decode `_start_ahead` began for these blocks and put them where attention reads them."""
-        first = ahead.blocks[0]
         try:
             ahead.job.finish()
         except ParameterMismatchError as err:
-            raise PredictorMismatchError(
-                f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
-                f"blocks were encoded with: {err}"
-            ) from err
-        into = _destination(keys, values, at[ahead.indices[0]], len(ahead.blocks), first)
-        for j, (i, block) in enumerate(zip(ahead.indices, ahead.blocks)):
-            x = ahead.out[j]  # [k/v, heads, rows, dim, tokens]
-            if into is None:
-                keys[..., at[i] : at[i] + block.tokens, :].copy_(x[0].permute(1, 0, 3, 2))
-                values[..., at[i] : at[i] + block.tokens, :].copy_(x[1].permute(1, 0, 3, 2))
-            values_of = LayerValues(x[0].permute(1, 0, 3, 2), x[1].permute(1, 0, 3, 2),
-                                    torch.ones(len(block.rows), block.tokens))
-            block.verified = True
-            self.decodes += 1
-            self._keep(block, values_of)  # the pool copies what it keeps: nothing holds ``ahead.out`` after
-            direct[i] = True
+            raise self._mismatch(ahead.layer, err) from err
+        into = _destination(keys, values, at[ahead.indices[0]], len(ahead.blocks), ahead.blocks[0])
         if into is not None:
             into.copy_(ahead.out)
+        for i, block, decoded in zip(ahead.indices, ahead.blocks, self._settle(ahead.blocks, ahead.out)):
+            if into is None:
+                keys[..., at[i] : at[i] + block.tokens, :].copy_(decoded.keys)
+                values[..., at[i] : at[i] + block.tokens, :].copy_(decoded.values)
+            direct[i] = True
 
     def _decode_together(self, blocks: list[CodedBlock], into: torch.Tensor | None = None) -> list[LayerValues] | None:
         """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not),
@@ -426,10 +415,7 @@ class LosslessContext:
                 for j, i in enumerate(members):
                     decoded[i] = x[j]
         except ParameterMismatchError as err:
-            raise PredictorMismatchError(
-                f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
-                f"blocks were encoded with: {err}"
-            ) from err
+            raise self._mismatch(first.layer, err) from err
         # one group (the usual case) decoded into one tensor already in block order: no stacking copy
         x = x if len(shapes) == 1 else torch.stack(decoded)
         # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
@@ -451,27 +437,33 @@ class LosslessContext:
     def _decode_in_place(self, blocks: list[CodedBlock], means: torch.Tensor, stds: torch.Tensor,
                          config: CodecConfig, into: torch.Tensor) -> list[LayerValues]:
         """Blocks predicted in one batch, decoded in one codec call into ``into`` (`_destination`)."""
-        first = blocks[0]
-        blobs = [row.blobs[index] for block in blocks for index in range(2 * first.heads) for row in block.rows]
-        verify = [not block.verified for block in blocks for _ in range(2 * first.heads * len(first.rows))]
+        blobs, verify = _batch_streams(blocks)
         try:
             decode_batch(blobs, means.flatten(0, 2), stds.flatten(0, 2), config, out=into, threads=self.workers,
                          verify=verify)
         except ParameterMismatchError as err:
-            raise PredictorMismatchError(
-                f"layer {first.layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the "
-                f"blocks were encoded with: {err}"
-            ) from err
+            raise self._mismatch(blocks[0].layer, err) from err
+        return self._settle(blocks, into)
+
+    def _settle(self, blocks: list[CodedBlock], decoded: torch.Tensor) -> list[LayerValues]:
+        """Bookkeeping of blocks just decoded into ``decoded`` (``[blocks, k/v, heads, rows, dim, tokens]``):
+        checked, counted, offered to the pool (which copies what it keeps), as `LayerValues` views."""
         out = []
         for i, block in enumerate(blocks):
-            # [heads, rows, dim, tokens] views -> [rows, heads, tokens, dim]; the pool copies what it keeps
-            values = LayerValues(into[i, 0].permute(1, 0, 3, 2), into[i, 1].permute(1, 0, 3, 2),
-                                 torch.ones(len(first.rows), first.tokens))
+            # [heads, rows, dim, tokens] views -> [rows, heads, tokens, dim]
+            values = LayerValues(decoded[i, 0].permute(1, 0, 3, 2), decoded[i, 1].permute(1, 0, 3, 2),
+                                 torch.ones(len(block.rows), block.tokens))
             block.verified = True
             self.decodes += 1
             self._keep(block, values)
             out.append(values)
         return out
+
+    def _mismatch(self, layer: int, err: ParameterMismatchError) -> PredictorMismatchError:
+        return PredictorMismatchError(
+            f"layer {layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the blocks "
+            f"were encoded with: {err}"
+        )
 
     def _predict_together(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, Any, Any] | None:
         """Sessions, means and stds (``[2 * heads, batch, dim, 1 or tokens]`` per block, the std scaled by the
@@ -701,6 +693,15 @@ class CodedStorage(Storage):
 
     def read_into(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
         self.context.read_into(blocks, keys, values)
+
+
+def _batch_streams(blocks: list[CodedBlock]) -> tuple[list[bytes], list[bool]]:
+    """The streams of same-shaped blocks in codec-call order (block, k/v and head, row), and whether each still
+    needs its hash checked (`CodedBlock.verified`)."""
+    first = blocks[0]
+    per_block = 2 * first.heads * len(first.rows)
+    blobs = [row.blobs[index] for block in blocks for index in range(2 * first.heads) for row in block.rows]
+    return blobs, [not block.verified for block in blocks for _ in range(per_block)]
 
 
 def _same_shape(a: CodedBlock, b: CodedBlock) -> bool:

@@ -449,7 +449,7 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: boo
     # one compiled pass pays from ~8 streams on (the stream-by-stream predictors decode batches of one or two)
     hd = _headers_like_first(blobs, sizes, h0) if n_streams >= 8 else None
     if hd is None:  # few streams, or a header differs from the first's layout or fails a check: parse each
-        hd = _headers_one_by_one(blobs, sizes)
+        hd = _headers_one_by_one(blobs, sizes, h0)
     fmt, shape = h0.fmt, h0.shape
     if (hd.digest != lanes_digest(cfg)).any():
         raise CorruptStreamError(
@@ -547,10 +547,11 @@ def _headers_like_first(blobs, sizes: np.ndarray, h0: Parsed) -> Headers | None:
     return Headers(buf8, start, data, lanes, sigma, digest, fp, check)
 
 
-def _headers_one_by_one(blobs, sizes: np.ndarray) -> Headers:
-    """`Headers` from parsing every header on its own: raises the error of the first bad one."""
-    heads = [parse_header(bytes(b)) for b in blobs]
-    h0 = heads[0]
+def _headers_one_by_one(blobs, sizes: np.ndarray, first: Parsed | None = None) -> Headers:
+    """`Headers` from parsing every header on its own (``first``: the first already parsed): raises the error
+    of the first bad one."""
+    h0 = first if first is not None else parse_header(bytes(blobs[0]))
+    heads = [h0, *(parse_header(bytes(b)) for b in blobs[1:])]
     for i, h in enumerate(heads):
         if (h.fmt, h.shape, h.has_mean, h.has_std) != (h0.fmt, h0.shape, h0.has_mean, h0.has_std):
             raise ValueError(
