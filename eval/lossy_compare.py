@@ -58,6 +58,20 @@ SECTION = LossySection(context=1024, continuation=256, segments=1, interval=128,
                        quantized=QUANTIZED, q_group_size=64)
 
 
+def _names(arg: str, known, flag: str) -> list[str]:
+    """The comma-separated names of ``arg``, each checked against ``known``."""
+    names = [n for n in arg.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown}; known: {list(known)}")
+    return names
+
+
+def _acc(x: float | None) -> str:
+    """A needle accuracy, or ``-`` where no needles ran."""
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'method':<22} {'setting':<22} {'memory':>7} {'attn err':>9} {'ppl':>8} {'d ppl':>7} {'needle':>7} "
             f"{'s/summary':>10}")
@@ -69,7 +83,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{r['method']:<22} {r['setting']:<22} {r['kept']:>7.3f} {r['attn_err']:>9.4f} {r['ppl']:>8.3f} "
-            f"{r['ppl'] - full_ppl:>+7.3f} {r['needle_acc']:>7.2f} {r['sec_per_summary'] or 0.0:>10.2f}"
+            f"{r['ppl'] - full_ppl:>+7.3f} {_acc(r['needle_acc']):>7} {r['sec_per_summary'] or 0.0:>10.2f}"
         )
     return "\n".join(lines)
 
@@ -89,7 +103,7 @@ def paired(a: dict, b: dict) -> tuple[float, float, int, int]:
     n = len(diff)
     mean = sum(diff) / n
     se = (sum((d - mean) ** 2 for d in diff) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
-    ha, hb = a["raw"]["needle_hits"], b["raw"]["needle_hits"]
+    ha, hb = a["raw"].get("needle_hits", []), b["raw"].get("needle_hits", [])  # none with --needles 0
     return mean, se, sum(p and not q for p, q in zip(ha, hb)), sum(q and not p for p, q in zip(ha, hb))
 
 
@@ -107,7 +121,7 @@ def memory_points(rows: list[dict], points=POINTS) -> str:
             continue
         best = min(ours, key=lambda r: r["ppl"])
         lines.append(f"memory <= {point}: {best['method']} {best['setting']} (memory {best['kept']:.3f}, ppl "
-                     f"{best['ppl']:.3f}, needles {best['needle_acc']:.2f}) against")
+                     f"{best['ppl']:.3f}, needles {_acc(best['needle_acc'])}) against")
         for r in sorted(within, key=lambda r: r["ppl"]):
             if r is best:
                 continue
@@ -126,9 +140,13 @@ def pareto(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     full = rows[0]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    panels = [("ppl", "perplexity of the continuation")]
+    if full["needle_acc"] is not None:  # None with --needles 0
+        panels.append(("needle_acc", "needles"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    axes = axes[0]
     methods = sorted({r["method"] for r in rows[1:] if "error" not in r})
-    for key, ax, title in (("ppl", axes[0], "perplexity of the continuation"), ("needle_acc", axes[1], "needles")):
+    for (key, title), ax in zip(panels, axes):
         for method in methods:
             mine = sorted((r for r in rows if r["method"] == method and "error" not in r), key=lambda r: r["kept"])
             quantized = method.startswith("QuantizedCache")
@@ -154,7 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--segments", type=int, help=f"perplexity segments (default {SECTION.segments})")
     parser.add_argument("--continuation", type=int, help=f"tokens scored per segment (default {SECTION.continuation})")
-    parser.add_argument("--needles", type=int, help=f"needle prompts (default {SECTION.needles})")
+    parser.add_argument("--needles", type=int, help=f"needle prompts (default {SECTION.needles}; 0: none)")
+    parser.add_argument("--methods", help=f"comma-separated labels of METHODS to run (default all: {','.join(METHODS)})")
+    parser.add_argument("--quantized", help=f"comma-separated QuantizedCache specs (default {','.join(QUANTIZED)}; "
+                                            "'' for none)")
+    parser.add_argument("--budgets", help=f"comma-separated budgets (default {','.join(map(str, SECTION.budgets))})")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a results.json into --out")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -164,10 +186,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(memory_points(report["rows"]))
         return report
     torch.set_num_threads(args.threads)
-    overrides = {"segments": args.segments, "continuation": args.continuation, "needles": args.needles}
+    overrides = {"segments": args.segments, "continuation": args.continuation, "needles": args.needles,
+                 "quantized": None if args.quantized is None else _names(args.quantized, QUANTIZED, "--quantized"),
+                 "budgets": None if args.budgets is None else [float(b) for b in args.budgets.split(",")]}
     section = dataclasses.replace(SECTION, **{k: v for k, v in overrides.items() if v is not None})
+    methods = METHODS if args.methods is None else {m: METHODS[m] for m in _names(args.methods, METHODS, "--methods")}
     model, tokenizer = load_model(dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
-    settings, unavailable = build_settings(model, section, list(METHODS.items()))
+    settings, unavailable = build_settings(model, section, list(methods.items()))
     total = section.context + section.continuation
     segments = [token_ids(tokenizer, total, split="evaluation", offset=s * SEGMENT_STRIDE)
                 for s in range(section.segments)]
@@ -176,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = empty_results(settings)
     errors: dict = {}
     start = time.perf_counter()
-    batches = -(-section.needles // section.needle_batch)
+    batches = -(-section.needles // section.needle_batch)  # 0 with --needles 0
     with tqdm(total=section.segments * len(settings) + batches * (len(settings) + 1), desc="lossy compare") as bar:
         def step(name: str) -> None:
             bar.update(1)
@@ -184,15 +209,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         run_perplexity(model, segments, settings, results, context=section.context, interval=section.interval,
                        stride=section.heldout_stride, step=step, errors=errors)
-        run_needles(model, tokenizer, haystack, settings, results, count=section.needles,
-                    context_tokens=section.needle_context, batch=section.needle_batch, step=step, errors=errors)
+        if section.needles:
+            run_needles(model, tokenizer, haystack, settings, results, count=section.needles,
+                        context_tokens=section.needle_context, batch=section.needle_batch, step=step, errors=errors)
     rows = summarise(results, settings, errors)
     table = format_table(rows)
     print(table)
     print(memory_points(rows))
     for u in unavailable:
         print(f"{u['method']} {u['setting']}: {u['reason']}")
-    report = {"settings": section.__dict__, "dtype": args.dtype, "methods": METHODS, "unavailable": unavailable,
+    report = {"settings": section.__dict__, "dtype": args.dtype, "methods": methods, "unavailable": unavailable,
               "seconds": time.perf_counter() - start, "rows": rows, "table": table}
     (args.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
     pareto(rows, args.out / "pareto.png")

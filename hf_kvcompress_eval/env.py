@@ -11,6 +11,7 @@ import os
 import platform
 import re
 import sys
+from array import array
 from typing import Any
 
 import torch
@@ -131,7 +132,7 @@ class threads:
 
 def walk_held_bytes(root, skip=()) -> int:
     """Bytes reachable from ``root``, found without asking it: every tensor's whole storage (each storage
-    once, so a view that pins a larger buffer counts that buffer) and every bytes object, through object
+    once, so a view that pins a larger buffer counts that buffer) and every bytes object and `array.array`, through object
     attributes, dicts, lists, tuples and sets. Modules (the model) and the objects in ``skip`` are not
     walked."""
     seen: set[int] = {id(obj) for obj in skip}
@@ -152,6 +153,8 @@ def walk_held_bytes(root, skip=()) -> int:
             total += len(obj)
         elif isinstance(obj, memoryview):
             total += obj.nbytes
+        elif isinstance(obj, array):
+            total += len(obj) * obj.itemsize
         elif isinstance(obj, dict):
             stack.extend(obj.keys())
             stack.extend(obj.values())

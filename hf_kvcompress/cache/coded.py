@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,7 +77,7 @@ class CodedRow:
     """One batch row of a coded block: a blob and a std-scale code per stream, plus side data."""
 
     blobs: list[bytes]
-    scales: list[int]
+    scales: array  # signed bytes ("b"): the one byte per stream that `nbytes` counts, not a list of Python ints
     side: dict[str, torch.Tensor]
 
     def nbytes(self) -> int:
@@ -198,7 +199,7 @@ class LosslessContext:
         side = self.predictor.block_side_data(layer, keys, values, start)
         session = self.predictor.session(self._inputs(layer, start, tokens, batch, side))
         config = self.codec_for(layer)
-        rows = [CodedRow([], [], {name: t[b].clone() for name, t in side.items()}) for b in range(batch)]
+        rows = [CodedRow([], array("b"), {name: t[b].clone() for name, t in side.items()}) for b in range(batch)]
         order = stream_order(heads)
 
         def code(streams: list[tuple[str, int]], predictions) -> None:

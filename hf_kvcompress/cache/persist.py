@@ -18,6 +18,7 @@ import hashlib
 import json
 import platform
 import struct
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -552,7 +553,7 @@ def _read_row(entry: dict[str, Any], payload: bytes) -> CodedRow:
         raw = bytearray(view[info["offset"] : info["offset"] + info["bytes"]])
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         side[name] = flat.view(DTYPES[info["dtype"]]).reshape(info["shape"]).clone()
-    return CodedRow(blobs, list(entry["scales"]), side)
+    return CodedRow(blobs, array("b", entry["scales"]), side)  # checked to lie in [SCALE_MIN, SCALE_MAX]
 
 
 def _layer_device(model: torch.nn.Module | None, layer: int) -> torch.device:
