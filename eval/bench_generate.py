@@ -11,12 +11,13 @@ RSS during the decode steps above the RSS before the cache was built (cache and 
 building's own peak is recorded in the JSON) against DynamicCache's.
 
     python eval/bench_generate.py [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
-        [--predictors generic,none,context] [--calibration-tokens 2048] [--out results/generate]
+        [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out results/generate]
 
-Predictors: ``generic`` (the in-generation default: per-block channel statistics as side data, no calibration),
-``self`` (generic plus key maps from the layer below fitted on the cache's own blocks, no calibration),
-``none`` and ``context`` with a calibration fitted here on ``--calibration-tokens`` of the calibration plays
-(context heads read the two layers below).
+Predictors (default: every one that `LosslessConfig` accepts for generation, from the predictor registry):
+``generic`` (the in-generation default: per-block channel statistics as side data, no calibration), ``framed``
+(generic with key statistics in a pre-RoPE frame the encoder picks per block), ``self`` (generic plus key maps
+from the layer below fitted on the cache's own blocks, no calibration), ``none`` and ``context`` with a calibration
+fitted here on ``--calibration-tokens`` of the calibration plays (context heads read the two layers below).
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.models import load_model
+from hf_kvcompress.predictors.registry import FITTED, NAMES, STORAGE_ONLY
 from hf_kvcompress_eval.env import PeakMemory, machine, versions, walk_held_bytes
 
-#: predictors that read a calibration fitted here (``generic`` and ``self`` need none)
-CALIBRATED = ("none", "context")
+#: the predictors a cache may generate with, the default first (the rest in registry order)
+IN_GENERATION = ("generic", *(n for n in NAMES if n not in STORAGE_ONLY and n != "generic"))
+#: those that read a calibration fitted here (the model-free ones need none)
+CALIBRATED = tuple(n for n in IN_GENERATION if n in FITTED)
 
 
 def _calibrated_predictor(cache):
@@ -119,7 +123,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048,8192")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budgets", default="0,0.05,0.5", help="LosslessConfig.decoded_budget values")
-    parser.add_argument("--predictors", default="generic,none,context")
+    parser.add_argument("--predictors", default=",".join(IN_GENERATION))
     parser.add_argument("--block-tokens", type=int, default=CompressionConfig().block_tokens)
     parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
@@ -127,7 +131,7 @@ def main() -> None:
                         help="torch threads for every configuration (the shared machine: 1; 2 = both cores)")
     parser.add_argument("--workers", type=int, default=None,
                         help="LosslessConfig.workers: codec threads per block batch (default: the config's, "
-                             "i.e. torch's thread count)")
+                             "i.e. every core the process may run on)")
     parser.add_argument("--out", default="results/generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -143,9 +147,9 @@ def main() -> None:
         else:
             t0 = time.perf_counter()
             calibration = Calibration.fit(model, tokenizer, tokens=args.calibration_tokens, chunk=512,
-                                          predictors=("none", "context"), probe_layers=())
+                                          predictors=CALIBRATED, probe_layers=())
             calibration.save(folder)
-            print(f"calibration (none, context) on {args.calibration_tokens} tokens: {time.perf_counter() - t0:.0f} s")
+            print(f"calibration ({', '.join(CALIBRATED)}) on {args.calibration_tokens} tokens: {time.perf_counter() - t0:.0f} s")
     warm_up(model)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
