@@ -728,8 +728,15 @@ def _destination(keys: torch.Tensor, values: torch.Tensor, start: int, count: in
                             keys.storage_offset() + start * s_token)
 
 
+#: 2 ** (q / 4) for q = 0..3, correctly rounded, written out: `scale_factor` needs no libm ``pow``, whose last bit
+#: may differ between C libraries (these are the values glibc's ``pow`` gives, so the factors did not change)
+_QUARTER_OCTAVES = (1.0, float.fromhex("0x1.306fe0a31b715p+0"), float.fromhex("0x1.6a09e667f3bcdp+0"),
+                    float.fromhex("0x1.ae89f995ad3adp+0"))
+
+
 def scale_factor(code: int) -> float:
-    return math.pow(2.0, code / 4.0)
+    """The std multiplier ``2 ** (code / 4)`` of a stream's scale code (exact scaling of a written-out constant)."""
+    return math.ldexp(_QUARTER_OCTAVES[code % 4], code // 4)
 
 
 # every code's factor as the float32 the encoder multiplies by (`scale_factor` rounded to float32)

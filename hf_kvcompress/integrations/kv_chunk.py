@@ -233,12 +233,19 @@ class ChunkCoder:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
 
     @classmethod
-    def from_model_config(cls, config, calibration: Calibration | None = None, threads: int = 1) -> ChunkCoder:
-        """A coder for chunks of the model with transformers ``config`` (shape checks; RoPE frame)."""
+    def from_model_config(cls, config, calibration: Calibration | None = None, threads: int = 1, *,
+                          portable: bool = False) -> ChunkCoder:
+        """A coder for chunks of the model with transformers ``config`` (shape checks; RoPE frame, or none with
+        ``portable``: model-free payloads whose decoding does not depend on the CPU's float arithmetic)."""
+        if portable and calibration is not None:
+            raise ValueError("portable coding is model-free: it takes no calibration")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        rope = None if calibration is not None else RopeFrame.from_model_config(config)
+        if calibration is not None:
+            rope = None
+        else:
+            rope = RopeFrame(None) if portable else RopeFrame.from_model_config(config)
         return cls(calibration, layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, rope=rope,
                    threads=threads)
 

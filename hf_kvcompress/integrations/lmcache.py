@@ -17,6 +17,10 @@ Serde kwargs (all optional; see docs/lmcache.md):
         refused, and model-free coding takes the model's RoPE frame instead of guessing it per chunk;
     layers, kv_heads, head_dim, rope_theta: the same by hand (``rope_theta``, standard RoPE, needs
         ``head_dim``);
+    portable: ``true``: model-free coding without a RoPE frame (plain per-channel statistics), for tiers that
+        machines with different CPUs share: decoding then needs no float arithmetic whose last bit depends on
+        the CPU (the RoPE frame and a calibration's predictor do, docs/lossless.md "Where a saved file
+        decodes"); ~2 % larger payloads on SmolLM2;
     threads: codec threads per model-free chunk (default 1);
     pad_to_estimate: write payloads zero-padded to ``estimate_serialized_size`` (for 0.5.6's ``fs``
         adapter, which reads that many bytes back; see docs/lmcache.md);
@@ -61,7 +65,7 @@ from .kv_chunk import HEADER, ChunkCoder, ChunkError
 
 SERDE_NAME = "hf_kvcompress"
 KWARGS = ("calibration", "calibration_fingerprint", "model_config", "layers", "kv_heads", "head_dim",
-          "rope_theta", "threads", "pad_to_estimate", "max_workers")
+          "rope_theta", "portable", "threads", "pad_to_estimate", "max_workers")
 
 
 def _single_group(shapes: list[torch.Size], dtypes: list[torch.dtype]) -> tuple[torch.Size, torch.dtype]:
@@ -134,6 +138,16 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         raise ValueError(f"hf_kvcompress serde: unknown option(s) {unknown}; known: {list(KWARGS)}")
     calibration = _calibration(kwargs)
     threads = kwargs.get("threads") if kwargs.get("threads") is not None else 1
+    portable = kwargs.get("portable") if kwargs.get("portable") is not None else False
+    if not isinstance(portable, bool):
+        raise ValueError(f"hf_kvcompress serde: portable must be true or false, got {portable!r}")
+    if portable and calibration is not None:
+        raise ValueError("hf_kvcompress serde: portable is model-free coding without a RoPE frame; a calibration's "
+                         "context predictor does not decode on every CPU (docs/lossless.md, 'Where a saved file "
+                         "decodes'): give one or the other")
+    if portable and kwargs.get("rope_theta") is not None:
+        raise ValueError("hf_kvcompress serde: portable codes without a RoPE frame; give portable or rope_theta, "
+                         "not both")
     if kwargs.get("model_config") is not None:
         if any(kwargs.get(k) is not None for k in ("layers", "kv_heads", "head_dim", "rope_theta")):
             raise ValueError("hf_kvcompress serde: give model_config or layers/kv_heads/head_dim/rope_theta, not both")
@@ -141,7 +155,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         if source.is_file():
             source = source.parent  # a config.json: its folder
         config = AutoConfig.from_pretrained(str(source))
-        return ChunkCoder.from_model_config(config, calibration, threads=threads)
+        return ChunkCoder.from_model_config(config, calibration, threads=threads, portable=portable)
     sizes = {k: _optional_int(kwargs, k) for k in ("layers", "kv_heads", "head_dim")}
     rope = None
     if kwargs.get("rope_theta") is not None:
@@ -153,6 +167,8 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         if head_dim is None or head_dim % 2:
             raise ValueError("hf_kvcompress serde: rope_theta needs an even head_dim")
         rope = RopeFrame.standard(theta, head_dim)
+    if portable:
+        rope = RopeFrame(None)
     return ChunkCoder(calibration, rope=rope, threads=threads, **sizes)
 
 

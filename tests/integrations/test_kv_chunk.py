@@ -87,6 +87,22 @@ def test_calibrated_round_trip_on_real_kv():
         assert same_bits(stats.decode(stats.encode(chunk)), chunk)
 
 
+def test_portable_coding_sends_no_rope_frame():
+    """``portable``: the model's chunks coded with plain per-channel statistics, no RoPE frame in the payload (so
+    decoding involves no float op whose last bit depends on the CPU); the default coder sends the model's frame."""
+    model, calibration = tiny_calibrated()
+    portable = ChunkCoder.from_model_config(model.config, portable=True)
+    framed = ChunkCoder.from_model_config(model.config)
+    assert portable.rope.is_identity and not framed.rope.is_identity
+    for chunk in model_chunks(model, 128, 64):
+        payloads = [coder.encode(chunk) for coder in (portable, framed)]
+        counts = [struct.unpack_from("<H", p, HEADER.size)[0] for p in payloads]  # the frame's frequency count
+        assert counts == [0, framed.rope.inv_freq.numel()]
+        assert all(same_bits(ChunkCoder().decode(p), chunk) for p in payloads)  # readers need no configuration
+    with pytest.raises(ValueError, match="model-free"):
+        ChunkCoder.from_model_config(model.config, calibration, portable=True)
+
+
 @pytest.mark.parametrize("bad", [torch.float32, torch.int16, torch.float8_e4m3fn])
 def test_other_dtypes_are_refused(bad):
     chunk = torch.zeros(2, 2, 8, 16).to(bad)

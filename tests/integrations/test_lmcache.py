@@ -115,6 +115,16 @@ def test_processor_round_trips_calibrated_real_kv(l1, tmp_path):
     assert all(same_bits(a, b) for a, b in zip(decoded, chunks))
 
 
+def test_portable_option_codes_without_a_rope_frame(tmp_path):
+    coder = coder_from_kwargs({"portable": True, "layers": 30, "kv_heads": 3, "head_dim": 64})
+    assert coder.rope.is_identity and coder.calibration is None
+    assert coder_from_kwargs(SMOLLM2_KWARGS).rope.inv_freq.numel() == 32
+    _, calibration = tiny_calibrated()
+    calibration.save(tmp_path / "cal")
+    with pytest.raises(ValueError, match="model-free coding without a RoPE frame"):
+        coder_from_kwargs({"portable": True, "calibration": str(tmp_path / "cal")})
+
+
 def test_calibration_fingerprint_lookup(tmp_path, monkeypatch):
     _, calibration = tiny_calibrated()
     monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(tmp_path))
@@ -133,6 +143,8 @@ def test_calibration_fingerprint_lookup(tmp_path, monkeypatch):
     ({"max_workers": 0}, "positive int"),
     ({"threads": 0}, "positive int"),
     ({"calibration": "/nonexistent", "calibration_fingerprint": "ab"}, "not both"),
+    ({"portable": "yes"}, "true or false"),
+    ({"portable": True, "rope_theta": 10000.0, "head_dim": 64}, "not both"),
 ])
 def test_bad_serde_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
