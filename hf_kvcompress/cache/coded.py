@@ -32,6 +32,8 @@ from ..codec import (
     start_decode_batch,
 )
 from ..codec.lanes import DecodeJob
+from ..codec.params import settle
+from ..codec.symbols import format_of
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
 from ..predictors.base import (
@@ -74,15 +76,50 @@ def one_thread():
 
 @dataclass
 class CodedRow:
-    """One batch row of a coded block: a blob and a std-scale code per stream, plus side data."""
+    """One batch row of a coded block: a blob and a std-scale code per stream, plus side data and, for a
+    `portable` predictor, the elements whose canonical statistics the encoder lists (`settle_stream`)."""
 
     blobs: list[bytes]
     scales: array  # signed bytes ("b"): the one byte per stream that `nbytes` counts, not a list of Python ints
     side: dict[str, torch.Tensor]
+    listed: torch.Tensor | None = None  # int32 [n, 4]: stream, element, mean bits, std bits (`settle_stream`); or None
 
     def nbytes(self) -> int:
         side = sum(t.numel() * t.element_size() for t in self.side.values())
-        return sum(len(b) for b in self.blobs) + len(self.scales) + side
+        listed = 0 if self.listed is None else self.listed.numel() * self.listed.element_size()
+        return sum(len(b) for b in self.blobs) + len(self.scales) + side + listed
+
+
+def settle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
+                  bounds: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
+                  config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+    """The float32 statistics a `portable` session's stream is coded with: canonical values
+    (`codec.params.settle`) that every CPU computes alike. ``mean`` / ``std``: float64 ``[batch, tokens or 1,
+    dim]``; the std is scaled by its row's ``factors`` first (`scale_factor`: the coded std's class is what must
+    agree). Also, per batch row, the elements within ``bounds`` of a class boundary, as int32 ``[n, 3]``: element
+    index in the row's statistics, canonical mean and std bits, which the encoder sends and `resettle_stream`
+    puts back (``bounds=None``: the decoder's call, nothing is listed)."""
+    fmt, means, stds, listed = format_of(dtype), [], [], []
+    for b in range(mean.shape[0]):
+        tol = (None, None) if bounds is None else (bounds[0][b].numpy(), bounds[1][b].numpy() * factors[b])
+        m, s, idx = settle(mean[b].numpy(), std[b].numpy() * factors[b], tol[0], tol[1], fmt, config.mean_steps)
+        listed.append(np.stack([idx, m.reshape(-1).view(np.int32)[idx], s.reshape(-1).view(np.int32)[idx]],
+                               axis=1).astype(np.int32))
+        means.append(m)
+        stds.append(s)
+    return torch.from_numpy(np.stack(means)), torch.from_numpy(np.stack(stds)), listed
+
+
+def resettle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float], listed: list[np.ndarray],
+                    dtype: torch.dtype, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's `settle_stream`: canonical statistics with the encoder's ``listed`` elements (per row,
+    int32 ``[n, 3]``, element indices checked by the caller) put back."""
+    mean, std, _ = settle_stream(mean, std, factors, None, dtype, config)
+    for b, entries in enumerate(listed):
+        if entries.shape[0]:
+            mean[b].numpy().reshape(-1).view(np.int32)[entries[:, 0]] = entries[:, 1]
+            std[b].numpy().reshape(-1).view(np.int32)[entries[:, 0]] = entries[:, 2]
+    return mean, std
 
 
 @dataclass
@@ -201,19 +238,29 @@ class LosslessContext:
         config = self.codec_for(layer)
         rows = [CodedRow([], array("b"), {name: t[b].clone() for name, t in side.items()}) for b in range(batch)]
         order = stream_order(heads)
+        listed: list[list[np.ndarray]] = [[] for _ in range(batch)]
 
         def code(streams: list[tuple[str, int]], predictions) -> None:
             xs, means, stds = [], [], []
             for (kind, head), (mean, std) in zip(streams, predictions):
                 x = (keys if kind == "k" else values)[:, head]
+                factors = []
                 for b, row in enumerate(rows):
-                    scale = choose_scale(x[b], mean[b], std[b])
-                    row.scales.append(scale)
+                    row.scales.append(choose_scale(x[b], mean[b], std[b]))
+                    factors.append(scale_factor(row.scales[-1]))
+                if session.portable:  # float64 statistics: coded as their canonical float32, std scaled
+                    mean, std, found = settle_stream(mean, std, factors, session.bounds(kind, head), keys.dtype,
+                                                     config)
+                    factors = [1.0] * batch
+                    index = order.index((kind, head))
+                    for b, entries in enumerate(found):
+                        listed[b].append(np.concatenate([np.full((entries.shape[0], 1), index, np.int32), entries], 1))
+                for b in range(batch):
                     # channel-major: a channel's elements share its sigma, so the coder switches tables less
                     xs.append(x[b].T)
                     means.append(mean[b].T)
                     # scaled before broadcasting, so per-channel statistics stay [head_dim, 1] for the coder
-                    stds.append(compact(std[b].T).mul(scale_factor(scale)).expand(dim, tokens))
+                    stds.append(compact(std[b].T).mul(factors[b]).expand(dim, tokens))
             blobs = encode_streams(xs, means, stds, config, self.workers)
             for i, blob in enumerate(blobs):
                 rows[i % batch].blobs.append(blob)
@@ -224,6 +271,9 @@ class LosslessContext:
             for kind, head in order:
                 code([(kind, head)], [session.predict(kind, head)])
                 session.observe(kind, head, (keys if kind == "k" else values)[:, head])
+        for b, row in enumerate(rows):
+            entries = np.concatenate(listed[b]) if listed[b] else np.zeros((0, 4), np.int32)
+            row.listed = torch.from_numpy(entries) if entries.shape[0] else None  # None: nothing listed
         self.sealed_raw_bytes += 2 * keys.numel() * keys.element_size()
         block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, device)
         self._keep(block, session.finish(keys, values))
@@ -518,10 +568,15 @@ class LosslessContext:
         def decode(indices: list[int], predictions) -> None:
             blobs, means, stds = [], [], []
             for index, (mean, std) in zip(indices, predictions):
+                factors = [scale_factor(row.scales[index]) for row in block.rows]
+                if session.portable:
+                    mean, std = resettle_stream(mean, std, factors, [_listed_of(row, index) for row in block.rows],
+                                                block.dtype, config)
+                    factors = [1.0] * batch
                 for b, row in enumerate(block.rows):
                     blobs.append(row.blobs[index])
                     means.append(mean[b].T)
-                    stds.append(compact(std[b].T).mul(scale_factor(row.scales[index])).expand(block.dim, block.tokens))
+                    stds.append(compact(std[b].T).mul(factors[b]).expand(block.dim, block.tokens))
             try:
                 out = decode_streams(blobs, means, stds, config, self.workers, verify=not block.verified)
             except ParameterMismatchError as err:
@@ -644,6 +699,14 @@ class LosslessContext:
         self._chain.clear()
         self.predictor.forget_state()
         self.sealed_raw_bytes = 0
+
+
+def _listed_of(row: CodedRow, stream: int) -> np.ndarray:
+    """The entries of ``row``'s list for ``stream``, int32 ``[n, 3]`` (element, mean bits, std bits)."""
+    if row.listed is None or not row.listed.shape[0]:
+        return np.zeros((0, 3), np.int32)
+    entries = row.listed.numpy()
+    return entries[entries[:, 0] == stream, 1:]
 
 
 def encode_streams(xs: list[torch.Tensor], means: list[torch.Tensor], stds: list[torch.Tensor],

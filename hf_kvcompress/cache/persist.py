@@ -1,6 +1,6 @@
 """One-file save / load of a lossless cache: the prefix-cache use (store a prompt's KV once, reload later).
 
-File layout (format version 2): ``MAGIC`` (8 bytes), the format version (u32, little endian), the header
+File layout (format version 3): ``MAGIC`` (8 bytes), the format version (u32, little endian), the header
 length (u32), a UTF-8 JSON header, the payload (every stream and side tensor, at the offsets the header
 lists, in order, without gaps), then a SHA-256 of everything before it. The header carries the token ids,
 the config, the predictor, the model identity and calibration checksum, the library version and what the
@@ -8,8 +8,9 @@ predictor needs to reproduce (threads, CPU). Nothing is unpickled.
 
 `load_cache` trusts nothing it has not checked: the SHA-256 over the whole file first, then every header
 field against the others and against the payload (block order and sizes, stream and side-data extents,
-each stream's declared dtype and shape) before anything is allocated or decoded. Version-1 files (whose
-header was not checksummed) are refused with a request to re-save them.
+each stream's declared dtype and shape, the listed elements of portable predictors) before anything is
+allocated or decoded. Files of earlier versions are refused with a request to re-save them (version 2 held
+float32 predictor statistics, which decode only on CPUs that round like the writer's).
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ if TYPE_CHECKING:
 MAGIC = b"\x89HFKVC\r\n"
 LEGACY_MAGIC = b"HFKVCACH"  # format version 1: SHA-256 over the payload only
 FORMAT = "hf_kvcompress.cache"
-VERSION = 2
+VERSION = 3
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _DIGEST = 32  # trailing SHA-256
 MAX_HEADER = 1 << 30
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32}
 _MIN_STREAM_ENTRY = 8  # bytes per window-table entry: a stream of n bytes holds at most n / 8 windows
 
 
@@ -267,11 +268,11 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
     except PredictorMismatchError as err:
         here = reproducibility()
         why = (f"saved with {header['reproducibility']}, loading with {here}" if header["reproducibility"] != here
-               else f"the file's environment record equals this one ({here}), so the difference lies in what it "
-                    "does not record: the CPU model, whose float32 kernels round differently")
+               else f"the file's environment record equals this one ({here})")
         raise CacheFileError(
             f"the '{name}' predictor does not reproduce here ({why}), or the file was edited and its checksum "
-            f"recomputed; files coded by a model-free predictor ('generic') decode on every machine: {err}"
+            f"recomputed; 'generic', 'none' and 'context' files decode on every CPU, predictors that rerun the "
+            f"model depend on its kernels: {err}"
         ) from err
     except CorruptStreamError as err:
         raise CacheFileError(f"a stream does not decode: {err}") from err
@@ -342,6 +343,24 @@ def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predict
         got = {name: (t.dtype, tuple(t.shape)) for name, t in row.side.items()}
         if got != expected:
             raise CacheFileError(f"{where}, row {r}: side data {got}, the '{predictor.name}' predictor needs {expected}")
+        _check_listed(row.listed, f"{where}, row {r}", 2 * block.heads, block.tokens * block.dim)
+
+
+def _check_listed(listed: torch.Tensor | None, where: str, streams: int, elements: int) -> None:
+    """A portable predictor's listed elements (`coded.Settler`): int32 ``[n, 4]``, (stream, element) pairs
+    strictly increasing and in range."""
+    if listed is None:
+        return
+    if listed.dtype != torch.int32 or listed.dim() != 2 or listed.shape[1] != 4:
+        raise CacheFileError(f"{where}: listed elements must be int32 [n, 4], got {listed.dtype} {list(listed.shape)}")
+    if not listed.shape[0]:
+        return
+    stream, element = listed[:, 0].long(), listed[:, 1].long()
+    if int(stream.min()) < 0 or int(stream.max()) >= streams or int(element.min()) < 0 or int(element.max()) >= elements:
+        raise CacheFileError(f"{where}: listed elements out of range ({streams} streams of {elements} elements)")
+    order = stream * elements + element
+    if not bool((order[1:] > order[:-1]).all()):
+        raise CacheFileError(f"{where}: listed elements out of order or repeated")
 
 
 def _read(path: Path) -> _Saved:
@@ -361,7 +380,8 @@ def _read(path: Path) -> _Saved:
         raise CacheFileError(f"truncated: {len(data)} bytes")
     _magic, version, size = _PREFIX.unpack_from(data, 0)
     if version != VERSION:
-        raise CacheFileError(f"cache format version {version}, this library reads {VERSION} (or the file is damaged)")
+        why = " (version 2 held float32 predictor statistics; re-save it)" if version == 2 else " (or the file is damaged)"
+        raise CacheFileError(f"cache format version {version}, this library reads {VERSION}{why}")
     if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
         raise CacheFileError("checksum mismatch: the file is truncated or corrupt")
     end = _PREFIX.size + size
@@ -446,7 +466,7 @@ def _check_header(header: object, payload: bytes) -> _Saved:
 
 
 def _check_row(row: object, where: str, heads: int, elements: int, cursor: list[int]) -> None:
-    row = _dict(row, where, {"scales", "streams", "side"})
+    row = _dict(row, where, {"scales", "streams", "side", "listed"})
     streams, scales = row["streams"], row["scales"]
     if not isinstance(streams, list) or len(streams) != 2 * heads:
         raise CacheFileError(f"{where} must hold {2 * heads} streams")
@@ -464,18 +484,25 @@ def _check_row(row: object, where: str, heads: int, elements: int, cursor: list[
             raise CacheFileError(f"{where}, stream {s}: {length} bytes cannot hold the {elements} elements claimed")
     side = _dict(row["side"], f"{where} side", None)
     for name, info in side.items():
-        info = _dict(info, f"{where} side {name!r}", {"dtype", "shape", "offset", "bytes"})
-        if info["dtype"] not in DTYPES:
-            raise CacheFileError(f"{where} side {name!r}: unknown dtype {info['dtype']!r}")
-        shape = info["shape"]
-        if not isinstance(shape, list) or len(shape) > 8:
-            raise CacheFileError(f"{where} side {name!r}: bad shape {shape!r}")
-        count = 1
-        for n in shape:
-            count *= _int(n, f"{where} side {name!r} shape", 0, 1 << 40)
-        length = _extent(info["offset"], info["bytes"], f"{where} side {name!r}", cursor)
-        if count * DTYPES[info["dtype"]].itemsize != length:
-            raise CacheFileError(f"{where} side {name!r}: {length} bytes do not hold shape {shape}")
+        _check_tensor(info, f"{where} side {name!r}", cursor)
+    if row["listed"] is not None:
+        _check_tensor(row["listed"], f"{where} listed", cursor)
+
+
+def _check_tensor(info: object, where: str, cursor: list[int]) -> None:
+    """A tensor's entry: dtype, shape and the next extent of the payload, which its bytes fill exactly."""
+    info = _dict(info, where, {"dtype", "shape", "offset", "bytes"})
+    if info["dtype"] not in DTYPES:
+        raise CacheFileError(f"{where}: unknown dtype {info['dtype']!r}")
+    shape = info["shape"]
+    if not isinstance(shape, list) or len(shape) > 8:
+        raise CacheFileError(f"{where}: bad shape {shape!r}")
+    count = 1
+    for n in shape:
+        count *= _int(n, f"{where} shape", 0, 1 << 40)
+    length = _extent(info["offset"], info["bytes"], where, cursor)
+    if count * DTYPES[info["dtype"]].itemsize != length:
+        raise CacheFileError(f"{where}: {length} bytes do not hold shape {shape}")
 
 
 def _extent(offset: object, length: object, where: str, cursor: list[int]) -> int:
@@ -535,25 +562,32 @@ def _write_row(row: CodedRow, payload: bytearray) -> dict[str, Any]:
     for blob in row.blobs:
         streams.append([len(payload), len(blob)])
         payload += blob
-    side = {}
-    for name, tensor in row.side.items():
-        data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        side[name] = {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape),
-                      "offset": len(payload), "bytes": len(data)}
-        payload += data
-    return {"scales": list(row.scales), "streams": streams, "side": side}
+    side = {name: _write_tensor(tensor, payload) for name, tensor in row.side.items()}
+    listed = None if row.listed is None else _write_tensor(row.listed, payload)
+    return {"scales": list(row.scales), "streams": streams, "side": side, "listed": listed}
+
+
+def _write_tensor(tensor: torch.Tensor, payload: bytearray) -> dict[str, Any]:
+    data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    entry = {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape), "offset": len(payload),
+             "bytes": len(data)}
+    payload += data
+    return entry
 
 
 def _read_row(entry: dict[str, Any], payload: bytes) -> CodedRow:
     """A row of a checked header (`_check_row`): its streams and side tensors, copied out of the payload."""
     view = memoryview(payload)
     blobs = [bytes(view[offset : offset + length]) for offset, length in entry["streams"]]
-    side = {}
-    for name, info in entry["side"].items():
-        raw = bytearray(view[info["offset"] : info["offset"] + info["bytes"]])
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        side[name] = flat.view(DTYPES[info["dtype"]]).reshape(info["shape"]).clone()
-    return CodedRow(blobs, array("b", entry["scales"]), side)  # checked to lie in [SCALE_MIN, SCALE_MAX]
+    side = {name: _read_tensor(info, view) for name, info in entry["side"].items()}
+    listed = None if entry["listed"] is None else _read_tensor(entry["listed"], view)
+    return CodedRow(blobs, array("b", entry["scales"]), side, listed)  # checked to lie in [SCALE_MIN, SCALE_MAX]
+
+
+def _read_tensor(info: dict[str, Any], view: memoryview) -> torch.Tensor:
+    raw = bytearray(view[info["offset"] : info["offset"] + info["bytes"]])
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(DTYPES[info["dtype"]]).reshape(info["shape"]).clone()
 
 
 def _layer_device(model: torch.nn.Module | None, layer: int) -> torch.device:

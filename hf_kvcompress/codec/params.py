@@ -383,3 +383,104 @@ class ParamSource:
         assert self.std_bits is not None
         codes = log_codes(self.std_bits)
         return int(codes.astype(np.int64).sum()) // max(1, codes.size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Portable statistics: float32 means / stds that come out bit for bit on every CPU.
+#
+# A predictor whose arithmetic rounds differently on another CPU (BLAS summation order, libm's cos / pow) gives
+# means that differ in their last bits. The params above read a mean only through (sign, grid pattern, offset
+# level q, sign of the offset) and a std only through its log code (exponent and top three mantissa bits), so
+# two means in the same class code identically. `settle` maps each float64 statistic to a canonical float32 of
+# its class; the few elements whose class another machine could see differently (the value lies within the
+# predictor's error bound of a class boundary) are listed with the encoder's canonical bits, and the decoder
+# takes those from the list (docs/lossless.md, "Where a saved file decodes").
+
+_MEAN_CELL = 2048  # every boundary of a mean's class lies at a multiple of 2^11 in |bits| (tested exhaustively)
+_STD_CELL_BITS = 20  # a std's class is bits >> 20 (its log code `lcs`)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _mean_class(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
+    # the params under a zero std (the N family with offsets: every mean dependence is visible) identify the class
+    t, c, _, s = element_param(mb, np.int64(0), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+    return (t << 40) ^ (c << 2) ^ (s + 1)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _canonical_mean(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
+    mag = mb & 0x7FFFFFFF
+    if mag >= 0x7F800000:
+        return mb  # infinities and NaN stay as they are (the codec refuses them)
+    sign = mb & 0x80000000
+    want = _mean_class(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+    centre = (mag & ~np.int64(_MEAN_CELL - 1)) | (_MEAN_CELL // 2)
+    if _mean_class(sign | centre, zero_key, exp_offset, truncated, is_fp16, radius, tlut) == want:
+        return sign | centre
+    if centre >= _MEAN_CELL and _mean_class(sign | (centre - _MEAN_CELL), zero_key, exp_offset, truncated,
+                                            is_fp16, radius, tlut) == want:
+        return sign | (centre - _MEAN_CELL)  # a boundary point that belongs to the cell below
+    return mb  # (-0.0): no canonical neighbour; kept, and listed by `settle` unless its value is exact
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _canonical_std(sb):
+    if (sb & 0x7F800000) == 0x7F800000:
+        return sb
+    return (sb & ~np.int64((1 << _STD_CELL_BITS) - 1)) | (1 << (_STD_CELL_BITS - 1))
+
+
+@_jit
+def settle_kernel(m, lo, hi, s, slo, shi, zero_key, exp_offset, truncated, is_fp16, radius, tlut, out_m, out_s,
+                  ambiguous):
+    """Canonical bits of float32 means ``m`` / stds ``s`` (uint32 bit arrays) and whether the range
+    ``lo..hi`` (``slo..shi``) around each holds more than one class."""
+    for i in range(m.size):
+        cm = _canonical_mean(np.int64(m[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+        cs = _canonical_std(np.int64(s[i]))
+        out_m[i] = cm
+        out_s[i] = cs
+        ambiguous[i] = (
+            _canonical_mean(np.int64(lo[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm
+            or _canonical_mean(np.int64(hi[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm
+            or _canonical_std(np.int64(slo[i])) != cs or _canonical_std(np.int64(shi[i])) != cs
+        )
+
+
+@_jit
+def canonical_kernel(m, s, zero_key, exp_offset, truncated, is_fp16, radius, tlut, out_m, out_s):
+    """`settle_kernel` without the ranges (the decoder's call: nothing to list)."""
+    for i in range(m.size):
+        out_m[i] = _canonical_mean(np.int64(m[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+        out_s[i] = _canonical_std(np.int64(s[i]))
+
+
+def _bits32(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
+
+
+def settle(mean: np.ndarray, std: np.ndarray, mean_tol: np.ndarray | None, std_tol: np.ndarray | None, fmt: Format,
+           mean_steps: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 ``mean`` / ``std`` (equal shapes) whose values another machine reproduces only within
+    ``mean_tol`` / ``std_tol`` (float64 bounds, broadcastable) -> float32 canonical mean and std of the same
+    shape (same params as the rounded statistics) and the flat indices of the elements whose class is not
+    certain (another machine might settle them elsewhere: the encoder sends their canonical bits). Tolerances
+    None: the canonical values only (the decoder, which takes the uncertain ones from the encoder's list)."""
+    mean = np.asarray(mean, dtype=np.float64)
+    std = np.asarray(std, dtype=np.float64)
+    n = mean.size
+    out_m, out_s = np.empty(n, dtype=np.uint32), np.empty(n, dtype=np.uint32)
+    if mean_tol is None:
+        canonical_kernel(_bits32(mean), _bits32(std), fmt.zero_key, fmt.exp_offset, fmt.truncated, fmt is FP16,
+                         _radius64(), t_lut(mean_steps), out_m, out_s)
+        return (out_m.view(np.float32).reshape(mean.shape), out_s.view(np.float32).reshape(std.shape),
+                np.zeros(0, dtype=np.int64))
+    mean_tol, std_tol = np.broadcast_to(mean_tol, mean.shape), np.broadcast_to(std_tol, std.shape)
+    ambiguous = np.empty(n, dtype=np.bool_)
+    # an exact value (zero tolerance) is its own range: m - 0 and m + 0 differ for m = -0.0
+    settle_kernel(_bits32(mean), _bits32(np.where(mean_tol > 0, mean - mean_tol, mean)),
+                  _bits32(np.where(mean_tol > 0, mean + mean_tol, mean)), _bits32(std),
+                  _bits32(np.where(std_tol > 0, std - std_tol, std)), _bits32(np.where(std_tol > 0, std + std_tol, std)), fmt.zero_key, fmt.exp_offset, fmt.truncated,
+                  fmt is FP16, _radius64(), t_lut(mean_steps), out_m, out_s, ambiguous)
+    return (out_m.view(np.float32).reshape(mean.shape), out_s.view(np.float32).reshape(std.shape),
+            np.flatnonzero(ambiguous))

@@ -32,17 +32,24 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..cache.coded import choose_scale, compact, one_thread, scale_factor
+from ..cache.coded import choose_scale, compact, one_thread, resettle_stream, scale_factor, settle_stream
 from ..calibration import Calibration
 from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
 from ..errors import ChunkError, ChunkPayloadError
-from ..predictors.base import BlockInputs, LayerValues, Predictor, PredictorSession, stream_order
+from ..predictors.base import (
+    ROUNDING_TOLERANCE,
+    BlockInputs,
+    LayerValues,
+    Predictor,
+    PredictorSession,
+    stream_order,
+)
 from ..predictors.context import ContextPredictor
 from ..predictors.generic import BlockStatsSession, block_stats
 from ..predictors.rope import RopeFrame
 
 MAGIC = b"HFKVCHNK"
-VERSION = 1
+VERSION = 2  # 2: portable statistics (float64, settled; listed elements after each stream of a portable session)
 DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
 MODE_RAW, MODE_STATS, MODE_CONTEXT = 0, 1, 2
 MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "context (calibrated)"}
@@ -51,6 +58,7 @@ MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "co
 # bytes, CRC-32 of everything before this field plus the body
 HEADER = struct.Struct("<8sBBBBIIIII8sQII")
 STREAM = struct.Struct("<bI")  # std scale code (quarter octaves, see cache.coded.choose_scale), blob length
+LISTED = struct.Struct("<I")  # a portable session's stream: how many listed elements follow (element, mean, std bits)
 SIDE_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2}
 # the lossless cache's default codec setting (config.LosslessConfig): the compiled interleaved-rANS ``lanes``
 # coder (one window per stream, ~24-byte stream header, many streams per call), coarser mean steps (fewer
@@ -128,7 +136,8 @@ def parse_header(payload: bytes | bytearray | memoryview) -> ChunkHeader:
     if magic != MAGIC:
         raise ChunkPayloadError("not an hf_kvcompress KV chunk payload (bad magic bytes)")
     if version != VERSION:
-        raise ChunkPayloadError(f"KV chunk payload format version {version}; this library reads version {VERSION}")
+        why = " (version 1 held float32 statistics; re-encode the chunk)" if version == 1 else ""
+        raise ChunkPayloadError(f"KV chunk payload format version {version}; this library reads version {VERSION}{why}")
     if len(view) < HEADER.size + body_length:
         raise ChunkPayloadError(
             f"KV chunk payload truncated: header announces {HEADER.size + body_length} bytes, got {len(view)}"
@@ -168,17 +177,32 @@ class ChunkStatsPredictor(Predictor):
 
 
 class _RelativeStatsSession(BlockStatsSession):
+    """Keys rotated back in float64 (`portable`: cos / sin round differently between CPUs), values exact."""
+
     def __init__(self, inputs: BlockInputs, frame: RopeFrame):
         super().__init__(inputs)
-        self.frame = frame
+        self.frame = frame.in_float64()
+        self.portable = not frame.is_identity
         self.relative = torch.arange(self.tokens)
+        self._last: tuple[str, int, torch.Tensor, torch.Tensor] | None = None
 
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         mean, std = super().predict(kind, head)
-        if kind == "k" and not self.frame.is_identity:
-            mean = self.frame.rotate(mean, self.relative)
-            std = self.frame.rotate_variance(std.square(), self.relative).sqrt()
+        if kind == "k" and self.portable:
+            exact = mean.double()
+            mean = self.frame.rotate(exact, self.relative)
+            std = self.frame.rotate_variance(std.double().square(), self.relative).sqrt()
+            self._last = (kind, head, exact, std)
         return mean, std
+
+    def bounds(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # exact side-data statistics, then one rotation: only cos / sin and a few roundings differ between CPUs
+        if self._last is None or self._last[:2] != (kind, head):
+            raise RuntimeError(f"bounds({kind!r}, {head}) without a matching predict() of a rotated stream")
+        _, _, exact, std = self._last
+        zero = torch.zeros_like(std)
+        return (self.frame.rotate_tolerance(zero, exact.abs().expand_as(std), self.relative, ROUNDING_TOLERANCE),
+                self.frame.rotate_tolerance(zero, std, self.relative, ROUNDING_TOLERANCE))
 
 
 class ChunkCoder:
@@ -332,14 +356,12 @@ class ChunkCoder:
             session = predictor.session(self._inputs(layer, chunk.shape[2], first_position, below, side))
             config = self._codec_config(layer, self.mode)
             for kind, head in stream_order(heads):
-                mean, std = session.predict(kind, head)
                 x = (keys if kind == "k" else values)[:, head]
-                code = choose_scale(x[0], mean[0], std[0])
-                mean_t, std_t = compact(mean[0]), compact(std[0]) * scale_factor(code)
+                code, mean, std, listed = _settled(session, kind, head, x[0], chunk.dtype)
+                mean_t, std_t = compact(mean[0]), compact(std[0])
                 # channel-major (as the cache codes a block): a channel's elements share a spread
                 blob = encode(x[0].T, mean_t.T, std_t.T, config)
-                parts.append(STREAM.pack(code, len(blob)))
-                parts.append(blob)
+                parts += [STREAM.pack(code, len(blob)), blob, listed]
                 session.observe(kind, head, x)
             below = session.finish(keys, values)
         return b"".join(parts)
@@ -347,24 +369,24 @@ class ChunkCoder:
     def _encode_independent(self, chunk: torch.Tensor, heads: int, predictor: ChunkStatsPredictor) -> bytes:
         """`_encode_body` for a predictor whose streams do not depend on each other (chunk statistics): the
         same bytes, every stream coded in a few batched codec calls instead of one call each."""
-        sides, codes, streams = [], [], []
+        sides, codes, streams, lists = [], [], [], []
         for layer in range(chunk.shape[1]):
             keys, values = (_heads_view(chunk[kind, layer], heads) for kind in (0, 1))
             side = predictor.side_data(layer, keys, values)
             sides.append(_pack_side(side))
             session = predictor.session(self._inputs(layer, chunk.shape[2], 0, None, side))
             for kind, head in stream_order(heads):
-                mean, std = session.predict(kind, head)
                 x = (keys if kind == "k" else values)[0, head]
-                code = choose_scale(x, mean[0], std[0])
+                code, mean, std, listed = _settled(session, kind, head, x, chunk.dtype)
                 codes.append(code)
-                streams.append((x.T, compact(mean[0]).T, (compact(std[0]) * scale_factor(code)).T))
+                lists.append(listed)
+                streams.append((x.T, compact(mean[0]).T, compact(std[0]).T))
         blobs = _batched(streams, lambda x, m, s: encode_batch(x, m, s, CODEC_CONFIG, threads=self.threads))
         parts, per_layer = [], 2 * heads
         for layer, side in enumerate(sides):
             parts.append(side)
             for i in range(layer * per_layer, (layer + 1) * per_layer):
-                parts += [STREAM.pack(codes[i], len(blobs[i])), blobs[i]]
+                parts += [STREAM.pack(codes[i], len(blobs[i])), blobs[i], lists[i]]
         return b"".join(parts)
 
     # ------------------------------------------------------------------ decode
@@ -430,7 +452,8 @@ class ChunkCoder:
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
                 code, blob, offset = _read_stream(body, offset)
-                mean_t, std_t = compact(mean[0]), compact(std[0]) * scale_factor(code)
+                mean, std, offset = _resettled(session, mean, std, code, body, offset, header.dtype, config)
+                mean_t, std_t = compact(mean[0]), compact(std[0])
                 x = decode(blob, mean_t.T, std_t.T, config=config)
                 if x.dtype != header.dtype or tuple(x.shape) != (dim, tokens):
                     raise ChunkPayloadError(f"KV chunk payload stream {kind}{head} of layer {layer} has the wrong shape")
@@ -454,8 +477,9 @@ class ChunkCoder:
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
                 code, blob, offset = _read_stream(body, offset)
+                mean, std, offset = _resettled(session, mean, std, code, body, offset, header.dtype, CODEC_CONFIG)
                 places.append((0 if kind == "k" else 1, layer, head))
-                streams.append((blob, compact(mean[0]).T, (compact(std[0]) * scale_factor(code)).T))
+                streams.append((blob, compact(mean[0]).T, compact(std[0]).T))
         if offset != len(body):
             raise ChunkPayloadError(f"KV chunk payload has {len(body) - offset} unexpected trailing body bytes")
         decoded = _batched(streams, lambda blobs, m, s: list(decode_batch(blobs, m, s, CODEC_CONFIG,
@@ -517,6 +541,49 @@ def guess_rope_frame(chunk: torch.Tensor, kv_heads: int | None = None, head_dim:
             if c < best_cost:
                 best, best_cost = frame, c
     return best
+
+
+def _settled(session: PredictorSession, kind: str, head: int, x: torch.Tensor,
+             dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor, bytes]:
+    """A stream's std scale code and prediction as the codec takes it (std scaled; `cache.coded.settle_stream`
+    for float64 statistics of a `portable` session), and the bytes that follow the stream in the body: nothing,
+    or (portable) the count and the listed elements."""
+    mean, std = session.predict(kind, head)
+    code = choose_scale(x, mean[0], std[0])
+    if mean.dtype != torch.float64:
+        return code, mean, compact(std) * scale_factor(code), LISTED.pack(0) if session.portable else b""
+    mean, std, listed = settle_stream(mean, std, [scale_factor(code)], session.bounds(kind, head), dtype,
+                                      CODEC_CONFIG)
+    return code, mean, std, LISTED.pack(listed[0].shape[0]) + listed[0].astype("<i4").tobytes()
+
+
+def _resettled(session: PredictorSession, mean: torch.Tensor, std: torch.Tensor, code: int, body: memoryview,
+               offset: int, dtype: torch.dtype, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The decoder's `_settled`: the statistics the stream was coded with, reading its listed elements."""
+    if not session.portable:
+        return mean, compact(std) * scale_factor(code), offset
+    listed, offset = _read_listed(body, offset, mean[0].numel())
+    if mean.dtype != torch.float64:
+        if listed.shape[0]:
+            raise ChunkPayloadError("KV chunk payload lists elements of a stream whose statistics are exact")
+        return mean, compact(std) * scale_factor(code), offset
+    mean, std = resettle_stream(mean, std, [scale_factor(code)], [listed], dtype, config)
+    return mean, std, offset
+
+
+def _read_listed(body: memoryview, offset: int, elements: int) -> tuple[np.ndarray, int]:
+    """The listed elements after a portable session's stream (checked: in range, strictly increasing)."""
+    if offset + LISTED.size > len(body):
+        raise ChunkPayloadError("KV chunk payload truncated before a stream's listed elements")
+    (count,) = LISTED.unpack_from(body, offset)
+    offset += LISTED.size
+    if count > elements or offset + 12 * count > len(body):
+        raise ChunkPayloadError(f"KV chunk payload lists {count} elements of a {elements}-element stream")
+    entries = np.frombuffer(body, dtype="<i4", count=3 * count, offset=offset).reshape(count, 3).astype(np.int32)
+    index = entries[:, 0].astype(np.int64)
+    if count and (index.min() < 0 or index.max() >= elements or (count > 1 and not (np.diff(index) > 0).all())):
+        raise ChunkPayloadError("KV chunk payload's listed elements are out of range or out of order")
+    return entries, offset + 12 * count
 
 
 def _pack_frame(frame: RopeFrame) -> bytes:

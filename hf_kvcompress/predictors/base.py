@@ -18,6 +18,21 @@ import torch
 KINDS = ("k", "v")
 
 
+# How far another CPU's float64 statistics of a `portable` session may lie from these (the bounds its `bounds`
+# returns), relative to the magnitude of the terms that were rounded; a result computed exactly (no rounding:
+# a bias alone, a rotation by angle 0, a neutral surprise) gets no tolerance. Each leaves a margin of 2^2-2^8 over
+# the error it bounds, and they list ~1e-5 of the elements for the encoder to send (docs/lossless.md, "Where a saved
+# file decodes"):
+#: elementwise float64 maths (cos / sin / pow / sqrt within a few ulps, a handful of roundings: ~2^-50)
+ROUNDING_TOLERANCE = 2.0**-44
+#: a float64 dot product of n terms: at most n 2^-53 of the sum of their magnitudes (n <= 2^11 features: 2^-42;
+#: a blocked BLAS sum is tighter), plus the features' own rounding (~2^-52 of the same sum)
+MEAN_TOLERANCE = 2.0**-40
+#: a std scaled by a surprise computed from errors (`linear.Surprise`), which carries the mean's error into the
+#: std amplified by magnitude / (sigma * SURPRISE_RANGE[0])
+STD_TOLERANCE = 2.0**-20
+
+
 #: how many layers below a block the values stay reachable (``LayerValues.below`` chains)
 MAX_BELOW = 2
 
@@ -82,9 +97,20 @@ class PredictorSession(ABC):
     #: may then predict every stream first and code the whole block in one batch
     independent: bool = False
 
+    #: True when `predict` gives float64 statistics whose last bits depend on the CPU (matrix products, libm):
+    #: the cache then codes canonical float32 values (`codec.params.settle`, within `bounds`) so that a file
+    #: decodes on every machine; False: float32 statistics that every machine computes bit for bit
+    portable: bool = False
+
     @abstractmethod
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and std, each ``[batch, tokens, head_dim]`` float32, for stream (kind, head)."""
+        """Mean and std, each ``[batch, tokens, head_dim]``, for stream (kind, head): float32, or float64 for a
+        `portable` session."""
+
+    def bounds(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a `portable` session, right after `predict` (kind, head): how far (float64, per element) another
+        machine's mean and std of that stream may lie from the ones predicted here."""
+        raise NotImplementedError(f"{type(self).__name__} is not portable")
 
     def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std of every stream of an `independent` session, ``[2 * heads, batch, tokens, head_dim]``

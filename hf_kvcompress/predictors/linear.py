@@ -27,7 +27,16 @@ from typing import ClassVar
 
 import torch
 
-from .base import BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
+from .base import (
+    MEAN_TOLERANCE,
+    ROUNDING_TOLERANCE,
+    STD_TOLERANCE,
+    BlockInputs,
+    ExtrasSource,
+    LayerValues,
+    Predictor,
+    PredictorSession,
+)
 from .generic import BlockStatsSession, block_stats
 from .rope import RopeFrame
 
@@ -42,11 +51,12 @@ class Surprise:
     """The per-token surprise of one block at one layer: the RMS of the standardised errors of the streams
     added so far, else the layer below's surprise, else 1; clamped to `SURPRISE_RANGE`.
 
-    One recursion for the coder (`LinearSession`, float32) and the calibration fit (float64 residuals):
-    each keeps its own dtypes, the steps are the same."""
+    One recursion for the coder (`LinearSession`, float64) and the calibration fit (float64 residuals):
+    each keeps its own dtypes (``dtype``: of the neutral surprise), the steps are the same."""
 
-    def __init__(self, below: torch.Tensor | None):
+    def __init__(self, below: torch.Tensor | None, dtype: torch.dtype = torch.float32):
         self.below = below
+        self.dtype = dtype
         self.z2_sum: torch.Tensor | None = None
         self.count = 0
 
@@ -55,9 +65,9 @@ class Surprise:
         if self.count:
             raw = (self.z2_sum / self.count).sqrt()
         elif self.below is not None:
-            raw = self.below
+            raw = self.below.to(self.dtype)
         else:
-            return torch.ones(*shape)
+            return torch.ones(*shape, dtype=self.dtype)
         return raw.clamp(*SURPRISE_RANGE)
 
     def add(self, z: torch.Tensor) -> None:
@@ -87,28 +97,40 @@ class StreamHead:
 
 
 class FeatureBuilder:
-    """Assembles the features of each stream of one block (shared by calibration and coding)."""
+    """Assembles the features of each stream of one block (shared by calibration and coding), in the frame's
+    dtype (float32 for the fit, float64 for the coder)."""
 
     def __init__(self, recipe: FeatureRecipe, frame: RopeFrame, inputs: BlockInputs, extras: list[torch.Tensor]):
         self.recipe = recipe
         self.frame = frame
+        self.dtype = frame.dtype
         self.positions = inputs.positions
-        parts = list(extras)
+        self.inputs, self.extras = inputs, extras
+        parts = [e.to(self.dtype) for e in extras]
         if inputs.below is not None:
             for layer in inputs.below.chain(recipe.below):
-                parts.append(flat_heads(frame.unrotate(layer.keys, self.positions)))
-                parts.append(flat_heads(layer.values.to(torch.float32)))
+                parts.append(flat_heads(frame.unrotate(layer.keys, self.positions), self.dtype))
+                parts.append(flat_heads(layer.values, self.dtype))
         self.base = parts
         # one tensor for the shared part: each stream multiplies it once, without re-concatenating
         self.base_matrix = torch.cat(parts, dim=-1) if parts else None
+        self._base_bound: torch.Tensor | None = None
         self.own_keys: list[torch.Tensor] = []  # pre-RoPE, [batch, tokens, head_dim] each
         self.own_values: list[torch.Tensor] = []
+        self.own_bounds: list[torch.Tensor] = []  # `bound` of each own stream, in the order observed
 
     def observe(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """Record a stream's true values; returns them in the prediction frame (pre-RoPE for keys)."""
-        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(torch.float32)
+        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
         (self.own_keys if kind == "k" else self.own_values).append(framed)
+        self.own_bounds.append(self.bound(kind, values))
         return framed
+
+    def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:
+        """float32 bounds on the magnitude of the feature values of ``values`` and of what rounding touched: for
+        keys, the un-rotated pair's magnitudes (the un-rotation's error is relative to them)."""
+        size = values.abs().to(torch.float32)
+        return self.frame.rotate_bound(size) if kind == "k" else size
 
     def own(self, kind: str, head: int) -> list[torch.Tensor]:
         """The stream's own-layer features, in order (empty without inter-head prediction)."""
@@ -118,7 +140,7 @@ class FeatureBuilder:
 
     def features(self, kind: str, head: int, batch: int, tokens: int) -> torch.Tensor:
         """``[batch, tokens, n]``: the constant 1, the shared features, the own-layer features."""
-        return torch.cat([torch.ones(batch, tokens, 1), *self.base, *self.own(kind, head)], dim=-1)
+        return torch.cat([torch.ones(batch, tokens, 1, dtype=self.dtype), *self.base, *self.own(kind, head)], dim=-1)
 
     def apply(self, kind: str, head: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
         """``features(kind, head) @ weight`` (``[batch, tokens, dim]``), computed piecewise: the same sum
@@ -140,9 +162,31 @@ class FeatureBuilder:
             row += part.shape[-1]
         return out
 
+    def magnitude(self, kind: str, head: int, weight: torch.Tensor) -> torch.Tensor:
+        """A bound on the sum of the absolute products of `apply` without the bias (``[batch, tokens, dim]``,
+        float64): ``bound(features) @ |weight|`` in float32, rounded up; it bounds the product's rounding error."""
+        if self._base_bound is None:
+            parts = [e.abs().to(torch.float32) for e in self.extras]
+            if self.inputs.below is not None:
+                for layer in self.inputs.below.chain(self.recipe.below):
+                    parts.append(flat_heads(self.bound("k", layer.keys)))
+                    parts.append(flat_heads(self.bound("v", layer.values)))
+            self._base_bound = (torch.cat(parts, dim=-1) if parts
+                                else torch.zeros(self.inputs.batch, self.positions.shape[0], 0))
+        heads = len(self.own_keys)
+        own = self.own_bounds[:head] if kind == "k" else self.own_bounds[:heads] + self.own_bounds[heads : heads + head]
+        if not self.recipe.inter_head:
+            own = []
+        features = torch.cat([self._base_bound, *own], dim=-1)
+        out = features @ weight[1 : 1 + features.shape[-1]].abs().to(torch.float32)
+        return out.to(torch.float64) * (1 + 2.0**-10)  # float32 sums of non-negative terms: rounding covered
+
 
 class LinearSession(PredictorSession):
-    """Codes one block with fitted `StreamHead`s (see module docstring)."""
+    """Codes one block with fitted `StreamHead`s (see module docstring), in float64: its statistics are
+    `portable` (another CPU reproduces them within `bounds`, and `codec.params.settle` makes them exact)."""
+
+    portable = True
 
     def __init__(
         self,
@@ -153,11 +197,18 @@ class LinearSession(PredictorSession):
         extras: list[torch.Tensor],
     ):
         self.heads = heads
-        self.builder = FeatureBuilder(recipe, frame, inputs, extras)
+        self.frame = frame.in_float64()
+        self.builder = FeatureBuilder(recipe, self.frame, inputs, extras)
         self.inputs = inputs
-        self.frame = frame
-        self.tracker = Surprise(inputs.below.surprise if inputs.below is not None else None)
+        self.tracker = Surprise(inputs.below.surprise if inputs.below is not None else None, torch.float64)
         self.pending: tuple[str, int, torch.Tensor] | None = None
+        self._weights: dict[tuple[str, int], torch.Tensor] = {}
+        self._last: tuple | None = None
+
+    def _weight(self, kind: str, head: int) -> torch.Tensor:
+        if (kind, head) not in self._weights:
+            self._weights[(kind, head)] = self.heads[(kind, head)].weight.to(torch.float64)
+        return self._weights[(kind, head)]
 
     def surprise(self, batch: int, tokens: int) -> torch.Tensor:
         return self.tracker.current((batch, tokens))
@@ -165,7 +216,7 @@ class LinearSession(PredictorSession):
     def framed_prediction(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean in the prediction frame (pre-RoPE for keys) and the token surprise before this stream."""
         batch, tokens = self.inputs.batch, self.inputs.positions.shape[0]
-        mean = self.builder.apply(kind, head, self.heads[(kind, head)].weight, batch)
+        mean = self.builder.apply(kind, head, self._weight(kind, head), batch)
         self.pending = (kind, head, mean)
         return mean, self.surprise(batch, tokens)
 
@@ -173,17 +224,34 @@ class LinearSession(PredictorSession):
         params = self.heads[(kind, head)]
         mean, surprise = self.framed_prediction(kind, head)
         scale = surprise.pow(params.alpha).unsqueeze(-1)
-        variance = params.sigma.square().expand(mean.shape[1], -1)
+        variance = params.sigma.to(torch.float64).square().expand(mean.shape[1], -1)
         if kind == "k":
             mean = self.frame.rotate(mean, self.inputs.positions)
             variance = self.frame.rotate_variance(variance, self.inputs.positions)
-        return mean, variance.sqrt() * scale
+        std = variance.sqrt() * scale
+        # what `bounds` needs (the encoder only): own-layer features, framed mean, std, whether the surprise is exact
+        neutral = self.tracker.count == 0 and self.tracker.below is None
+        self._last = (kind, head, self.pending[2], std, neutral)
+        return mean, std
+
+    def bounds(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._last is None or self._last[:2] != (kind, head):
+            raise RuntimeError(f"bounds({kind!r}, {head}) without a matching predict()")
+        _, _, framed, std, neutral = self._last
+        weight = self._weight(kind, head)
+        products = self.builder.magnitude(kind, head, weight).expand_as(framed)
+        # no products (a bias alone, or all-zero features): the mean is the bias, exactly
+        mean_tol = torch.where(products > 0, MEAN_TOLERANCE * (weight[0].abs() + products), 0.0)
+        if kind == "k":
+            mean_tol = self.frame.rotate_tolerance(mean_tol, framed.abs() + mean_tol, self.inputs.positions,
+                                                   ROUNDING_TOLERANCE)
+        return mean_tol, std * (ROUNDING_TOLERANCE if neutral else STD_TOLERANCE)
 
     def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
         if self.pending is None or self.pending[:2] != (kind, head):
             raise RuntimeError(f"observe({kind!r}, {head}) without a matching predict()")
         framed = self.builder.observe(kind, values)
-        self.tracker.add((framed - self.pending[2]) / self.heads[(kind, head)].sigma)
+        self.tracker.add((framed - self.pending[2]) / self.heads[(kind, head)].sigma.to(torch.float64))
         self.pending = None
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
@@ -271,7 +339,7 @@ class CalibratedLinearPredictor(Predictor):
         return None
 
 
-def flat_heads(x: torch.Tensor) -> torch.Tensor:
-    """``[batch, heads, tokens, dim]`` -> ``[batch, tokens, heads * dim]`` float32."""
+def flat_heads(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[batch, heads, tokens, dim]`` -> ``[batch, tokens, heads * dim]`` in ``dtype``."""
     batch, heads, tokens, dim = x.shape
-    return x.to(torch.float32).permute(0, 2, 1, 3).reshape(batch, tokens, heads * dim)
+    return x.to(dtype).permute(0, 2, 1, 3).reshape(batch, tokens, heads * dim)

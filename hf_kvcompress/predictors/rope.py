@@ -8,16 +8,22 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class RopeFrame:
-    """Rotation by position for ``rotate_half`` RoPE (Llama, Qwen, Mistral...), computed in float32.
+    """Rotation by position for ``rotate_half`` RoPE (Llama, Qwen, Mistral...), computed in ``dtype``.
 
     Encoder and decoder call the same code on the same positions, so the frame only has to be
     deterministic, not identical to the model's own kernels. ``inv_freq=None`` is the identity frame
-    (models without RoPE).
+    (models without RoPE). In float32 (the default) its ``cos`` / ``sin`` differ in their last bits between
+    CPUs; predictors whose means must travel use the float64 frame (`in_float64`) and `codec.params.settle`.
     """
 
-    def __init__(self, inv_freq: torch.Tensor | None):
+    def __init__(self, inv_freq: torch.Tensor | None, dtype: torch.dtype = torch.float32):
         self.inv_freq = None if inv_freq is None else inv_freq.detach().to(torch.float32).cpu()
+        self.dtype = dtype
         self._memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def in_float64(self) -> RopeFrame:
+        """The same frequencies (their float32 values, exactly), rotating in float64."""
+        return RopeFrame(self.inv_freq, torch.float64)
 
     @classmethod
     def standard(cls, base: float, head_dim: int) -> RopeFrame:
@@ -53,7 +59,7 @@ class RopeFrame:
         contiguous = positions.numel() < 2 or bool((positions[1:] - positions[:-1] == 1).all())
         if contiguous and key in self._memo:
             return self._memo[key]
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = positions.to(self.dtype)[:, None] * self.inv_freq.to(self.dtype)[None, :]
         emb = torch.cat([angles, angles], dim=-1)
         result = (emb.cos(), emb.sin())
         if contiguous:
@@ -68,19 +74,37 @@ class RopeFrame:
         return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
     def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[..., tokens, head_dim]`` cached keys -> float32 keys in the pre-RoPE frame."""
-        keys = keys.to(torch.float32)
+        """``[..., tokens, head_dim]`` cached keys -> keys in the pre-RoPE frame, in the frame's dtype."""
+        keys = keys.to(self.dtype)
         if self.is_identity:
             return keys
         cos, sin = self._cos_sin(positions)
         return keys * cos - self._rotate_half(keys) * sin
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """float32 pre-RoPE keys ``[..., tokens, head_dim]`` -> the cached frame."""
+        """Pre-RoPE keys ``[..., tokens, head_dim]`` (the frame's dtype) -> the cached frame."""
         if self.is_identity:
             return keys
         cos, sin = self._cos_sin(positions)
         return keys * cos + self._rotate_half(keys) * sin
+
+    def rotate_bound(self, size: torch.Tensor) -> torch.Tensor:
+        """A bound on ``|rotate(x)|`` per element from a bound ``size`` on ``|x|`` (``[..., head_dim]``): a rotated
+        element mixes a pair of channels."""
+        if self.is_identity:
+            return size
+        return size + self._rotate_half(size).abs()
+
+    def rotate_tolerance(self, tolerance: torch.Tensor, size: torch.Tensor, positions: torch.Tensor,
+                         rounding: float) -> torch.Tensor:
+        """A bound on how far another CPU's `rotate` of ``x`` lies from this one's, for an ``x`` known within
+        ``tolerance`` whose magnitude is at most ``size`` (``[..., tokens, head_dim]``): the pair's tolerances plus
+        ``rounding`` of the pair's magnitude, except at angle 0 (position 0: cos = 1 and sin = 0 on every CPU, so
+        the rotation is exact)."""
+        if self.is_identity:
+            return tolerance
+        moving = (positions != 0).to(size.dtype).unsqueeze(-1)
+        return self.rotate_bound(tolerance) + rounding * self.rotate_bound(size) * moving
 
     def rotate_variance(self, variance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per-element variance in the cached frame of independent pre-RoPE errors with ``variance``

@@ -203,9 +203,12 @@ def test_resealed_odd_headers_are_refused(tmp_path, raw):
 
 def test_other_versions_are_refused_with_what_to_do(tmp_path):
     header, payload = split(original()[0])
-    path = tmp_path / "v3.kvc"
-    path.write_bytes(seal(header, payload, version=3))
-    with pytest.raises(CacheFileError, match="format version 3"):
+    path = tmp_path / "v4.kvc"
+    path.write_bytes(seal(header, payload, version=4))
+    with pytest.raises(CacheFileError, match="format version 4"):
+        CompressedCache.load(path, model=tiny_model(MODEL, torch.bfloat16))
+    path.write_bytes(seal(header, payload, version=2))
+    with pytest.raises(CacheFileError, match=r"format version 2.*float32 predictor statistics; re-save"):
         CompressedCache.load(path, model=tiny_model(MODEL, torch.bfloat16))
     blob = b'{"format":"hf_kvcompress.cache","version":1}'
     path.write_bytes(LEGACY_MAGIC + struct.pack("<I", len(blob)) + blob)
@@ -266,6 +269,9 @@ def test_layers_beyond_the_calibration_are_refused(tmp_path):
         for row in block["rows"]:
             for stream in row["streams"]:
                 stream[0] += len(payload) - first
+            for tensor in [*row["side"].values(), row["listed"]]:
+                if tensor is not None:
+                    tensor["offset"] += len(payload) - first
     header["layers"].append({**extra, "layer": 2})
     header.update(kv_layers=3, payload_bytes=2 * len(payload) - first)
     (tmp_path / "y.kvc").write_bytes(seal(header, payload + payload[first:]))
@@ -312,3 +318,39 @@ def test_calibration_file_with_nested_json_is_refused(tmp_path):
     (tmp_path / "calibration.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CalibrationError, match="not a calibration file"):
         Calibration.load(tmp_path, model)
+
+
+def test_forged_listed_elements_are_refused(tmp_path, monkeypatch):
+    """A portable predictor's listed elements (stream, element, canonical mean and std bits) are checked: in range,
+    strictly increasing, int32 [n, 4]; a forged list that passes those checks fails the stream check instead."""
+    import hf_kvcompress.predictors.linear as linear
+
+    monkeypatch.setattr(linear, "MEAN_TOLERANCE", 2.0**-12)  # wide bounds: elements get listed
+    cache = CompressedCache(CONFIG, calibration=fitted())
+    k, v = torch.randn(1, 2, 40, 16).bfloat16(), torch.randn(1, 2, 40, 16).bfloat16()
+    for layer in range(2):
+        cache.update(k, v, layer)
+    header, payload = split(cache.save(tmp_path / "x.kvc").read_bytes())
+    rows = [(e, b, r) for e, entry in enumerate(header["layers"]) for b, block in enumerate(entry["blocks"])
+            for r, row in enumerate(block["rows"]) if row["listed"] and row["listed"]["shape"][0] >= 2]
+    assert rows
+    e, b, r = rows[0]
+    info = header["layers"][e]["blocks"][b]["rows"][r]["listed"]
+    table = np.frombuffer(payload, dtype="<i4", count=info["bytes"] // 4, offset=info["offset"]).reshape(-1, 4)
+
+    def forged(new_table: np.ndarray) -> bytes:
+        data = bytearray(payload)
+        data[info["offset"] : info["offset"] + info["bytes"]] = new_table.astype("<i4").tobytes()
+        return seal(header, bytes(data))
+
+    cases = {"out of order": [table[::-1]], "out of range": [table * np.array([1, 1000, 1, 1])],
+             "does not reproduce here": [table ^ np.array([0, 0, 1 << 12, 0])]}
+    for message, tables in cases.items():
+        for t in tables:
+            (tmp_path / "y.kvc").write_bytes(forged(t))
+            with pytest.raises(CacheFileError, match=message):
+                CompressedCache.load(tmp_path / "y.kvc", calibration=fitted())
+    header["layers"][e]["blocks"][b]["rows"][r]["listed"]["dtype"] = "float32"
+    (tmp_path / "y.kvc").write_bytes(seal(header, payload))
+    with pytest.raises(CacheFileError, match="listed elements must be int32"):
+        CompressedCache.load(tmp_path / "y.kvc", calibration=fitted())
