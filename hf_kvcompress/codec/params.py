@@ -413,8 +413,10 @@ def _canonical_mean(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
     if mag >= 0x7F800000:
         return mb  # infinities and NaN stay as they are (the codec refuses them)
     sign = mb & 0x80000000
-    want = _mean_class(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut)
     centre = (mag & ~np.int64(_MEAN_CELL - 1)) | (_MEAN_CELL // 2)
+    if mag & (_MEAN_CELL - 1):
+        return sign | centre  # inside a cell: one class (every boundary lies on a multiple of 2^11)
+    want = _mean_class(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut)
     if _mean_class(sign | centre, zero_key, exp_offset, truncated, is_fp16, radius, tlut) == want:
         return sign | centre
     if centre >= _MEAN_CELL and _mean_class(sign | (centre - _MEAN_CELL), zero_key, exp_offset, truncated,
@@ -440,10 +442,12 @@ def settle_kernel(m, lo, hi, s, slo, shi, zero_key, exp_offset, truncated, is_fp
         cs = _canonical_std(np.int64(s[i]))
         out_m[i] = cm
         out_s[i] = cs
+        # ranges that round to one float32 (nearly all) hold one class: only the others are looked at
         ambiguous[i] = (
-            _canonical_mean(np.int64(lo[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm
-            or _canonical_mean(np.int64(hi[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm
-            or _canonical_std(np.int64(slo[i])) != cs or _canonical_std(np.int64(shi[i])) != cs
+            (lo[i] != hi[i]
+             and (_canonical_mean(np.int64(lo[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm
+                  or _canonical_mean(np.int64(hi[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm))
+            or (slo[i] != shi[i] and (_canonical_std(np.int64(slo[i])) != cs or _canonical_std(np.int64(shi[i])) != cs))
         )
 
 

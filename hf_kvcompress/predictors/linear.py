@@ -177,8 +177,11 @@ class FeatureBuilder:
         own = self.own_bounds[:head] if kind == "k" else self.own_bounds[:heads] + self.own_bounds[heads : heads + head]
         if not self.recipe.inter_head:
             own = []
-        features = torch.cat([self._base_bound, *own], dim=-1)
-        out = features @ weight[1 : 1 + features.shape[-1]].abs().to(torch.float32)
+        size = weight[1:].abs().to(torch.float32)
+        out, row = self._base_bound @ size[: self._base_bound.shape[-1]], self._base_bound.shape[-1]
+        for part in own:  # piecewise, as `apply`: no concatenation per stream
+            out = out + part @ size[row : row + part.shape[-1]]
+            row += part.shape[-1]
         return out.to(torch.float64) * (1 + 2.0**-10)  # float32 sums of non-negative terms: rounding covered
 
 
