@@ -79,6 +79,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     name = predictor or settings.save_predictor
     k = probe_layer or settings.probe_layer
     chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k)
+    chosen.portable = True  # the file is read on other machines
     token_ids = cache.token_ids
     needs_tokens = not chosen.practical_in_generation
     if needs_tokens:
@@ -237,6 +238,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
     name, k = header["predictor"]["name"], header["predictor"]["probe_layer"]
     try:
         predictor = make_predictor(name, calibration=target.calibration, model=model, probe_layer=k)
+        predictor.portable = True  # as it was written
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
     context, blocks = _coding_context(target, saved.config.lossless, predictor)

@@ -242,6 +242,7 @@ class ChunkCoder:
                     raise ValueError(f"{name}={value} contradicts the calibration's model ({name}={want[name]})")
             layers, kv_heads, head_dim = want["layers"], want["kv_heads"], want["head_dim"]
             self.predictor: Predictor | None = ContextPredictor(calibration)
+            self.predictor.portable = True  # payloads are read on other machines
             self.rope: RopeFrame | None = calibration.rope_frame()
             self.model_id = calibration_id(calibration)
         else:

@@ -181,6 +181,12 @@ class Predictor(ABC):
         in `BlockInputs.extras`. Per batch row (dim 0), so blocks can be reordered by row."""
         return {}
 
+    #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every CPU
+    #: decodes alike; set by writers and readers of bytes that leave the process (saved files, chunk payloads).
+    #: False (generation): float32 statistics, faster, for blocks that only this process decodes. Predictors whose
+    #: statistics are exact on every CPU (side data) ignore it
+    portable: bool = False
+
     #: True when a session's block never needs another block of its layer: a cache may decode a layer's blocks
     #: in one call even when the sessions read the layer below
     independent_blocks: bool = False

@@ -123,7 +123,8 @@ class FeatureBuilder:
         """Record a stream's true values; returns them in the prediction frame (pre-RoPE for keys)."""
         framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
         (self.own_keys if kind == "k" else self.own_values).append(framed)
-        self.own_bounds.append(self.bound(kind, values))
+        if self.dtype == torch.float64:  # only portable sessions ask for `magnitude`
+            self.own_bounds.append(self.bound(kind, values))
         return framed
 
     def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:
@@ -186,10 +187,9 @@ class FeatureBuilder:
 
 
 class LinearSession(PredictorSession):
-    """Codes one block with fitted `StreamHead`s (see module docstring), in float64: its statistics are
-    `portable` (another CPU reproduces them within `bounds`, and `codec.params.settle` makes them exact)."""
-
-    portable = True
+    """Codes one block with fitted `StreamHead`s (see module docstring): in float32 inside generation, in float64
+    when ``portable`` (another CPU reproduces the statistics within `bounds`, and `codec.params.settle` makes
+    them exact: saved files and chunk payloads)."""
 
     def __init__(
         self,
@@ -198,19 +198,22 @@ class LinearSession(PredictorSession):
         frame: RopeFrame,
         inputs: BlockInputs,
         extras: list[torch.Tensor],
+        portable: bool = False,
     ):
         self.heads = heads
-        self.frame = frame.in_float64()
+        self.portable = portable
+        self.dtype = torch.float64 if portable else torch.float32
+        self.frame = frame.in_float64() if portable else frame
         self.builder = FeatureBuilder(recipe, self.frame, inputs, extras)
         self.inputs = inputs
-        self.tracker = Surprise(inputs.below.surprise if inputs.below is not None else None, torch.float64)
+        self.tracker = Surprise(inputs.below.surprise if inputs.below is not None else None, self.dtype)
         self.pending: tuple[str, int, torch.Tensor] | None = None
         self._weights: dict[tuple[str, int], torch.Tensor] = {}
         self._last: tuple | None = None
 
     def _weight(self, kind: str, head: int) -> torch.Tensor:
         if (kind, head) not in self._weights:
-            self._weights[(kind, head)] = self.heads[(kind, head)].weight.to(torch.float64)
+            self._weights[(kind, head)] = self.heads[(kind, head)].weight.to(self.dtype)
         return self._weights[(kind, head)]
 
     def surprise(self, batch: int, tokens: int) -> torch.Tensor:
@@ -227,11 +230,13 @@ class LinearSession(PredictorSession):
         params = self.heads[(kind, head)]
         mean, surprise = self.framed_prediction(kind, head)
         scale = surprise.pow(params.alpha).unsqueeze(-1)
-        variance = params.sigma.to(torch.float64).square().expand(mean.shape[1], -1)
+        variance = params.sigma.to(self.dtype).square().expand(mean.shape[1], -1)
         if kind == "k":
             mean = self.frame.rotate(mean, self.inputs.positions)
             variance = self.frame.rotate_variance(variance, self.inputs.positions)
         std = variance.sqrt() * scale
+        if not self.portable:
+            return mean, std
         # what `bounds` needs (the encoder only): own-layer features, framed mean, std, whether the surprise is exact
         neutral = self.tracker.count == 0 and self.tracker.below is None
         self._last = (kind, head, self.pending[2], std, neutral)
@@ -254,7 +259,7 @@ class LinearSession(PredictorSession):
         if self.pending is None or self.pending[:2] != (kind, head):
             raise RuntimeError(f"observe({kind!r}, {head}) without a matching predict()")
         framed = self.builder.observe(kind, values)
-        self.tracker.add((framed - self.pending[2]) / self.heads[(kind, head)].sigma.to(torch.float64))
+        self.tracker.add((framed - self.pending[2]) / self.heads[(kind, head)].sigma.to(self.dtype))
         self.pending = None
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
@@ -323,7 +328,8 @@ class CalibratedLinearPredictor(Predictor):
         if not self.calibrated:
             return BlockStatsSession(inputs)
         heads = self.calibration.stream_heads(self.heads_name, inputs.layer)
-        return LinearSession(heads, self.layer_recipe(inputs.layer), self.frame, inputs, self.features(inputs))
+        return LinearSession(heads, self.layer_recipe(inputs.layer), self.frame, inputs, self.features(inputs),
+                             self.portable)
 
     def layer_recipe(self, layer: int) -> FeatureRecipe:
         return self.recipe
