@@ -407,15 +407,14 @@ def _mean_class(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
     return (t << 40) ^ (c << 2) ^ (s + 1)
 
 
-@nb.njit(cache=True, nogil=True, inline="always")
-def _canonical_mean(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
+@nb.njit(cache=True, nogil=True)
+def _canonical_edge(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
+    """The canonical mean of a multiple of 2^11 (it may belong to the cell below) or of a non-finite value."""
     mag = mb & 0x7FFFFFFF
     if mag >= 0x7F800000:
         return mb  # infinities and NaN stay as they are (the codec refuses them)
     sign = mb & 0x80000000
-    centre = (mag & ~np.int64(_MEAN_CELL - 1)) | (_MEAN_CELL // 2)
-    if mag & (_MEAN_CELL - 1):
-        return sign | centre  # inside a cell: one class (every boundary lies on a multiple of 2^11)
+    centre = mag | (_MEAN_CELL // 2)
     want = _mean_class(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut)
     if _mean_class(sign | centre, zero_key, exp_offset, truncated, is_fp16, radius, tlut) == want:
         return sign | centre
@@ -423,6 +422,15 @@ def _canonical_mean(mb, zero_key, exp_offset, truncated, is_fp16, radius, tlut):
                                             is_fp16, radius, tlut) == want:
         return sign | (centre - _MEAN_CELL)  # a boundary point that belongs to the cell below
     return mb  # (-0.0): no canonical neighbour; kept, and listed by `settle` unless its value is exact
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _cell_centre(mb):
+    # inside a cell (one class: every boundary lies on a multiple of 2^11): its centre; else -1
+    mag = mb & 0x7FFFFFFF
+    if mag >= 0x7F800000 or not (mag & (_MEAN_CELL - 1)):
+        return np.int64(-1)
+    return (mb & 0x80000000) | (mag & ~np.int64(_MEAN_CELL - 1)) | (_MEAN_CELL // 2)
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
@@ -437,25 +445,35 @@ def settle_kernel(m, lo, hi, s, slo, shi, zero_key, exp_offset, truncated, is_fp
                   ambiguous):
     """Canonical bits of float32 means ``m`` / stds ``s`` (uint32 bit arrays) and whether the range
     ``lo..hi`` (``slo..shi``) around each holds more than one class."""
+    # the canonical mean is `_cell_centre`, else `_canonical_edge`, spelled out at each use: wrapped in one more
+    # function (inlined or not), numba made every element ~20x slower
     for i in range(m.size):
-        cm = _canonical_mean(np.int64(m[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+        cm = _cell_centre(np.int64(m[i]))
+        if cm < 0:
+            cm = _canonical_edge(np.int64(m[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
         cs = _canonical_std(np.int64(s[i]))
         out_m[i] = cm
         out_s[i] = cs
-        # ranges that round to one float32 (nearly all) hold one class: only the others are looked at
-        ambiguous[i] = (
-            (lo[i] != hi[i]
-             and (_canonical_mean(np.int64(lo[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm
-                  or _canonical_mean(np.int64(hi[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut) != cm))
-            or (slo[i] != shi[i] and (_canonical_std(np.int64(slo[i])) != cs or _canonical_std(np.int64(shi[i])) != cs))
-        )
+        wide = False
+        if lo[i] != hi[i]:  # ranges that round to one float32 (nearly all) hold one class
+            for end in (lo[i], hi[i]):
+                ce = _cell_centre(np.int64(end))
+                if ce < 0:
+                    ce = _canonical_edge(np.int64(end), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+                wide = wide or ce != cm
+        if slo[i] != shi[i]:
+            wide = wide or _canonical_std(np.int64(slo[i])) != cs or _canonical_std(np.int64(shi[i])) != cs
+        ambiguous[i] = wide
 
 
 @_jit
 def canonical_kernel(m, s, zero_key, exp_offset, truncated, is_fp16, radius, tlut, out_m, out_s):
     """`settle_kernel` without the ranges (the decoder's call: nothing to list)."""
     for i in range(m.size):
-        out_m[i] = _canonical_mean(np.int64(m[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+        cm = _cell_centre(np.int64(m[i]))
+        if cm < 0:
+            cm = _canonical_edge(np.int64(m[i]), zero_key, exp_offset, truncated, is_fp16, radius, tlut)
+        out_m[i] = cm
         out_s[i] = _canonical_std(np.int64(s[i]))
 
 
