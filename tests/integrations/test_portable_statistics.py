@@ -129,3 +129,29 @@ def _prefill(model):
     with torch.inference_mode():
         model(random_ids(1, 80, seed=10), past_key_values=cache, use_cache=True)
     return cache.layers
+
+
+def test_only_bytes_that_leave_the_process_use_portable_statistics(monkeypatch, tmp_path):
+    """Generation codes float32 statistics (faster; its blocks never leave the process); save and load code and
+    read float64 settled ones."""
+    model, calibration = _model_and_calibration()
+    seen = []
+    original = linear.LinearSession.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.portable)
+
+    monkeypatch.setattr(linear.LinearSession, "__init__", record)
+    config = CompressionConfig(mode="lossless", block_tokens=32, lossless=LosslessConfig(predictor="context"))
+    cache = CompressedCache(config, calibration=calibration)
+    with torch.inference_mode():
+        model(random_ids(1, 100, seed=12), past_key_values=cache, use_cache=True)
+    assert seen and not any(seen)
+    # reading the cache's blocks for the file decodes them with generation's sessions; the file's are portable
+    seen.clear()
+    path = cache.save(tmp_path / "x.kvc")
+    assert True in seen
+    seen.clear()
+    CompressedCache.load(path, calibration=calibration)
+    assert True in seen
