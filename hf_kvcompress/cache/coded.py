@@ -94,20 +94,23 @@ def settle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
                   bounds: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
                   config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
     """The float32 statistics a `portable` session's stream is coded with: canonical values
-    (`codec.params.settle`) that every CPU computes alike. ``mean`` / ``std``: float64 ``[batch, tokens or 1,
-    dim]``; the std is scaled by its row's ``factors`` first (`scale_factor`: the coded std's class is what must
-    agree). Also, per batch row, the elements within ``bounds`` of a class boundary, as int32 ``[n, 3]``: element
-    index in the row's statistics, canonical mean and std bits, which the encoder sends and `resettle_stream`
-    puts back (``bounds=None``: the decoder's call, nothing is listed)."""
-    fmt, means, stds, listed = format_of(dtype), [], [], []
-    for b in range(mean.shape[0]):
-        tol = (None, None) if bounds is None else (bounds[0][b].numpy(), bounds[1][b].numpy() * factors[b])
-        m, s, idx = settle(mean[b].numpy(), std[b].numpy() * factors[b], tol[0], tol[1], fmt, config.mean_steps)
-        listed.append(np.stack([idx, m.reshape(-1).view(np.int32)[idx], s.reshape(-1).view(np.int32)[idx]],
-                               axis=1).astype(np.int32))
-        means.append(m)
-        stds.append(s)
-    return torch.from_numpy(np.stack(means)), torch.from_numpy(np.stack(stds)), listed
+    (`codec.params.settle`) that every CPU computes alike. ``mean`` / ``std``: float64 ``[batch, tokens, dim]``
+    (std broadcastable to it); the std is scaled by its row's ``factors`` first (`scale_factor`: the coded std's
+    class is what must agree). Also, per batch row, the elements within ``bounds`` of a class boundary, as int32
+    ``[n, 3]``: element index in the row's statistics, canonical mean and std bits, which the encoder sends and
+    `resettle_stream` puts back (``bounds=None``: the decoder's call, nothing is listed)."""
+    batch = mean.shape[0]
+    scale = np.asarray(factors, dtype=np.float64).reshape(batch, *([1] * (mean.dim() - 1)))
+    std64 = np.broadcast_to(std.numpy(), mean.shape) * scale
+    tol = (None, None) if bounds is None else (bounds[0].numpy(), bounds[1].numpy() * scale)
+    m, s, idx = settle(mean.numpy(), std64, tol[0], tol[1], format_of(dtype), config.mean_steps)
+    per_row = m.size // batch
+    flat_m, flat_s = m.reshape(-1).view(np.int32), s.reshape(-1).view(np.int32)
+    listed = []
+    for b in range(batch):
+        at = idx[(idx >= b * per_row) & (idx < (b + 1) * per_row)]
+        listed.append(np.stack([at - b * per_row, flat_m[at], flat_s[at]], axis=1).astype(np.int32))
+    return torch.from_numpy(m), torch.from_numpy(s), listed
 
 
 def resettle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float], listed: list[np.ndarray],
@@ -115,10 +118,12 @@ def resettle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
     """The decoder's `settle_stream`: canonical statistics with the encoder's ``listed`` elements (per row,
     int32 ``[n, 3]``, element indices checked by the caller) put back."""
     mean, std, _ = settle_stream(mean, std, factors, None, dtype, config)
+    rows_m = mean.numpy().reshape(mean.shape[0], -1).view(np.int32)
+    rows_s = std.numpy().reshape(std.shape[0], -1).view(np.int32)
     for b, entries in enumerate(listed):
         if entries.shape[0]:
-            mean[b].numpy().reshape(-1).view(np.int32)[entries[:, 0]] = entries[:, 1]
-            std[b].numpy().reshape(-1).view(np.int32)[entries[:, 0]] = entries[:, 2]
+            rows_m[b, entries[:, 0]] = entries[:, 1]
+            rows_s[b, entries[:, 0]] = entries[:, 2]
     return mean, std
 
 

@@ -20,10 +20,16 @@ class RopeFrame:
         self.inv_freq = None if inv_freq is None else inv_freq.detach().to(torch.float32).cpu()
         self.dtype = dtype
         self._memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._float64: RopeFrame | None = None
 
     def in_float64(self) -> RopeFrame:
-        """The same frequencies (their float32 values, exactly), rotating in float64."""
-        return RopeFrame(self.inv_freq, torch.float64)
+        """The same frequencies (their float32 values, exactly), rotating in float64 (one twin per frame, so that
+        its memo of cos / sin serves every session)."""
+        if self.dtype == torch.float64:
+            return self
+        if self._float64 is None:
+            self._float64 = RopeFrame(self.inv_freq, torch.float64)
+        return self._float64
 
     @classmethod
     def standard(cls, base: float, head_dim: int) -> RopeFrame:
