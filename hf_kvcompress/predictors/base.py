@@ -26,7 +26,8 @@ KINDS = ("k", "v")
 #: elementwise float64 maths (cos / sin / pow / sqrt within a few ulps, a handful of roundings: ~2^-50)
 ROUNDING_TOLERANCE = 2.0**-44
 #: a float64 dot product of n terms: at most n 2^-53 of the sum of their magnitudes (n <= 2^11 features: 2^-42;
-#: a blocked BLAS sum is tighter), plus the features' own rounding (~2^-52 of the same sum)
+#: a blocked BLAS sum is tighter), plus the features' own rounding (~2^-52 of the same sum); scaled by n / 2^11
+#: for longer sums
 MEAN_TOLERANCE = 2.0**-40
 #: a std scaled by a surprise computed from errors (`linear.Surprise`), which carries the mean's error into the
 #: std amplified by magnitude / (sigma * SURPRISE_RANGE[0])

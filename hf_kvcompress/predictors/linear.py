@@ -249,7 +249,9 @@ class LinearSession(PredictorSession):
         weight = self._weight(kind, head)
         products = self.builder.magnitude(kind, head, weight).expand_as(framed)
         # no products (a bias alone, or all-zero features): the mean is the bias, exactly
-        mean_tol = torch.where(products > 0, MEAN_TOLERANCE * (weight[0].abs() + products), 0.0)
+        # MEAN_TOLERANCE covers sums of up to 2^11 terms; longer ones scale it (n 2^-53 grows with n)
+        tolerance = MEAN_TOLERANCE * max(1.0, weight.shape[0] / 2048)
+        mean_tol = torch.where(products > 0, tolerance * (weight[0].abs() + products), 0.0)
         if kind == "k":
             mean_tol = self.frame.rotate_tolerance(mean_tol, framed.abs() + mean_tol, self.inputs.positions,
                                                    ROUNDING_TOLERANCE)
