@@ -51,8 +51,9 @@ class Surprise:
     """The per-token surprise of one block at one layer: the RMS of the standardised errors of the streams
     added so far, else the layer below's surprise, else 1; clamped to `SURPRISE_RANGE`.
 
-    One recursion for the coder (`LinearSession`, float64) and the calibration fit (float64 residuals):
-    each keeps its own dtypes (``dtype``: of the neutral surprise), the steps are the same."""
+    One recursion for the coder (`LinearSession`: float32 in generation, float64 when portable) and the
+    calibration fit (float64 residuals): each keeps its own dtypes (``dtype``: of the neutral surprise), the steps
+    are the same."""
 
     def __init__(self, below: torch.Tensor | None, dtype: torch.dtype = torch.float32):
         self.below = below
@@ -98,7 +99,7 @@ class StreamHead:
 
 class FeatureBuilder:
     """Assembles the features of each stream of one block (shared by calibration and coding), in the frame's
-    dtype (float32 for the fit, float64 for the coder)."""
+    dtype (float32 for the fit and in generation, float64 for portable sessions)."""
 
     def __init__(self, recipe: FeatureRecipe, frame: RopeFrame, inputs: BlockInputs, extras: list[torch.Tensor]):
         self.recipe = recipe
