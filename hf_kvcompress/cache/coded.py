@@ -113,6 +113,18 @@ def settle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
     return torch.from_numpy(m), torch.from_numpy(s), listed
 
 
+def listed_problem(order: np.ndarray, limit: int) -> str | None:
+    """What is wrong with a list's element keys ``order`` (int64, in the list's order; a file's (stream, element)
+    pairs as ``stream * elements + element``), or None: each in ``[0, limit)``, strictly increasing."""
+    if not order.size:
+        return None
+    if int(order.min()) < 0 or int(order.max()) >= limit:
+        return "out of range"
+    if not bool((order[1:] > order[:-1]).all()):
+        return "out of order or repeated"
+    return None
+
+
 def resettle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float], listed: list[np.ndarray],
                     dtype: torch.dtype, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder's `settle_stream`: canonical statistics with the encoder's ``listed`` elements (per row,

@@ -38,7 +38,15 @@ from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.runner import decoder_layers
 from ..version import __version__
-from .coded import SCALE_MAX, SCALE_MIN, CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
+from .coded import (
+    SCALE_MAX,
+    SCALE_MIN,
+    CodedBlock,
+    CodedRow,
+    LosslessContext,
+    PredictorMismatchError,
+    listed_problem,
+)
 
 if TYPE_CHECKING:
     from .cache import CompressedCache
@@ -357,12 +365,12 @@ def _check_listed(listed: torch.Tensor | None, where: str, streams: int, element
         raise CacheFileError(f"{where}: listed elements must be int32 [n, 4], got {listed.dtype} {list(listed.shape)}")
     if not listed.shape[0]:
         return
-    stream, element = listed[:, 0].long(), listed[:, 1].long()
-    if int(stream.min()) < 0 or int(stream.max()) >= streams or int(element.min()) < 0 or int(element.max()) >= elements:
+    stream, element = listed[:, 0].long().numpy(), listed[:, 1].long().numpy()
+    if int(element.min()) < 0 or int(element.max()) >= elements:
         raise CacheFileError(f"{where}: listed elements out of range ({streams} streams of {elements} elements)")
-    order = stream * elements + element
-    if not bool((order[1:] > order[:-1]).all()):
-        raise CacheFileError(f"{where}: listed elements out of order or repeated")
+    problem = listed_problem(stream * elements + element, streams * elements)
+    if problem is not None:
+        raise CacheFileError(f"{where}: listed elements {problem} ({streams} streams of {elements} elements)")
 
 
 def _read(path: Path) -> _Saved:

@@ -32,7 +32,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..cache.coded import choose_scale, compact, one_thread, resettle_stream, scale_factor, settle_stream
+from ..cache.coded import (
+    choose_scale,
+    compact,
+    listed_problem,
+    one_thread,
+    resettle_stream,
+    scale_factor,
+    settle_stream,
+)
 from ..calibration import Calibration
 from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
 from ..errors import ChunkError, ChunkPayloadError
@@ -581,9 +589,9 @@ def _read_listed(body: memoryview, offset: int, elements: int) -> tuple[np.ndarr
     if count > elements or offset + 12 * count > len(body):
         raise ChunkPayloadError(f"KV chunk payload lists {count} elements of a {elements}-element stream")
     entries = np.frombuffer(body, dtype="<i4", count=3 * count, offset=offset).reshape(count, 3).astype(np.int32)
-    index = entries[:, 0].astype(np.int64)
-    if count and (index.min() < 0 or index.max() >= elements or (count > 1 and not (np.diff(index) > 0).all())):
-        raise ChunkPayloadError("KV chunk payload's listed elements are out of range or out of order")
+    problem = listed_problem(entries[:, 0].astype(np.int64), elements)
+    if problem is not None:
+        raise ChunkPayloadError(f"KV chunk payload's listed elements are {problem}")
     return entries, offset + 12 * count
 
 

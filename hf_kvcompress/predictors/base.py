@@ -110,8 +110,9 @@ class PredictorSession(ABC):
 
     def bounds(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a `portable` session, right after `predict` (kind, head): how far (float64, per element) another
-        machine's mean and std of that stream may lie from the ones predicted here."""
-        raise NotImplementedError(f"{type(self).__name__} is not portable")
+        machine's mean and std of that stream may lie from the ones predicted here. Asking a session that is not
+        portable is a caller's error: its statistics are exact on every machine."""
+        raise RuntimeError(f"{type(self).__name__} is not portable: its statistics have no bounds")
 
     def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std of every stream of an `independent` session, ``[2 * heads, batch, tokens, head_dim]``
