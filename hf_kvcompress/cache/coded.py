@@ -113,6 +113,16 @@ def settle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
     return torch.from_numpy(m), torch.from_numpy(s), listed
 
 
+def expected_side(predictor: Predictor, layer: int, heads: int, tokens: int, dim: int,
+                  dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The side data ``predictor`` sends with one row of a ``heads x tokens x dim`` block of ``layer``: name ->
+    (dtype, shape of the row's tensor), from a zero probe. A reader checks what a file or payload holds against
+    it before any predictor reads it (a missing or misshapen tensor would fail inside the predictor instead, with
+    an error of the predictor's)."""
+    probe = torch.zeros(1, heads, tokens, dim, dtype=dtype)
+    return {name: (t.dtype, tuple(t.shape[1:])) for name, t in predictor.side_data(layer, probe, probe).items()}
+
+
 def listed_problem(order: np.ndarray, limit: int) -> str | None:
     """What is wrong with a list's element keys ``order`` (int64, in the list's order; a file's (stream, element)
     pairs as ``stream * elements + element``), or None: each in ``[0, limit)``, strictly increasing."""

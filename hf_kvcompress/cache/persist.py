@@ -45,6 +45,7 @@ from .coded import (
     CodedRow,
     LosslessContext,
     PredictorMismatchError,
+    expected_side,
     listed_problem,
 )
 
@@ -347,8 +348,7 @@ def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predict
                     f"{where}, row {r}, stream {s}: holds {dtype} {list(shape)}, the header says "
                     f"{block.dtype} {[block.dim, block.tokens]}"
                 )
-    probe = torch.zeros(1, block.heads, block.tokens, block.dim, dtype=block.dtype)
-    expected = {name: (t.dtype, tuple(t.shape[1:])) for name, t in predictor.side_data(block.layer, probe, probe).items()}
+    expected = expected_side(predictor, block.layer, block.heads, block.tokens, block.dim, block.dtype)
     for r, row in enumerate(block.rows):
         got = {name: (t.dtype, tuple(t.shape)) for name, t in row.side.items()}
         if got != expected:

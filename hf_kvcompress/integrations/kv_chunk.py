@@ -35,6 +35,7 @@ import torch
 from ..cache.coded import (
     choose_scale,
     compact,
+    expected_side,
     listed_problem,
     one_thread,
     resettle_stream,
@@ -455,6 +456,7 @@ class ChunkCoder:
         below: LayerValues | None = None
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
+            _check_side(side, predictor, layer, heads, tokens, dim, header.dtype)
             session = predictor.session(self._inputs(layer, tokens, header.first_position, below, side))
             config = self._codec_config(layer, header.mode)
             out = {kind: torch.empty(1, heads, tokens, dim, dtype=header.dtype) for kind in ("k", "v")}
@@ -482,6 +484,7 @@ class ChunkCoder:
         places, streams = [], []
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
+            _check_side(side, predictor, layer, heads, tokens, dim, header.dtype)
             session = predictor.session(self._inputs(layer, tokens, 0, None, side))
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
@@ -696,6 +699,17 @@ def _read_stream(body: memoryview, offset: int) -> tuple[int, bytes, int]:
     if offset + length > len(body):
         raise ChunkPayloadError("KV chunk payload truncated inside a stream")
     return code, bytes(body[offset : offset + length]), offset + length
+
+
+def _check_side(side: dict[str, torch.Tensor], predictor: Predictor, layer: int, heads: int, tokens: int, dim: int,
+                dtype: torch.dtype) -> None:
+    """A layer's side data must be what ``predictor`` sends for it (`expected_side`; one batch row)."""
+    want = {name: (t, (1, *shape)) for name, (t, shape) in expected_side(predictor, layer, heads, tokens, dim,
+                                                                         dtype).items()}
+    got = {name: (t.dtype, tuple(t.shape)) for name, t in side.items()}
+    if got != want:
+        raise ChunkPayloadError(f"KV chunk payload's side data of layer {layer} is {got}, the {predictor.name!r} "
+                                f"predictor sends {want}")
 
 
 def _unpack_side(body: memoryview, offset: int) -> tuple[dict[str, torch.Tensor], int]:

@@ -221,6 +221,29 @@ def test_consistently_resealed_damage_is_caught_by_the_chunk_crc():
         assert same_bits(decoded, chunk)  # a change the decoder does not read (e.g. a rounding-neutral bit)
 
 
+def test_resealed_side_data_damage_is_refused_with_the_documented_error():
+    """Every bit of the frame and the first layer's side data, flipped and resealed: a damaged tensor name, dtype
+    or shape used to escape the model-free decoder as a KeyError from inside the predictor (309 of 25,840 such
+    flips over a whole payload); now `ChunkPayloadError` names the side data, or the chunk decodes exactly."""
+    chunk = channel_chunk((2, 2, 16, 32), seed=6)
+    coder = ChunkCoder(rope=RopeFrame.standard(10000.0, 16), kv_heads=2, head_dim=16)
+    payload = coder.encode(chunk)
+    side_names = 0
+    for i in range(HEADER.size, HEADER.size + 2 + 4 * 8 + 40):  # frame (u16 + 8 float32), names and shapes
+        for bit in range(8):
+            damaged = bytearray(payload)
+            damaged[i] ^= 1 << bit
+            crc = zlib.crc32(damaged[HEADER.size :], zlib.crc32(damaged[: HEADER.size - 4]))
+            struct.pack_into("<I", damaged, HEADER.size - 4, crc)
+            try:
+                decoded = coder.decode(bytes(damaged))
+            except ChunkPayloadError as err:
+                side_names += "side data" in str(err)
+                continue
+            assert same_bits(decoded, chunk)
+    assert side_names > 0
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_smollm2_chunks_positions_and_frame(smollm2):
