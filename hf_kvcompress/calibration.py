@@ -41,11 +41,13 @@ from .predictors.linear import CalibratedLinearPredictor, FeatureBuilder, Stream
 from .predictors.registry import FITTED, PREDICTORS
 from .predictors.rope import RopeFrame
 from .predictors.runner import run_decoder
+from .validation import check_int, fail
 
 FORMAT = "hf_kvcompress.calibration"
-VERSION = 4  # 2: two layers below as features, per-feature ridge; 3: model identity (all weights sampled);
-# 4: head weights in float16 (rate unchanged to 4 decimals on SmolLM2, half the bytes), a checksum per group
-READS = (3, 4)
+VERSION = 5  # 2: two layers below as features, per-feature ridge; 3: model identity (all weights sampled);
+# 4: head weights in float16 (rate unchanged to 4 decimals on SmolLM2, half the bytes), a checksum per group;
+# 5: a checksum of the JSON itself (``meta_sha256``), so that no field of the file is trusted unchecked
+READS = (3, 4, 5)
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 #: the surprise exponents the fit chooses from: they cover what it picks (1.0 for most streams on SmolLM2);
 #: no surprise (0 only) costs 0.15 bit/scalar, a finer grid gains 0.004 (docs/lossless.md, "Constants of the
@@ -172,8 +174,11 @@ class Calibration:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.contiguous() for name, t in self.tensors.items()}
-        meta = dict(self.meta)
+        meta = json.loads(json.dumps(self.meta, default=str))  # what a reader gets back, which the checksum covers
+        meta.pop("meta_sha256", None)
+        meta["version"] = VERSION
         meta["groups_sha256"] = {group: _tensors_digest(part) for group, part in _groups(tensors).items()}
+        meta["meta_sha256"] = _meta_digest(meta)
         suffix = f".tmp-{os.getpid()}"
         save_file(tensors, str(path / (TENSORS_FILE + suffix)), metadata={"format": FORMAT, "version": str(VERSION)})
         (path / (META_FILE + suffix)).write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
@@ -201,7 +206,11 @@ class Calibration:
                 f"{meta_path}: calibration format version {meta.get('version')}, this library reads {list(READS)}; "
                 "recalibrate with this version"
             )
+        if meta["version"] >= 5 and meta.get("meta_sha256") != _meta_digest(meta):
+            raise CalibrationError(f"{meta_path}: does not match its own checksum (meta_sha256; edited or corrupt?)")
         groups = meta.get("groups_sha256")
+        if meta["version"] >= 5 and groups is None:
+            raise CalibrationError(f"{meta_path}: records no groups_sha256")
         if meta["version"] >= 4 and groups is not None:
             if not isinstance(groups, dict) or not all(isinstance(v, str) for v in groups.values()):
                 raise CalibrationError(f"{meta_path}: groups_sha256 must map group names to checksums")
@@ -213,6 +222,8 @@ class Calibration:
                 raise CalibrationError(f"{tensor_path}: cannot read ({err})") from err
             if _tensors_digest(tensors) != meta.get("tensors_sha256"):
                 raise CalibrationError(f"{tensor_path}: tensors do not match the checksum in {META_FILE} (corrupt?)")
+        shapes = tensors.shapes if isinstance(tensors, _GroupFile) else {n: tuple(t.shape) for n, t in tensors.items()}
+        _check_meta(meta, shapes, str(meta_path))
         calibration = cls(meta, tensors)
         if model is not None:
             calibration.check_model(model)
@@ -556,6 +567,7 @@ class _GroupFile(Mapping):
             with safe_open(str(path), framework="pt") as handle:
                 self.names = sorted(handle.keys())
                 self.name_set = frozenset(self.names)
+                self.shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in self.names}
         except Exception as err:  # safetensors raises its own error types for corrupt files
             raise CalibrationError(f"{path}: cannot read ({err})") from err
         found = set(_group_names(self.names))
@@ -601,6 +613,66 @@ class _GroupFile(Mapping):
 
     def release(self) -> None:
         self._held.clear()
+
+
+def _meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of a calibration's JSON without its own checksum field (keys sorted, compact separators)."""
+    body = {key: value for key, value in meta.items() if key != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_meta(meta: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """What the library reads from a calibration's JSON, checked against itself and the tensors' names and
+    shapes before anything uses it: a missing or mistyped field would otherwise fail later, inside a predictor,
+    with that predictor's error. (Files of version >= 5 are sealed by ``meta_sha256``; this also covers older
+    ones and files resealed by a faulty writer.)"""
+    try:
+        model = meta.get("model")
+        if not isinstance(model, dict):
+            fail("model", f"must be an object, got {type(model).__name__}")
+        for key in ("layers", "kv_heads", "head_dim"):
+            check_int(f"model.{key}", model.get(key), minimum=1)
+        identity = ModelIdentity.from_dict(model.get("identity"))  # ValueError naming the field
+        if model.get("fingerprint") != identity.fingerprint:
+            fail("model.fingerprint", f"must be the identity's {identity.fingerprint}, got {model.get('fingerprint')!r}")
+        predictors = meta.get("predictors")
+        if not isinstance(predictors, dict) or not all(isinstance(v, dict) for v in predictors.values()):
+            fail("predictors", "must map head-set names to objects")
+        digest = meta.get("tensors_sha256")
+        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            fail("tensors_sha256", f"must be 64 lowercase hex digits, got {digest!r}")
+        layers, kv_heads, head_dim = model["layers"], model["kv_heads"], model["head_dim"]
+        inv_freq = math.prod(shapes.get("rope/inv_freq", (0,)))
+        if inv_freq not in (0, head_dim // 2):
+            fail("model.head_dim", f"is {head_dim}, the RoPE frame has {inv_freq} frequencies")
+        marginals: set[str] = set()
+        heads: dict[tuple[str, str, str], set[str]] = {}  # (head set, layer, kind) -> heads
+        for name, shape in shapes.items():
+            parts = name.split("/")
+            if parts[0] == "marginal":
+                marginals.add(parts[1])
+            elif parts[0] in predictors and len(parts) == 4 and parts[2][:1] in ("k", "v"):  # <set>/L<l>/<k|v><h>/...
+                heads.setdefault((parts[0], parts[1], parts[2][0]), set()).add(parts[2][1:])
+                if parts[3] == "sigma" and math.prod(shape) != head_dim:
+                    fail("model.head_dim", f"is {head_dim}, {name} has shape {list(shape)}")
+        # compared by count and range, never by building range(n): n comes from the file
+        if len(marginals) != layers or not all(_index(m, "L", layers) for m in marginals):
+            fail("model.layers", f"is {layers}, the tensors hold marginals {sorted(marginals)[:4]}...")
+        for (head_set, layer, kind), found in heads.items():
+            if not _index(layer, "L", layers) or len(found) != kv_heads or not all(_index(h, "", kv_heads) for h in found):
+                fail("model", f"has {layers} layers of {kv_heads} kv heads, the tensors hold {head_set}/{layer} "
+                              f"{kind} heads {sorted(found)}")
+        missing = [name for name in predictors if not any(key[0] == name for key in heads)]
+        if missing:
+            fail("predictors", f"lists {missing}, which the tensors do not hold")
+    except (TypeError, ValueError) as err:
+        raise CalibrationError(f"{where}: {err}; recalibrate") from err
+
+
+def _index(text: str, prefix: str, limit: int) -> bool:
+    """Whether ``text`` is ``prefix`` followed by a decimal index below ``limit``."""
+    digits = text[len(prefix):]
+    return text.startswith(prefix) and digits.isdigit() and int(digits) < limit
 
 
 def _group_names(names) -> list[str]:
