@@ -17,10 +17,10 @@ Serde kwargs (all optional; see docs/lmcache.md):
         refused, and model-free coding takes the model's RoPE frame instead of guessing it per chunk;
     layers, kv_heads, head_dim, rope_theta: the same by hand (``rope_theta``, standard RoPE, needs
         ``head_dim``);
-    portable: ``true``: model-free coding without a RoPE frame (plain per-channel statistics), for tiers that
-        machines with different CPUs share: decoding then needs no float arithmetic whose last bit depends on
-        the CPU (the RoPE frame and a calibration's predictor do, docs/lossless.md "Where a saved file
-        decodes"); ~2 % larger payloads on SmolLM2;
+    portable: ``true``: model-free coding without a RoPE frame (plain per-channel statistics: the simplest
+        arithmetic, ~2 % larger payloads on SmolLM2). Not needed for tiers that machines with different CPUs
+        share: every payload of format version 2 decodes on any CPU (docs/lossless.md "Where a saved file
+        decodes");
     threads: codec threads per model-free chunk (default 1);
     pad_to_estimate: write payloads zero-padded to ``estimate_serialized_size`` (for 0.5.6's ``fs``
         adapter, which reads that many bytes back; see docs/lmcache.md);
@@ -142,9 +142,9 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
     if not isinstance(portable, bool):
         raise ValueError(f"hf_kvcompress serde: portable must be true or false, got {portable!r}")
     if portable and calibration is not None:
-        raise ValueError("hf_kvcompress serde: portable is model-free coding without a RoPE frame; a calibration's "
-                         "context predictor does not decode on every CPU (docs/lossless.md, 'Where a saved file "
-                         "decodes'): give one or the other")
+        raise ValueError("hf_kvcompress serde: portable is model-free coding without a RoPE frame, a calibration "
+                         "codes with its context predictor: give one or the other (payloads of either decode on "
+                         "every CPU)")
     if portable and kwargs.get("rope_theta") is not None:
         raise ValueError("hf_kvcompress serde: portable codes without a RoPE frame; give portable or rope_theta, "
                          "not both")
