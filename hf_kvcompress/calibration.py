@@ -650,7 +650,7 @@ def _check_meta(meta: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], whe
         for name, shape in shapes.items():
             parts = name.split("/")
             if parts[0] == "marginal":
-                marginals.add(parts[1])
+                marginals.add("/".join(parts[1:]))
             elif parts[0] in predictors and len(parts) == 4 and parts[2][:1] in ("k", "v"):  # <set>/L<l>/<k|v><h>/...
                 heads.setdefault((parts[0], parts[1], parts[2][0]), set()).add(parts[2][1:])
                 if parts[3] == "sigma" and math.prod(shape) != head_dim:

@@ -456,7 +456,7 @@ class ChunkCoder:
         below: LayerValues | None = None
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
-            _check_side(side, predictor, layer, heads, tokens, dim, header.dtype)
+            _check_side(side, predictor, layer, heads, dim, header.dtype)
             session = predictor.session(self._inputs(layer, tokens, header.first_position, below, side))
             config = self._codec_config(layer, header.mode)
             out = {kind: torch.empty(1, heads, tokens, dim, dtype=header.dtype) for kind in ("k", "v")}
@@ -484,7 +484,7 @@ class ChunkCoder:
         places, streams = [], []
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
-            _check_side(side, predictor, layer, heads, tokens, dim, header.dtype)
+            _check_side(side, predictor, layer, heads, dim, header.dtype)
             session = predictor.session(self._inputs(layer, tokens, 0, None, side))
             for kind, head in stream_order(heads):
                 mean, std = session.predict(kind, head)
@@ -701,10 +701,12 @@ def _read_stream(body: memoryview, offset: int) -> tuple[int, bytes, int]:
     return code, bytes(body[offset : offset + length]), offset + length
 
 
-def _check_side(side: dict[str, torch.Tensor], predictor: Predictor, layer: int, heads: int, tokens: int, dim: int,
+def _check_side(side: dict[str, torch.Tensor], predictor: Predictor, layer: int, heads: int, dim: int,
                 dtype: torch.dtype) -> None:
-    """A layer's side data must be what ``predictor`` sends for it (`expected_side`; one batch row)."""
-    want = {name: (t, (1, *shape)) for name, (t, shape) in expected_side(predictor, layer, heads, tokens, dim,
+    """A layer's side data must be what ``predictor`` sends for it (`expected_side`; one batch row). The chunk
+    coder's predictors send per-channel statistics (model-free) or nothing (calibrated), whatever the token
+    count: a one-token probe, so that the token count a payload claims allocates nothing here."""
+    want = {name: (t, (1, *shape)) for name, (t, shape) in expected_side(predictor, layer, heads, 1, dim,
                                                                          dtype).items()}
     got = {name: (t.dtype, tuple(t.shape)) for name, t in side.items()}
     if got != want:
