@@ -43,7 +43,7 @@ from ..cache.coded import (
     settle_stream,
 )
 from ..calibration import Calibration
-from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
+from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch, stream_info
 from ..errors import ChunkError, ChunkPayloadError
 from ..predictors.base import (
     ROUNDING_TOLERANCE,
@@ -435,6 +435,7 @@ class ChunkCoder:
                 if header.mode == MODE_STATS:
                     frame, offset = _unpack_frame(body, header)
                     predictor = ChunkStatsPredictor(frame)
+                _check_first_stream(body, offset, header, self._codec_config(0, header.mode))
                 with _LOCK, one_thread():
                     if isinstance(predictor, ChunkStatsPredictor):
                         chunk = self._decode_independent(body, header, predictor, offset)
@@ -699,6 +700,19 @@ def _read_stream(body: memoryview, offset: int) -> tuple[int, bytes, int]:
     if offset + length > len(body):
         raise ChunkPayloadError("KV chunk payload truncated inside a stream")
     return code, bytes(body[offset : offset + length]), offset + length
+
+
+def _check_first_stream(body: memoryview, offset: int, header: ChunkHeader, config: CodecConfig) -> None:
+    """The first stream must declare the header's dtype and ``[dim, tokens]`` before the decoders allocate anything
+    sized by the header's token count (statistics per token, the decoded layers): a payload's header may claim any
+    size, its streams must hold it (every other stream is checked as it decodes)."""
+    _, at = _unpack_side(body, offset)
+    _, blob, _ = _read_stream(body, at)
+    dtype, shape = stream_info(blob, config=config)
+    want = (header.hidden // header.heads, header.tokens)
+    if dtype != header.dtype or tuple(shape) != want:
+        raise ChunkPayloadError(f"KV chunk payload's first stream declares {dtype} {list(shape)}, the header "
+                                f"{header.dtype} {list(want)}")
 
 
 def _check_side(side: dict[str, torch.Tensor], predictor: Predictor, layer: int, heads: int, dim: int,

@@ -221,6 +221,25 @@ def test_consistently_resealed_damage_is_caught_by_the_chunk_crc():
         assert same_bits(decoded, chunk)  # a change the decoder does not read (e.g. a rounding-neutral bit)
 
 
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_a_claimed_token_count_the_streams_do_not_hold_allocates_nothing(calibrated):
+    """A resealed header claiming 2^24 tokens: refused from the first stream's declared shape, before the decoders
+    allocate statistics or layers of that size (float64 key statistics alone would take 2 GB per stream here)."""
+    if calibrated:
+        model, calibration = tiny_calibrated()
+        coder, chunk = ChunkCoder(calibration), model_chunks(model, 32, 16)[0]
+    else:
+        coder = ChunkCoder(rope=RopeFrame.standard(10000.0, 16), kv_heads=2, head_dim=16)
+        chunk = channel_chunk((2, 2, 16, 32), seed=6)
+    payload = bytearray(coder.encode(chunk, **({"first_position": 0} if calibrated else {})))
+    struct.pack_into("<I", payload, 16, 1 << 24)  # the header's token count (after magic, 4 bytes, layers)
+    crc = zlib.crc32(payload[HEADER.size :], zlib.crc32(payload[: HEADER.size - 4]))
+    struct.pack_into("<I", payload, HEADER.size - 4, crc)
+    assert parse_header(bytes(payload)).tokens == 1 << 24
+    with pytest.raises(ChunkPayloadError, match="first stream declares"):
+        coder.decode(bytes(payload))
+
+
 def test_resealed_side_data_damage_is_refused_with_the_documented_error():
     """Every bit of the frame and the first layer's side data, flipped and resealed: a damaged tensor name, dtype
     or shape used to escape the model-free decoder as a KeyError from inside the predictor (309 of 25,840 such
