@@ -62,6 +62,41 @@ def as_chunk(cache) -> torch.Tensor:
                                      for layer in cache.layers]) for kind in ("keys", "values")])
 
 
+class _Tally:
+    """Outcomes of fuzz cases, with an example of each unexpected one (an exception the loader does not document)."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.examples: dict[str, str] = {}
+
+    def attempt(self, run, documented: type[Exception], refused: str, where: str) -> None:
+        """``run()`` names its outcome; ``documented`` counts as ``refused``; any other exception escaped."""
+        try:
+            outcome = run()
+        except documented:
+            outcome = refused
+        except Exception as err:  # what the fuzz looks for
+            outcome = f"ESCAPED {type(err).__name__}"
+            self.examples.setdefault(outcome, f"{where}: {str(err)[:100]}")
+        self.counts[outcome] += 1
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self, title: str) -> None:
+        print(f"{title}, {dict(self.counts)}")
+        for outcome, example in self.examples.items():
+            print(f"  {outcome}: {example}")
+
+
+def _flipped(payload: bytes, byte: int, bit: int) -> bytes:
+    """One bit flipped, the payload CRC (the header's last field) recomputed as a faulty writer would."""
+    damaged = bytearray(payload)
+    damaged[byte] ^= 1 << bit
+    struct.pack_into("<I", damaged, HEADER.size - 4, zlib.crc32(damaged[HEADER.size :], zlib.crc32(damaged[: HEADER.size - 4])))
+    return bytes(damaged)
+
+
 def fuzz_chunks() -> None:
     model = tiny_model()
     calibration = Calibration.fit(model, None, ids=ids(256, 4), tokens=256, chunk=128, predictors=("context",),
@@ -72,26 +107,15 @@ def fuzz_chunks() -> None:
              ("calibrated", ChunkCoder(calibration), {"first_position": 0})]
     for label, coder, kwargs in cases:
         payload = coder.encode(chunk, **kwargs)
-        outcomes: collections.Counter = collections.Counter()
-        examples = {}
+        tally = _Tally()
         for i in tqdm(range(HEADER.size, len(payload)), desc=label, leave=False):
             for bit in range(8):
-                damaged = bytearray(payload)
-                damaged[i] ^= 1 << bit
-                crc = zlib.crc32(damaged[HEADER.size :], zlib.crc32(damaged[: HEADER.size - 4]))
-                struct.pack_into("<I", damaged, HEADER.size - 4, crc)
-                try:
-                    same = torch.equal(coder.decode(bytes(damaged)).view(torch.int16), chunk.view(torch.int16))
-                    outcome = "exact" if same else "WRONG CHUNK"
-                except ChunkPayloadError:
-                    outcome = "refused"
-                except Exception as err:  # what the fuzz looks for
-                    outcome = f"ESCAPED {type(err).__name__}"
-                    examples.setdefault(outcome, f"byte {i}, bit {bit}: {str(err)[:100]}")
-                outcomes[outcome] += 1
-        print(f"{label}: {len(payload)} bytes, {sum(outcomes.values())} flips, {dict(outcomes)}")
-        for outcome, example in examples.items():
-            print(f"  {outcome}: {example}")
+                def run(i=i, bit=bit, coder=coder, payload=payload) -> str:
+                    same = torch.equal(coder.decode(_flipped(payload, i, bit)).view(torch.int16), chunk.view(torch.int16))
+                    return "exact" if same else "WRONG CHUNK"
+
+                tally.attempt(run, ChunkPayloadError, "refused", f"byte {i}, bit {bit}")
+        tally.report(f"{label}: {len(payload)} bytes, {tally.total()} flips")
 
 
 def _paths(node, prefix=()):
@@ -129,8 +153,7 @@ def fuzz_calibration(legacy: bool) -> None:
         loaded.check_model(model)
 
     edits = {"delete": None, "null": None, "string": "x", "-1": -1, "10^12": 10**12, "[]": [], "{}": {}}
-    outcomes: collections.Counter = collections.Counter()
-    examples = {}
+    tally = _Tally()
     for path in tqdm(list(_paths(meta)), desc="fields", leave=False):
         for edit, value in edits.items():
             changed = copy.deepcopy(meta)
@@ -145,21 +168,17 @@ def fuzz_calibration(legacy: bool) -> None:
             shutil.rmtree(folder, ignore_errors=True)
             shutil.copytree(root / "intact", folder)
             (folder / META_FILE).write_text(json.dumps(changed))
-            stage = "load"
-            try:
-                loaded = Calibration.load(folder)
-                stage = "use"
+
+            def run(folder=folder) -> str:
+                try:
+                    loaded = Calibration.load(folder)
+                except CalibrationError:
+                    return "refused at load"
                 use(loaded)
-                outcome = "loaded and used"
-            except CalibrationError:
-                outcome = f"refused at {stage}"
-            except Exception as err:  # what the fuzz looks for
-                outcome = f"ESCAPED at {stage}: {type(err).__name__}"
-                examples.setdefault(outcome, f"{'.'.join(map(str, path))} -> {edit}: {str(err)[:100]}")
-            outcomes[outcome] += 1
-    print(f"calibration JSON (version {meta['version']}): {sum(outcomes.values())} edits, {dict(outcomes)}")
-    for outcome, example in examples.items():
-        print(f"  {outcome}: {example}")
+                return "loaded and used"
+
+            tally.attempt(run, CalibrationError, "refused at use", f"{'.'.join(map(str, path))} -> {edit}")
+    tally.report(f"calibration JSON (version {meta['version']}): {tally.total()} edits")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,11 +4,14 @@ compress, like real KV) and real ones from a tiny model with a small calibration
 from __future__ import annotations
 
 import functools
+import struct
+import zlib
 
 import torch
 from helpers import fresh_tiny_model, random_ids
 
 from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.integrations.kv_chunk import HEADER
 from hf_kvcompress.predictors.runner import run_decoder
 
 #: SmolLM2-135M's chunk at LMCache's default 256 tokens: [2, 30 layers, 256 tokens, 3 kv heads x 64]
@@ -49,3 +52,14 @@ def model_chunks(model: torch.nn.Module, tokens: int, chunk: int, seed: int = 1)
     layers, heads, n, dim = keys.shape
     kv = torch.stack([keys, values]).permute(0, 1, 3, 2, 4).reshape(2, layers, n, heads * dim)
     return [kv[:, :, start : start + chunk].contiguous() for start in range(0, n - chunk + 1, chunk)]
+
+
+def resealed(payload: bytes | bytearray, byte: int | None = None, bit: int = 0) -> bytes:
+    """``payload`` with bit ``bit`` of byte ``byte`` flipped (None: no flip) and its payload CRC recomputed, as a
+    faulty writer would: what the decoder's structural checks must catch behind the CRC."""
+    damaged = bytearray(payload)
+    if byte is not None:
+        damaged[byte] ^= 1 << bit
+    crc = zlib.crc32(damaged[HEADER.size :], zlib.crc32(damaged[: HEADER.size - 4]))
+    struct.pack_into("<I", damaged, HEADER.size - 4, crc)
+    return bytes(damaged)
