@@ -8,18 +8,34 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
 from ..layer import CompressedLayer, RawStorage, Storage
+from ..layer.hybrid import CompressedHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
-from ..lossy.layer import LossyLayer, require_model
+from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
 from .coded import CodedStorage, LosslessContext
 from .lossless import lossless_context, sealed_raw_bytes
 from .persist import load_cache, save_cache
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
+#: transformers' layer types (`transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`) and what holds them here:
+#: attention KV in a `CompressedLayer` (sliding and chunked windows as transformers' `DynamicSlidingWindowLayer`
+#: holds them), recurrent / convolution states in transformers' own `LinearAttentionLayer`, both for hybrids
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+STATE_LAYER_TYPES = ("conv", "linear_attention")
+HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+SUPPORTED_LAYER_TYPES = (*ATTENTION_LAYER_TYPES, *STATE_LAYER_TYPES, *HYBRID_LAYER_TYPES, "dummy")
+#: a sliding layer seals (codes) blocks only when its window holds at least this many blocks beyond the residual:
+#: a smaller window keeps every token raw, as transformers does (docs/architectures.md, "Sliding windows")
+SLIDING_MIN_BLOCKS = 4
 
 
 class CompressedCache(Cache):
@@ -82,29 +98,40 @@ class CompressedCache(Cache):
     def _layers_for(self, model_config: PretrainedConfig) -> list[Any]:
         decoder_config = model_config.get_text_config(decoder=True)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
-        layers: list[Any] = []
-        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs)):
+        for idx, layer_type in enumerate(layer_types):  # every refusal before anything is built
             if layer_type not in SUPPORTED_LAYER_TYPES:
                 raise ValueError(
                     f"CompressedCache does not support layer type '{layer_type}' (layer {idx} of "
-                    f"{decoder_config.model_type}); supported: {list(SUPPORTED_LAYER_TYPES)}"
+                    f"{decoder_config.model_type}): {_unsupported_why(layer_type)}; supported: "
+                    f"{list(SUPPORTED_LAYER_TYPES)}. Use transformers' DynamicCache for this model."
                 )
-            if layer_type == "dummy":
-                layers.append(DummyLayer())
-            else:
-                layers.append(self._new_layer(idx, sliding_window=kwargs.get("sliding_window")))
-        return layers
+        return [self._new_layer(idx, layer_type, kwargs) for idx, (layer_type, kwargs)
+                in enumerate(zip(layer_types, per_layer_kwargs))]
 
-    def _new_layer(self, layer_idx: int, sliding_window: int | None = None) -> CompressedLayer:
-        if self.config.mode == "lossy":
-            return LossyLayer(self, layer_idx=layer_idx, sliding_window=sliding_window)
-        return CompressedLayer(
-            self._storage_for(layer_idx),
-            block_tokens=self.config.block_tokens,
-            residual_tokens=self.config.residual_tokens,
-            sliding_window=sliding_window,
-            layer_idx=layer_idx,
-        )
+    def _new_layer(self, layer_idx: int, layer_type: str = "full_attention", kwargs: dict | None = None) -> Any:
+        """The layer holding ``layer_type`` (transformers' name) at ``layer_idx``: attention KV compressed per
+        the mode (sliding windows raw unless large enough, never lossy), states as transformers holds them."""
+        kwargs = kwargs or {}
+        if layer_type == "dummy":
+            return DummyLayer()
+        states = kwargs.get("number_of_states", 1)
+        if layer_type in STATE_LAYER_TYPES:
+            return LinearAttentionLayer(number_of_states=states)
+        window = kwargs.get("sliding_window") if layer_type in ("sliding_attention", "chunked_attention",
+                                                                 "hybrid_sliding") else None
+        hybrid = layer_type in HYBRID_LAYER_TYPES
+        if self.config.mode == "lossy" and window is None:
+            if hybrid:
+                return LossyHybridLayer(self, layer_idx=layer_idx, number_of_states=states)
+            return LossyLayer(self, layer_idx=layer_idx)
+        seals = window is None or (self.config.mode == "lossless" and window - 1 >= self.config.residual_tokens
+                                   + SLIDING_MIN_BLOCKS * self.config.block_tokens)
+        storage = self._storage_for(layer_idx) if seals else RawStorage()
+        settings = {"block_tokens": self.config.block_tokens, "residual_tokens": self.config.residual_tokens,
+                    "sliding_window": window, "layer_idx": layer_idx, "seals": seals}
+        if hybrid:
+            return CompressedHybridLayer(storage, number_of_states=states, **settings)
+        return CompressedLayer(storage, **settings)
 
     def _storage_for(self, layer_idx: int) -> Storage:
         if self.lossless is not None:
@@ -119,9 +146,43 @@ class CompressedCache(Cache):
         self._check_layer_idx(layer_idx)
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
+        if not isinstance(self.layers[layer_idx], CompressedLayer):
+            raise ValueError(f"CompressedCache: layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, which "
+                             "holds no attention KV; update() is for attention layers")
         if layer_idx == 0 and self.lossless is not None:  # once per forward: the pool budget's reference
             self.lossless.sealed_raw_bytes = sealed_raw_bytes(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # ------------------------------------------------------------------ recurrent states (hybrid models)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._state_layer(layer_idx).update_conv_state(conv_states, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._state_layer(layer_idx).update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._state_layer(layer_idx)
+        return super().get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._state_layer(layer_idx)
+        return super().get_recurrent_state(layer_idx, state_idx)
+
+    def _state_layer(self, layer_idx: int) -> LinearAttentionCacheLayerMixin:
+        """The layer holding ``layer_idx``'s recurrent / conv states; a clear error where the cache could not know
+        the model has one (built without ``model=``, its layers are made lazily, as attention layers)."""
+        self._check_layer_idx(layer_idx)
+        found = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if not isinstance(found, LinearAttentionCacheLayerMixin):
+            raise ValueError(
+                f"CompressedCache: layer {layer_idx} of this model keeps a recurrent or convolution state (a hybrid "
+                "model: linear attention, mamba or conv layers), but this cache "
+                + ("was built without model= (or model_config=), so its layers are made lazily as attention "
+                   "layers. Build it with CompressedCache(config, model=model)."
+                   if self.model_config is None else f"holds a {type(found).__name__} there.")
+            )
+        return found
 
     @property
     def kv_layer_count(self) -> int | None:
@@ -231,15 +292,25 @@ class CompressedCache(Cache):
         and side data, residual tensors), ``held_bytes`` (every byte the cache keeps: ``stored_bytes`` plus
         decoded blocks kept between steps, the recorded token ids and whole buffers behind any view),
         ``decoded_bytes``, ``token_ids_bytes`` and ``calibration_bytes`` (the parts of it no layer holds: the
-        calibration's tensors read so far), ``bits_per_scalar`` (stored bits per cached K/V scalar),
+        calibration's tensors read so far), ``state_bytes`` (recurrent and convolution states of hybrid models,
+        held as transformers holds them and counted in ``raw_bytes``, ``stored_bytes`` and ``held_bytes`` alike),
+        ``bits_per_scalar`` (stored bits per cached K/V scalar, states left out),
         ``compression_ratio`` (raw / stored), ``dtype``, ``predictor`` (the one coding blocks in generation, as
         it really runs) and ``calibration`` (where it came from, or why there is none). ``per_layer=True`` adds
         ``per_layer``: the same numbers per layer, with each method's own (summaries, residual bytes, ...).
         """
         layers = [{"layer": idx, **layer.stats()} for idx, layer in enumerate(self.layers)
                   if isinstance(layer, CompressedLayer)]
-        raw = sum(s["raw_bytes"] for s in layers)
-        stored = sum(s["stored_bytes"] for s in layers)
+        for idx, layer in enumerate(self.layers):  # recurrent / conv states only: held as transformers holds them
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CompressedLayer):
+                layers.append({"layer": idx, "tokens": 0, "entries": 0, "raw_bytes": 0, "stored_bytes": 0,
+                               "scalars": 0, "held_bytes": state_bytes(layer), "residual_bytes": 0,
+                               "state_bytes": state_bytes(layer)})
+        layers.sort(key=lambda s: s["layer"])
+        states = sum(s.get("state_bytes", 0) for s in layers)
+        raw = sum(s["raw_bytes"] for s in layers) + states
+        kv_stored = sum(s["stored_bytes"] for s in layers)
+        stored = kv_stored + states
         scalars = sum(s["scalars"] for s in layers)
         decoded = (storage_bytes(self.lossless.decoded_tensors()) + self.lossless.ahead_bytes()
                    if self.lossless is not None else 0)
@@ -256,7 +327,8 @@ class CompressedCache(Cache):
             "decoded_bytes": decoded,
             "token_ids_bytes": ids,
             "calibration_bytes": calibration,
-            "bits_per_scalar": 8.0 * stored / scalars if scalars else 0.0,
+            "state_bytes": states,
+            "bits_per_scalar": 8.0 * kv_stored / scalars if scalars else 0.0,
             "compression_ratio": raw / stored if stored else 1.0,
             "dtype": ",".join(sorted(dtypes)) or None,
             "predictor": self._predictor_in_use(),
@@ -338,3 +410,11 @@ class _TokenRecorder:
         cache.token_ids = ids if cache.token_ids is None else torch.cat([cache.token_ids, ids], dim=1)
         return None
 
+
+
+def _unsupported_why(layer_type: str) -> str:
+    """Why a transformers layer type is refused, for the construction error."""
+    if layer_type == "indexed_attention":
+        return ("its layers keep a sparse-attention indexer key cache beside K/V (DeepSeek V3.2-style DSA), which "
+                "this cache does not hold")
+    return "its cache layer class is specific to the model and this cache has no equivalent of it"

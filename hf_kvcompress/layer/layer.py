@@ -29,7 +29,11 @@ class CompressedLayer(CacheLayerMixin):
     ``keys`` / ``values`` read (and write) the whole layer as plain tensors, as on `DynamicLayer`, so tools
     that inspect or prune caches keep working.
 
-    With ``sliding_window`` set, blocks that no future query can attend to are dropped.
+    With ``sliding_window`` set, the layer behaves as transformers' `DynamicSlidingWindowLayer`: attention gets
+    the last ``sliding_window - 1`` tokens followed by the new ones (the same entries in the same order, so the
+    same bits), `get_mask_sizes` and `crop` answer as there (including ``activate_past_recording``), and tokens
+    no future query can reach are dropped: whole blocks, and residual tokens. ``seals=False`` never seals a
+    block (a window too small to be worth coding: the layer is then a plain window, as transformers holds it).
     """
 
     is_compileable = False
@@ -42,8 +46,17 @@ class CompressedLayer(CacheLayerMixin):
         residual_tokens: int,
         sliding_window: int | None = None,
         layer_idx: int | None = None,
+        seals: bool = True,
     ):
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"layer {layer_idx}: sliding_window must be a positive int, got {sliding_window!r}")
         self.storage = storage
+        self.seals = seals
+        #: as on `DynamicSlidingWindowLayer`: keep tokens that leave the window until the next `crop`
+        self.record_past = False
+        #: the first position `DynamicSlidingWindowLayer` would still hold (what ``keys`` / ``values`` show)
+        self.window_start = 0
         self.block_tokens = block_tokens
         self.residual_tokens = residual_tokens
         self.sliding_window = sliding_window
@@ -83,6 +96,11 @@ class CompressedLayer(CacheLayerMixin):
         self._drop_out_of_window()
         return keys, values
 
+    def activate_past_recording(self) -> None:
+        """Keep tokens that leave the sliding window until the next `crop` (transformers' assisted decoding
+        rolls a window back this way); a no-op on a full-attention layer, which keeps every token anyway."""
+        self.record_past = True
+
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Check and append new tokens to the residual; return every held entry followed by the new ones."""
         self._check_states(key_states, value_states)
@@ -95,8 +113,8 @@ class CompressedLayer(CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        held = self.entries
-        return held + query_length, self.seen_tokens - held
+        visible = self.entries
+        return visible + query_length, self.seen_tokens - visible
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -109,18 +127,38 @@ class CompressedLayer(CacheLayerMixin):
         return all(block.exact for block in self.blocks)
 
     def reset(self) -> None:
+        self.window_start = 0
         self.blocks, self.block_starts = [], []
         self.residual_keys = self.residual_values = None
         self.seen_tokens = 0
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count). A sliding
+        layer whose window has filled answers as `DynamicSlidingWindowLayer` does: it needs
+        ``activate_past_recording()`` first, and then also trims itself back to its window (``crop(0)`` too)."""
+        if self.sliding_window is not None and self.seen_tokens >= self.sliding_window:
+            if not self.record_past:
+                raise RuntimeError(
+                    "`crop` was called, but the current layer does not track past states, and the sliding window size "
+                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
+                )
+            if tokens_to_remove > 0:
+                raise RuntimeError(
+                    "Once the sliding window size has been reached, a sliding layer can only be cropped by passing a "
+                    "negative int, to specify how many tokens to remove"
+                )
+            self._crop_tail(-tokens_to_remove)
+            self._drop_out_of_window(force=True)
+            return
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as for DynamicCache."
             )
-        remove = -tokens_to_remove
+        self._crop_tail(-tokens_to_remove)
+
+    def _crop_tail(self, remove: int) -> None:
+        """Remove the last ``remove`` tokens, unsealing exact blocks where the residual holds too few."""
         if remove == 0 or not self.is_initialized:
             return
         if remove > self.seen_tokens:
@@ -176,9 +214,23 @@ class CompressedLayer(CacheLayerMixin):
         return 0 if self.residual_keys is None else self.residual_keys.shape[-2]
 
     @property
-    def entries(self) -> int:
-        """K/V rows attention sees from this layer right now."""
+    def held_entries(self) -> int:
+        """K/V rows this layer holds (a sliding layer may hold a few tokens its window no longer shows)."""
         return sum(block.entries for block in self.blocks) + self.residual_length
+
+    @property
+    def entries(self) -> int:
+        """K/V rows attention sees from this layer right now (a sliding layer: at most ``sliding_window - 1``)."""
+        return self.held_entries - self._hidden_entries()
+
+    def _hidden_entries(self, shown: bool = False) -> int:
+        """Held rows attention no longer sees: the oldest beyond a sliding window's ``sliding_window - 1``; with
+        ``shown``, those ``keys`` / ``values`` do not show (transformers' layer shows a recorded past until `crop`)."""
+        if self.sliding_window is None:
+            return 0
+        if shown:
+            return max(0, self.window_start - (self.seen_tokens - self.held_entries))
+        return max(0, self.held_entries - (self.sliding_window - 1))
 
     @property
     def rows(self) -> int:
@@ -215,9 +267,12 @@ class CompressedLayer(CacheLayerMixin):
         gives): the storage writes the blocks into them (`Storage.read_into`), so a decoding storage needs no
         copy of its own. Keys and values share one buffer when their shapes agree (one destination for a
         codec call that decodes both)."""
-        held = sum(block.entries for block in self.blocks)
-        parts_k = [self.residual_keys, key_states]
-        parts_v = [self.residual_values, value_states]
+        hidden = self._hidden_entries()
+        blocks, skip = self._visible_blocks(hidden)
+        held = sum(block.entries for block in blocks) - skip
+        residual_k, residual_v = self._visible_residual(hidden)
+        parts_k = [residual_k, key_states]
+        parts_v = [residual_v, value_states]
         tokens = held + sum(t.shape[-2] for t in parts_k)
         k_shape = (*key_states.shape[:2], tokens, key_states.shape[3])
         v_shape = (*value_states.shape[:2], tokens, value_states.shape[3])
@@ -226,8 +281,16 @@ class CompressedLayer(CacheLayerMixin):
             keys, values = both[0], both[1]  # not unbind: autograd refuses in-place writes to its views
         else:
             keys, values = key_states.new_empty(k_shape), value_states.new_empty(v_shape)
-        if self.blocks:
-            self.storage.read_into(self.blocks, keys[..., :held, :], values[..., :held, :])
+        if skip:  # the oldest block shows only its last tokens: read it alone, copy them
+            (k, v), = self.storage.read_all(blocks[:1])
+            n = blocks[0].entries - skip
+            keys[..., :n, :].copy_(k[..., skip:, :])
+            values[..., :n, :].copy_(v[..., skip:, :])
+            blocks = blocks[1:]
+        else:
+            n = 0
+        if blocks:
+            self.storage.read_into(blocks, keys[..., n:held, :], values[..., n:held, :])
         at = held
         for k, v in zip(parts_k, parts_v):
             n = k.shape[-2]
@@ -237,16 +300,38 @@ class CompressedLayer(CacheLayerMixin):
         return keys, values
 
     def _held_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What attention sees of this layer, in parts (blocks, then the residual)."""
+        hidden = self._hidden_entries(shown=True)
+        blocks, skip = self._visible_blocks(hidden)
         keys, values = [], []
-        for k, v in self.storage.read_all(self.blocks):
-            keys.append(k)
-            values.append(v)
-        keys.append(self.residual_keys)
-        values.append(self.residual_values)
+        for k, v in self.storage.read_all(blocks):
+            keys.append(k[..., skip:, :])
+            values.append(v[..., skip:, :])
+            skip = 0
+        residual_k, residual_v = self._visible_residual(hidden)
+        keys.append(residual_k)
+        values.append(residual_v)
         return keys, values
 
+    def _visible_blocks(self, hidden: int) -> tuple[list[Block], int]:
+        """The blocks left once the ``hidden`` oldest entries are, and how many leading entries of the first are."""
+        blocks = self.blocks
+        while blocks and hidden >= blocks[0].entries:
+            hidden -= blocks[0].entries
+            blocks = blocks[1:]
+        if not blocks:
+            return [], 0
+        return list(blocks), hidden
+
+    def _visible_residual(self, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual tokens left once the ``hidden`` oldest entries of the layer are."""
+        hidden -= sum(block.entries for block in self.blocks)
+        if hidden <= 0:
+            return self.residual_keys, self.residual_values
+        return self.residual_keys[..., hidden:, :], self.residual_values[..., hidden:, :]
+
     def _seal_full_blocks(self) -> None:
-        while self.residual_length >= self.residual_tokens + self.block_tokens:
+        while self.seals and self.residual_length >= self.residual_tokens + self.block_tokens:
             n = self.block_tokens
             start = self.seen_tokens - self.residual_length
             block = self.storage.hold(self.residual_keys[..., :n, :], self.residual_values[..., :n, :], start=start)
@@ -256,14 +341,22 @@ class CompressedLayer(CacheLayerMixin):
             self.residual_keys = owned(self.residual_keys[..., n:, :])
             self.residual_values = owned(self.residual_values[..., n:, :])
 
-    def _drop_out_of_window(self) -> None:
-        if self.sliding_window is None:
+    def _drop_out_of_window(self, force: bool = False) -> None:
+        """Drop what no future query of a sliding layer can reach: whole blocks, and residual tokens once no block
+        is left (``record_past`` keeps everything until `crop`, which passes ``force``)."""
+        if self.sliding_window is None or (self.record_past and not force):
             return
-        # the next query sits at position seen_tokens and attends to positions > seen_tokens - sliding_window
+        # transformers keeps the last sliding_window - 1 tokens: the next query attends to those and itself
         oldest_needed = self.seen_tokens - self.sliding_window + 1
+        self.window_start = max(0, oldest_needed)
         while self.blocks and self.block_starts[0] + self.blocks[0].tokens <= oldest_needed:
             self.blocks.pop(0)
             self.block_starts.pop(0)
+        cut = oldest_needed - (self.seen_tokens - self.residual_length)
+        if not self.blocks and cut > 0 and self.residual_keys is not None:
+            # copies: a slice would keep the whole residual alive
+            self.residual_keys = owned(self.residual_keys[..., cut:, :])
+            self.residual_values = owned(self.residual_values[..., cut:, :])
 
     def _select_rows(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:

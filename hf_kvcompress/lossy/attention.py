@@ -86,7 +86,8 @@ def attach(model: torch.nn.Module) -> None:
             "attn_implementation='sdpa'."
         )
     for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+        # every module that knows its layer may be an attention module (o_proj, out_proj, dense, ... by model)
+        if hasattr(module, "layer_idx"):
             setattr(module, INNER_ATTRIBUTE, current)
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:

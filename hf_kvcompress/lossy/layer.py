@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..layer.hybrid import RecurrentStateMixin
 from ..layer.layer import CompressedLayer
 from ..layer.storage import Block, RawStorage, owned, tensor_nbytes
 from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
@@ -53,12 +54,9 @@ class LossyLayer(CompressedLayer):
     may exceed its budget by the tokens that arrived since the last one (at most ``interval - 1`` decode steps).
     """
 
-    def __init__(self, cache: Any, *, layer_idx: int, sliding_window: int | None = None):
-        if sliding_window is not None:
-            raise ValueError(
-                f"lossy mode does not support sliding-window layers (layer {layer_idx} has a window of "
-                f"{sliding_window}); use mode='none' or 'lossless' for this model"
-            )
+    def __init__(self, cache: Any, *, layer_idx: int):
+        # sliding-window layers are never lossy: their memory is bounded already, and the cache holds them as
+        # plain windows (`CompressedCache._new_layer`)
         config = cache.config
         self.lossy = config.lossy
         #: the registered method (`registry.LossyMethod`) this layer's summaries run
@@ -479,3 +477,11 @@ def _rope_inv_freq(model: torch.nn.Module | None) -> torch.Tensor | None:
                                if name.endswith("rotary_emb") and hasattr(module, "inv_freq")), None)
     rotary = _ROTARY[model]
     return None if rotary is None else rotary.inv_freq.detach().float().cpu()
+
+
+class LossyHybridLayer(RecurrentStateMixin, LossyLayer):
+    """A ``hybrid`` layer in lossy mode: transformers' recurrent states, untouched, beside a `LossyLayer`'s KV."""
+
+    def __init__(self, cache: Any, *, layer_idx: int, number_of_states: int = 1):
+        LossyLayer.__init__(self, cache, layer_idx=layer_idx)
+        self._init_states(number_of_states)

@@ -70,8 +70,8 @@ def test_bad_crop_and_batch_indices():
         cache.batch_select_indices(torch.tensor([1]))
 
 
-def test_unsupported_layer_type_is_a_clear_error():
+def test_unsupported_layer_type_is_a_clear_error_at_construction():
     config = tiny_model("qwen3-sliding").config.__class__.from_dict(tiny_model("qwen3-sliding").config.to_dict())
-    config.layer_types = ["sliding_attention", "linear_attention"]
-    with pytest.raises(ValueError, match="does not support layer type 'linear_attention'"):
+    config.layer_types = ["sliding_attention", "indexed_attention"]
+    with pytest.raises(ValueError, match=r"layer type 'indexed_attention' \(layer 1 of qwen3\): .*indexer.*DynamicCache"):
         CompressedCache(NONE, model_config=config)

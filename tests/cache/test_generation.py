@@ -101,20 +101,6 @@ def test_crop_then_continue(tiny, mode):
     assert torch.equal(runs[0], runs[1])
 
 
-def test_sliding_window_layers_match_dynamic_cache():
-    model = tiny_model("qwen3-sliding")
-    ids = random_ids(1, 40, seed=11)
-    expected = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=16)
-    cache = CompressedCache(small_blocks("none"), model=model)
-    got = generate(model, ids, cache, max_new_tokens=16)
-    assert torch.equal(got, expected)
-    sliding, full = cache.layers
-    assert sliding.is_sliding and not full.is_sliding
-    # the sliding layer dropped blocks no query can reach; the full layer kept everything
-    assert sliding.entries < full.entries
-    assert sliding.entries >= model.config.sliding_window - 1
-
-
 def test_batch_repeat_and_select_match_dynamic_layer():
     ids = random_ids(2, 21)
     model = tiny_model("llama-gqa")

@@ -12,12 +12,6 @@ def _config() -> CompressionConfig:
     return CompressionConfig(mode="lossy", residual_tokens=8, lossy=LossyConfig(method="topk", budget=0.5, interval=16))
 
 
-def test_sliding_window_layers_are_refused():
-    model = fresh_tiny_model("qwen3-sliding")
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        CompressedCache(_config(), model=model)
-
-
 def test_an_attention_implementation_without_float_masks_is_refused():
     model = fresh_tiny_model("llama-gqa")
     model.config._attn_implementation = "flash_attention_2"  # only the name matters: attach refuses it first

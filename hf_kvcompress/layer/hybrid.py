@@ -1,0 +1,97 @@
+"""Layers that hold a recurrent state beside their attention KV (transformers' ``"hybrid"`` / ``"hybrid_sliding"``
+layer types: falcon_h1 runs a mamba mixer and attention in one layer).
+
+The recurrent and convolution states are transformers' own `LinearAttentionLayer` code, untouched (they are small,
+of fixed size, and every update rewrites them whole: nothing there to seal or code); the attention KV is the
+compressed layer's. This follows transformers' `LinearAttentionAndFullAttentionLayer`: one class per pair, each
+call sent to the part it concerns. Pure linear-attention / conv layers are held by `LinearAttentionLayer` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
+
+from .layer import CompressedLayer
+from .storage import Storage, storage_bytes
+
+
+def state_tensors(layer: LinearAttentionCacheLayerMixin) -> list[torch.Tensor]:
+    """The conv and recurrent state tensors a linear-attention (or hybrid) layer holds now."""
+    out = []
+    for states in (layer.conv_states, layer.recurrent_states):
+        out.extend(t for t in states.values() if isinstance(t, torch.Tensor))
+    return out
+
+
+def state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
+    """Bytes behind those tensors (whole buffers: a recorded past may hold a grown conv state)."""
+    return storage_bytes(state_tensors(layer))
+
+
+class RecurrentStateMixin(LinearAttentionLayer):
+    """The linear-attention half of a hybrid layer; the attention half is the class that follows it in the MRO
+    (a `CompressedLayer` or one of its subclasses), reached with ``super(LinearAttentionCacheLayerMixin, self)``."""
+
+    def _init_states(self, number_of_states: int) -> None:
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def _attention(self):
+        return super(LinearAttentionCacheLayerMixin, self)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # as transformers' hybrid layers: attention's `update` passes (keys, values), the state updates keywords
+        if len(args) == 2 and not kwargs:
+            self._attention().lazy_initialization(*args)
+        elif not args:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        if hasattr(self, "number_of_states"):  # the attention half's __init__ resets before the states exist
+            LinearAttentionLayer.reset(self)
+        self._attention().reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        self._attention().reorder_cache(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        self._attention().crop(tokens_to_remove)
+
+    def offload(self) -> None:
+        LinearAttentionLayer.offload(self)
+        self._attention().offload()
+
+    def prefetch(self) -> None:
+        LinearAttentionLayer.prefetch(self)
+        self._attention().prefetch()
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True  # one flag for both halves, as on transformers' hybrid layers
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        return LinearAttentionLayer.is_croppable.fget(self) and all(block.exact for block in self.blocks)
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        return False
+
+    def stats(self) -> dict[str, int]:
+        found = self._attention().stats()
+        states = state_bytes(self)
+        found["state_bytes"] = states
+        found["held_bytes"] += states
+        return found
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._attention().__repr__()}, states={self.number_of_states})"
+
+
+class CompressedHybridLayer(RecurrentStateMixin, CompressedLayer):
+    """A ``hybrid`` / ``hybrid_sliding`` layer: transformers' recurrent states beside a `CompressedLayer`'s KV."""
+
+    def __init__(self, storage: Storage, *, number_of_states: int = 1, **kwargs):
+        CompressedLayer.__init__(self, storage, **kwargs)
+        self._init_states(number_of_states)

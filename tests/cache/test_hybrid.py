@@ -1,0 +1,93 @@
+"""Hybrid models (linear attention, conv, mamba beside attention): transformers' own state layers hold the
+recurrent and convolution states untouched; the attention layers are compressed; generation is DynamicCache's."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import random_ids, same_bits
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import LinearAttentionLayer
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.layer import CompressedLayer
+from hf_kvcompress.layer.hybrid import CompressedHybridLayer
+from hf_kvcompress_eval.env import walk_held_bytes
+
+COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+          "max_position_embeddings": 512}
+MODELS = {
+    # conv layers beside attention layers
+    "lfm2": {"num_hidden_layers": 6, "full_attn_idxs": [2, 5]},
+    # mamba and attention in every layer ("hybrid")
+    "falcon_h1": {"num_hidden_layers": 6, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                  "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 16},
+}
+
+
+@functools.cache
+def hybrid_model(kind: str, dtype: torch.dtype = torch.float32):
+    config = AutoConfig.for_model(kind, **{**COMMON, **MODELS[kind]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def run(model, ids, cache, mask=None, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, max_new_tokens=8,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["none", "lossless"])
+def test_generation_matches_dynamic_cache_bit_for_bit(kind, mode):
+    model = hybrid_model(kind)
+    ids = random_ids(2, 40, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    want = run(model, ids, DynamicCache(config=model.config), mask)
+    cache = CompressedCache(CompressionConfig(mode=mode, block_tokens=8, residual_tokens=4), model=model,
+                            calibration=None)
+    got = run(model, ids, cache, mask)
+    assert torch.equal(want.sequences, got.sequences)
+    assert all(same_bits(a, b) for a, b in zip(want.logits, got.logits))
+    kinds = {type(layer) for layer in cache.layers}
+    if kind == "lfm2":
+        assert kinds == {LinearAttentionLayer, CompressedLayer}
+    else:
+        assert kinds == {CompressedHybridLayer}
+    assert any(layer.blocks for layer in cache.layers if isinstance(layer, CompressedLayer))
+    stats = cache.stats(per_layer=True)
+    assert stats["state_bytes"] > 0
+    skip = [cache.model_config] + ([cache.lossless.predictor] if cache.lossless is not None else [])
+    assert stats["held_bytes"] == walk_held_bytes(cache, skip=skip)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_lossy_mode_summarises_attention_and_keeps_states(kind):
+    model = hybrid_model(kind)
+    ids = random_ids(1, 80, seed=2)
+    want = run(model, ids, DynamicCache(config=model.config))
+    cache = CompressedCache(CompressionConfig(mode="lossy", budget=0.5), model=model)
+    got = run(model, ids, cache)
+    assert same_bits(want.logits[0], got.logits[0])
+    assert all(torch.isfinite(step).all() for step in got.logits)
+    assert cache.stats()["held_bytes"] < dynamic_cache_bytes(model, ids)
+
+
+def dynamic_cache_bytes(model, ids) -> int:
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=reference)
+    return walk_held_bytes(reference)
+
+
+def test_without_a_model_a_state_update_says_to_pass_the_model():
+    model = hybrid_model("lfm2")
+    with pytest.raises(ValueError, match=r"layer 0 of this model keeps a recurrent or convolution state.*model=model"):
+        run(model, random_ids(1, 10), CompressedCache(CompressionConfig(mode="none")))
