@@ -360,6 +360,12 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
             return None, "none: the configured predictors need none"
         if model is None:
             return None, "none: no model attached (pass model= to use its calibration)"
+        types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        if set(types) != {"full_attention"}:
+            # calibrations are fitted on models whose layers all hold every token (their heads read the layers
+            # below); other structures code with per-block statistics
+            return None, (f"none: calibrations cover full-attention models only, this one has "
+                          f"{sorted(set(types) - {'full_attention'})} layers")
         return calibration_for(model)
     if calibration is None:
         return None, "none"

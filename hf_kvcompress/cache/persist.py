@@ -1,10 +1,16 @@
 """One-file save / load of a lossless cache: the prefix-cache use (store a prompt's KV once, reload later).
 
-File layout (format version 3): ``MAGIC`` (8 bytes), the format version (u32, little endian), the header
-length (u32), a UTF-8 JSON header, the payload (every stream and side tensor, at the offsets the header
-lists, in order, without gaps), then a SHA-256 of everything before it. The header carries the token ids,
-the config, the predictor, the model identity and calibration checksum, the library version and what the
-predictor needs to reproduce (threads, CPU). Nothing is unpickled.
+File layout: ``MAGIC`` (8 bytes), the format version (u32, little endian), the header length (u32), a UTF-8
+JSON header, the payload (every stream and tensor, at the offsets the header lists, in order, without gaps),
+then a SHA-256 of everything before it. The header carries the token ids, the config, the predictor, the model
+identity and calibration checksum, the library version and what the predictor needs to reproduce (threads,
+CPU). Nothing is unpickled.
+
+Version 3 holds caches whose layers all keep every token in one K/V shape (full attention). Version 4 holds
+every other layer structure: one entry per layer that holds anything, with its own K/V widths, its sliding window
+and the first position it holds (a window keeps the last ``sliding_window - 1`` tokens), and the recurrent /
+convolution states of hybrid models as raw tensors (`_STATE_FIELDS`). `save` writes version 3 whenever the
+cache fits it (its files stay byte for byte what they were) and version 4 otherwise; `load` reads both.
 
 `load_cache` trusts nothing it has not checked: the SHA-256 over the whole file first, then every header
 field against the others and against the payload (block order and sizes, stream and side-data extents,
@@ -26,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
 from ..calibration import CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
@@ -33,6 +40,7 @@ from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..errors import CacheFileError
 from ..identity import ModelIdentity, model_identity
+from ..layer import CompressedLayer
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
@@ -55,11 +63,14 @@ if TYPE_CHECKING:
 MAGIC = b"\x89HFKVC\r\n"
 LEGACY_MAGIC = b"HFKVCACH"  # format version 1: SHA-256 over the payload only
 FORMAT = "hf_kvcompress.cache"
-VERSION = 3
+VERSION = 3  # caches of full-attention layers of one shape; `LAYERED` for every other structure
+LAYERED = 4
+VERSIONS = (VERSION, LAYERED)
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _DIGEST = 32  # trailing SHA-256
 MAX_HEADER = 1 << 30
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
+          "float64": torch.float64, "int64": torch.int64}
 _MIN_STREAM_ENTRY = 8  # bytes per window-table entry: a stream of n bytes holds at most n / 8 windows
 
 
@@ -80,67 +91,94 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
     ``save_predictor``)."""
     layers = cache.kv_layers()
-    if not layers or layers[0].seen_tokens == 0:
+    if not layers or max(layer.seen_tokens for layer in layers) == 0:
         raise ValueError("save: the cache is empty")
-    if any(layer.sliding_window is not None for layer in layers) or any(not layer.is_croppable for layer in layers):
-        raise ValueError("save: only caches that hold every token exactly (no sliding window, no lossy summary)")
+    if any(not block.exact for layer in layers for block in layer.blocks):
+        raise ValueError("save: only caches that hold their tokens exactly (no lossy summary)")
     settings = cache.config.lossless
     name = predictor or settings.save_predictor
     k = probe_layer or settings.probe_layer
     chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k)
     chosen.portable = True  # the file is read on other machines
+    layered = not _fits_version_3(cache)
+    if layered and chosen.below_depth() > 0:
+        raise ValueError(
+            f"save: the '{name}' predictor reads the layers below each block, but this cache's layers do not all hold "
+            "the same tokens (sliding windows, KV-sharing or state layers); save with predictor='generic'"
+        )
     token_ids = cache.token_ids
+    tokens = max(layer.seen_tokens for layer in layers)
     needs_tokens = not chosen.practical_in_generation
     if needs_tokens:
-        _check_tokens_for_rerun(cache, token_ids, layers[0].seen_tokens)
+        _check_tokens_for_rerun(cache, token_ids, tokens)
 
-    kv = [(layer.keys, layer.values) for layer in layers]
     block_tokens = cache.config.block_tokens
     context, blocks = _coding_context(cache, settings, chosen)
     if needs_tokens:
         context.extras_source = chosen.model_extras(token_ids)
     payload = bytearray()
-    layer_entries = []
-    bar = tqdm(total=len(kv), desc=f"saving ({name})", disable=not progress, leave=False)
-    for index, (keys, values) in enumerate(kv):
+
+    def coded_blocks(index: int, keys: torch.Tensor, values: torch.Tensor, first: int) -> list[dict[str, Any]]:
         entries = []
-        for start in range(0, keys.shape[2], block_tokens):
-            stop = min(start + block_tokens, keys.shape[2])
-            block = context.encode_block(index, keys[:, :, start:stop], values[:, :, start:stop], start)
-            blocks[(index, start)] = block
-            entries.append({"start": start, "tokens": stop - start, "rows": [_write_row(row, payload) for row in block.rows]})
-        layer_entries.append({"layer": index, "blocks": entries})
+        for at in range(0, keys.shape[2], block_tokens):
+            stop = min(at + block_tokens, keys.shape[2])
+            block = context.encode_block(index, keys[:, :, at:stop], values[:, :, at:stop], first + at)
+            blocks[(index, first + at)] = block
+            entries.append({"start": first + at, "tokens": stop - at,
+                            "rows": [_write_row(row, payload) for row in block.rows]})
+        return entries
+
+    layer_entries = []
+    held = [(index, layer) for index, layer in enumerate(cache.layers)
+            if isinstance(layer, (CompressedLayer, LinearAttentionCacheLayerMixin))]
+    bar = tqdm(total=len(held), desc=f"saving ({name})", disable=not progress, leave=False)
+    keys0 = None
+    for index, layer in held:
+        kv = None
+        if isinstance(layer, CompressedLayer) and layer.is_initialized:
+            keys, values = layer.keys, layer.values
+            keys0 = keys if keys0 is None else keys0
+            first = layer.seen_tokens - keys.shape[2]
+            kv = {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3],
+                  "sliding_window": layer.sliding_window, "start": first,
+                  "blocks": coded_blocks(index, keys, values, first)}
+        if layered:
+            state = _write_state(layer, payload) if isinstance(layer, LinearAttentionCacheLayerMixin) else None
+            layer_entries.append({"layer": index, "kv": kv, "state": state})
+        else:
+            layer_entries.append({"layer": index, "blocks": kv["blocks"]})
         bar.update(1)
     bar.close()
 
-    keys0 = kv[0][0]
-    if token_ids is not None and tuple(token_ids.shape) != (keys0.shape[0], keys0.shape[2]):
+    if token_ids is not None and tuple(token_ids.shape) != (keys0.shape[0], tokens):
         token_ids = None  # ids of other rows or tokens than the cache holds (recorded partly): not the cache's
     header = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": LAYERED if layered else VERSION,
         "library_version": __version__,
         "config": cache.config.to_dict(),
         "predictor": {"name": name, "probe_layer": k},
         "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
         "calibration_sha256": cache.calibration.meta["tensors_sha256"] if cache.calibration is not None else None,
         "dtype": str(keys0.dtype).replace("torch.", ""),
-        "kv_layers": len(kv),
+        "kv_layers": len(cache.layers) if layered else len(layer_entries),
         "rows": keys0.shape[0],
-        "kv_heads": keys0.shape[1],
-        "head_dim": keys0.shape[3],
-        "tokens": keys0.shape[2],
+        "kv_heads": None if layered else keys0.shape[1],
+        "head_dim": None if layered else keys0.shape[3],
+        "tokens": tokens,
         "token_ids": token_ids.tolist() if token_ids is not None else None,
         "reproducibility": reproducibility(),
         "layers": layer_entries,
         "payload_bytes": len(payload),
     }
     blob = json.dumps(header, separators=(",", ":")).encode()
-    head = _PREFIX.pack(MAGIC, VERSION, len(blob))
+    head = _PREFIX.pack(MAGIC, header["version"], len(blob))
     digest = hashlib.sha256(head)
     digest.update(blob)
     digest.update(payload)
     target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"save: the folder {target.parent} does not exist")
     with open(target, "wb") as out:
         out.write(head)
         out.write(blob)
@@ -149,6 +187,17 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     if cache.calibration is not None and not uses_calibration(cache):
         cache.calibration.release()  # heads read for this save only: generation does not hold them
     return target
+
+
+def _fits_version_3(cache: CompressedCache) -> bool:
+    """Whether version 3 holds ``cache``: only full-attention layers, all holding every token in one K/V shape."""
+    shapes = set()
+    for layer in cache.layers:
+        if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.is_initialized:
+            return False
+        shapes.add((tuple(layer.residual_keys.shape[1:2]), layer.residual_keys.shape[3],
+                    layer.residual_values.shape[3], layer.seen_tokens))
+    return len(shapes) == 1 and len({(s[1], s[2]) for s in shapes if s[1] == s[2]}) == 1
 
 
 def uses_calibration(cache: CompressedCache) -> bool:
@@ -176,11 +225,14 @@ def read_header(path: str | Path) -> dict[str, Any]:
 
 def stream_bytes(header: dict[str, Any]) -> list[dict[str, int]]:
     """Bytes per layer of key streams, value streams and side data (scales, side tensors) in a header."""
-    heads = header["kv_heads"]
     per_layer = []
     for entry in header["layers"]:
+        kv = entry["kv"] if header["version"] == LAYERED else {"heads": header["kv_heads"], "blocks": entry["blocks"]}
+        if kv is None:
+            continue
+        heads = kv["heads"]
         k = v = side = 0
-        for block in entry["blocks"]:
+        for block in kv["blocks"]:
             for row in block["rows"]:
                 lengths = [length for _, length in row["streams"]]
                 k += sum(lengths[:heads])
@@ -257,25 +309,37 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
             raise CacheFileError(f"the {name} predictor needs token ids, which this file lacks")
         context.extras_source = predictor.model_extras(token_ids)
 
-    rows, heads, dim = header["rows"], header["kv_heads"], header["head_dim"]
-    for entry in header["layers"]:  # every block checked before any is decoded (or allocated for)
-        layer = entry["layer"]
-        for b in entry["blocks"]:
+    rows = header["rows"]
+    entries = _layer_entries(header)
+    if header["version"] == LAYERED:
+        _layered_target(target, entries, header["kv_layers"])
+    for entry in entries:  # every block checked before any is decoded (or allocated for)
+        layer, kv = entry["layer"], entry["kv"]
+        for b in (kv or {}).get("blocks", ()):
             coded = [_read_row(row, saved.payload) for row in b["rows"]]
-            block = CodedBlock(context, layer, b["start"], b["tokens"], coded, heads, dim, saved.dtype,
-                               torch.device("cpu"))
+            block = CodedBlock(context, layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
+                               saved.dtype, torch.device("cpu"), value_dim=kv["value_dim"])
             _check_block(block, context, predictor)
             blocks[(layer, b["start"])] = block
     try:
-        for entry in tqdm(header["layers"], desc=f"loading ({name})", disable=not progress, leave=False):
-            layer = entry["layer"]
+        for entry in tqdm(entries, desc=f"loading ({name})", disable=not progress, leave=False):
+            layer, kv = entry["layer"], entry["kv"]
+            device = _layer_device(model, layer)
+            if kv is None:
+                _restore_state(target.layers[layer], entry["state"], saved.payload, device)
+                continue
             keys, values = [], []
-            for b in entry["blocks"]:
+            for b in kv["blocks"]:
                 decoded = context.decoded(blocks[(layer, b["start"])])
                 keys.append(decoded.keys)
                 values.append(decoded.values)
-            device = _layer_device(model, layer)
-            target.update(torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device), layer)
+            keys, values = torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device)
+            if header["version"] == LAYERED:
+                target.layers[layer].restore(keys, values, header["tokens"])
+                if entry["state"] is not None:  # after the K/V: restoring them resets the layer
+                    _restore_state(target.layers[layer], entry["state"], saved.payload, device)
+            else:
+                target.update(keys, values, layer)
     except PredictorMismatchError as err:
         here = reproducibility()
         why = (f"saved with {header['reproducibility']}, loading with {here}" if header["reproducibility"] != here
@@ -289,7 +353,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
         raise CacheFileError(f"a stream does not decode: {err}") from err
     except ValueError as err:  # e.g. a calibration that lacks a layer the file holds
         raise CacheFileError(f"cannot decode: {err}") from err
-    if target.kv_layers()[0].rows != rows:
+    if next(layer.rows for layer in target.kv_layers() if layer.is_initialized) != rows:
         raise CacheFileError(f"decoded {target.kv_layers()[0].rows} batch rows, the header says {rows}")
     target.token_ids = token_ids
     return target
@@ -313,6 +377,10 @@ def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
     fitted = target.calibration.meta["model"]["layers"] if target.calibration is not None else None
     if fitted is not None and header["kv_layers"] > fitted:
         raise CacheFileError(f"holds {header['kv_layers']} KV layers, the calibration covers {fitted}")
+    if header["version"] == LAYERED:
+        if target.model_config is not None and header["kv_layers"] != len(target.layers):
+            raise CacheFileError(f"holds {header['kv_layers']} layers, the model has {len(target.layers)}")
+        return  # each layer's kind and shape: `_layered_target`
     expected = len(target.kv_layers())
     if target.model_config is None or expected == 0:
         return
@@ -332,6 +400,86 @@ def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
         raise CacheFileError(f"holds token ids beyond the model's vocabulary of {vocab}")
 
 
+def _layer_entries(header: dict[str, Any]) -> list[dict[str, Any]]:
+    """The header's layer entries in version 4's form (version 3: every layer full attention, one shape)."""
+    if header["version"] == LAYERED:
+        return header["layers"]
+    shape = {"heads": header["kv_heads"], "key_dim": header["head_dim"], "value_dim": header["head_dim"],
+             "sliding_window": None, "start": 0}
+    return [{"layer": entry["layer"], "kv": {**shape, "blocks": entry["blocks"]}, "state": None}
+            for entry in header["layers"]]
+
+
+def _layered_target(target: CompressedCache, entries: list[dict[str, Any]], count: int) -> None:
+    """Check (model attached) or make (no model: layers from the file) ``target``'s layers for a version 4 file:
+    each entry's kind, window and shape where the cache has a layer of its own."""
+    if not target.layers:  # built without a model: the file says what each layer is
+        kinds = {entry["layer"]: entry for entry in entries}
+        for index in range(count):
+            entry = kinds.get(index)
+            if entry is None:
+                target.layers.append(DummyLayer())
+                continue
+            kv, state = entry["kv"], entry["state"]
+            window = kv["sliding_window"] if kv is not None else None
+            kind = ("linear_attention" if kv is None else
+                    ("hybrid_sliding" if window else "hybrid") if state is not None else
+                    "sliding_attention" if window else "full_attention")
+            kwargs = {"sliding_window": window, "number_of_states": len(state["previous"]) if state else 1}
+            target.layers.append(target._new_layer(index, kind, kwargs))
+        target._layer_count = count
+    held = {entry["layer"] for entry in entries}
+    for index, layer in enumerate(target.layers):
+        holds = isinstance(layer, (CompressedLayer, LinearAttentionCacheLayerMixin))
+        if holds and index not in held and not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise CacheFileError(f"holds nothing for layer {index}, where the model keeps K/V")
+    for entry in entries:
+        index, kv, state = entry["layer"], entry["kv"], entry["state"]
+        layer = target.layers[index] if index < len(target.layers) else None
+        if kv is not None and (not isinstance(layer, CompressedLayer) or layer.sliding_window != kv["sliding_window"]):
+            raise CacheFileError(
+                f"layer {index} holds K/V of a {'sliding window of ' + str(kv['sliding_window']) if kv['sliding_window'] else 'full-attention layer'}, "
+                f"the cache has a {type(layer).__name__}"
+                + (f" with window {layer.sliding_window}" if isinstance(layer, CompressedLayer) else "")
+            )
+        if state is not None and (not isinstance(layer, LinearAttentionCacheLayerMixin)
+                                  or layer.number_of_states != len(state["previous"])):
+            raise CacheFileError(f"layer {index} holds {len(state['previous'])} recurrent states, the cache has a "
+                                 f"{type(layer).__name__} there")
+
+
+def _write_state(layer: LinearAttentionCacheLayerMixin, payload: bytearray) -> dict[str, Any]:
+    """A linear-attention / hybrid layer's conv and recurrent states, raw, as transformers holds them."""
+    count = layer.number_of_states
+
+    def tensor(states: dict, i: int) -> dict[str, Any] | None:
+        t = states.get(i)
+        return None if t is None else _write_tensor(t.detach().cpu(), payload)
+
+    conv = [tensor(layer.conv_states, i) if layer.is_conv_states_initialized[i] else None for i in range(count)]
+    recurrent = [tensor(layer.recurrent_states, i) if layer.is_recurrent_states_initialized[i] else None
+                 for i in range(count)]
+    kernel = [layer.conv_kernel_size[i] if conv[i] is not None else None for i in range(count)]
+    return {"conv": conv, "recurrent": recurrent, "conv_kernel": kernel,
+            "previous": [bool(layer.has_previous_state[i]) for i in range(count)]}
+
+
+def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any], payload: bytes,
+                   device: torch.device) -> None:
+    """Put a checked state entry back into transformers' layer, as its own updates would have left it."""
+    view = memoryview(payload)
+    for i, previous in enumerate(state["previous"]):
+        if state["conv"][i] is not None:
+            conv = _read_tensor(state["conv"][i], view).to(device)
+            layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=state["conv_kernel"][i])
+            layer.conv_states[i] = conv  # the saved tensor itself: a recorded past may be longer than the kernel
+        if state["recurrent"][i] is not None:
+            recurrent = _read_tensor(state["recurrent"][i], view).to(device)
+            layer.lazy_initialization(recurrent_states=recurrent, state_idx=i)
+            layer.recurrent_states[i].copy_(recurrent)
+        layer.has_previous_state[i] = previous
+
+
 def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predictor) -> None:
     """Each stream must declare the block's dtype and channel-major shape; side data must be what the
     predictor sends for such a block (names, per-row shapes, dtypes)."""
@@ -343,17 +491,19 @@ def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predict
                 dtype, shape = stream_info(blob, config=config)
             except (CorruptStreamError, TypeError) as err:
                 raise CacheFileError(f"{where}, row {r}, stream {s}: {err}") from err
-            if dtype != block.dtype or shape != (block.dim, block.tokens):
+            dim = block.dim if s < block.heads else block.value_dim  # key streams first (`stream_order`)
+            if dtype != block.dtype or shape != (dim, block.tokens):
                 raise CacheFileError(
                     f"{where}, row {r}, stream {s}: holds {dtype} {list(shape)}, the header says "
-                    f"{block.dtype} {[block.dim, block.tokens]}"
+                    f"{block.dtype} {[dim, block.tokens]}"
                 )
-    expected = expected_side(predictor, block.layer, block.heads, block.tokens, block.dim, block.dtype)
+    expected = expected_side(predictor, block.layer, block.heads, block.tokens, block.dim, block.dtype,
+                             value_dim=block.value_dim)
     for r, row in enumerate(block.rows):
         got = {name: (t.dtype, tuple(t.shape)) for name, t in row.side.items()}
         if got != expected:
             raise CacheFileError(f"{where}, row {r}: side data {got}, the '{predictor.name}' predictor needs {expected}")
-        _check_listed(row.listed, f"{where}, row {r}", 2 * block.heads, block.tokens * block.dim)
+        _check_listed(row.listed, f"{where}, row {r}", 2 * block.heads, block.tokens * max(block.dim, block.value_dim))
 
 
 def _check_listed(listed: torch.Tensor | None, where: str, streams: int, elements: int) -> None:
@@ -389,9 +539,9 @@ def _read(path: Path) -> _Saved:
     if len(data) < _PREFIX.size + _DIGEST:
         raise CacheFileError(f"truncated: {len(data)} bytes")
     _magic, version, size = _PREFIX.unpack_from(data, 0)
-    if version != VERSION:
+    if version not in VERSIONS:
         why = " (version 2 held float32 predictor statistics; re-save it)" if version == 2 else " (or the file is damaged)"
-        raise CacheFileError(f"cache format version {version}, this library reads {VERSION}{why}")
+        raise CacheFileError(f"cache format version {version}, this library reads {list(VERSIONS)}{why}")
     if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != data[-_DIGEST:]:
         raise CacheFileError("checksum mismatch: the file is truncated or corrupt")
     end = _PREFIX.size + size
@@ -401,7 +551,10 @@ def _read(path: Path) -> _Saved:
         header = json.loads(data[_PREFIX.size : end].decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CacheFileError(f"corrupt header ({type(err).__name__}: {err})") from err
-    return _check_header(header, data[end : len(data) - _DIGEST])
+    saved = _check_header(header, data[end : len(data) - _DIGEST])
+    if saved.header["version"] != version:
+        raise CacheFileError(f"the header says version {saved.header['version']}, the file's prefix {version}")
+    return saved
 
 
 def _check_header(header: object, payload: bytes) -> _Saved:
@@ -409,8 +562,9 @@ def _check_header(header: object, payload: bytes) -> _Saved:
     h = _dict(header, "header", {"format", "version", "library_version", "config", "predictor", "model",
                                  "calibration_sha256", "dtype", "kv_layers", "rows", "kv_heads", "head_dim",
                                  "tokens", "token_ids", "reproducibility", "layers", "payload_bytes"})
-    if h["format"] != FORMAT or h["version"] != VERSION:
-        raise CacheFileError(f"header names format {h['format']!r} version {h['version']!r}, not {FORMAT!r} {VERSION}")
+    if h["format"] != FORMAT or h["version"] not in VERSIONS:
+        raise CacheFileError(f"header names format {h['format']!r} version {h['version']!r}, not {FORMAT!r} "
+                             f"{list(VERSIONS)}")
     for key in ("library_version",):
         _str(h[key], key)
     try:
@@ -427,9 +581,14 @@ def _check_header(header: object, payload: bytes) -> _Saved:
     if h["dtype"] not in DTYPES:
         raise CacheFileError(f"unknown dtype {h['dtype']!r}")
     _dict(h["reproducibility"], "reproducibility", None)
-    n_layers, rows = _int(h["kv_layers"], "kv_layers", 1), _int(h["rows"], "rows", 1)
-    heads, tokens = _int(h["kv_heads"], "kv_heads", 1), _int(h["tokens"], "tokens", 1)
-    dim = _int(h["head_dim"], "head_dim", 1)
+    n_layers, rows = _int(h["kv_layers"], "kv_layers", 1, 1 << 20), _int(h["rows"], "rows", 1)
+    tokens = _int(h["tokens"], "tokens", 1)
+    if h["version"] == LAYERED:
+        heads = dim = 0
+        if h["kv_heads"] is not None or h["head_dim"] is not None:
+            raise CacheFileError("kv_heads and head_dim are per layer in version 4 (null at the top)")
+    else:
+        heads, dim = _int(h["kv_heads"], "kv_heads", 1), _int(h["head_dim"], "head_dim", 1)
     if _int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
         raise CacheFileError(f"the header claims {h['payload_bytes']} payload bytes, the file holds {len(payload)}")
     ids = h["token_ids"]
@@ -441,38 +600,100 @@ def _check_header(header: object, payload: bytes) -> _Saved:
             for t in r:
                 _int(t, "token id", 0, 1 << 62)
     layers = h["layers"]
-    if not isinstance(layers, list) or len(layers) != n_layers:
-        raise CacheFileError(f"layers: expected a list of {n_layers} layers, got "
-                             f"{len(layers) if isinstance(layers, list) else type(layers).__name__}")
     cursor = [0]  # streams and side tensors tile the payload in order: no gaps, overlaps or reuse
-    for index, entry in enumerate(layers):
-        entry = _dict(entry, f"layer {index}", {"layer", "blocks"})
-        if entry["layer"] != index:
-            raise CacheFileError(f"layer entry {index} is labelled {entry['layer']!r} (layers out of order?)")
-        blocks = entry["blocks"]
-        if not isinstance(blocks, list) or not blocks:
-            raise CacheFileError(f"layer {index} has no blocks")
-        start = 0
-        for b, block in enumerate(blocks):
-            where = f"layer {index}, block {b}"
-            block = _dict(block, where, {"start", "tokens", "rows"})
-            if block["start"] != start:
-                raise CacheFileError(f"{where} starts at token {block['start']!r}, expected {start} "
-                                     "(blocks missing, duplicated or out of order?)")
-            count = _int(block["tokens"], f"{where} tokens", 1, config.block_tokens)
-            if count != config.block_tokens and start + count != tokens:
-                raise CacheFileError(f"{where} holds {count} tokens; only the last block may hold fewer than "
-                                     f"block_tokens={config.block_tokens}")
-            if not isinstance(block["rows"], list) or len(block["rows"]) != rows:
-                raise CacheFileError(f"{where} must hold {rows} rows")
-            for r, row in enumerate(block["rows"]):
-                _check_row(row, f"{where}, row {r}", heads, count * dim, cursor)
-            start += count
-        if start != tokens:
-            raise CacheFileError(f"layer {index} holds {start} tokens, the header says {tokens}")
+    if h["version"] == LAYERED:
+        _check_layered(layers, n_layers, rows, tokens, config, cursor)
+    else:
+        if not isinstance(layers, list) or len(layers) != n_layers:
+            raise CacheFileError(f"layers: expected a list of {n_layers} layers, got "
+                                 f"{len(layers) if isinstance(layers, list) else type(layers).__name__}")
+        for index, entry in enumerate(layers):
+            entry = _dict(entry, f"layer {index}", {"layer", "blocks"})
+            if entry["layer"] != index:
+                raise CacheFileError(f"layer entry {index} is labelled {entry['layer']!r} (layers out of order?)")
+            _check_blocks(entry["blocks"], f"layer {index}", 0, tokens, rows, heads, dim, config, cursor)
     if cursor[0] != len(payload):
         raise CacheFileError(f"the header accounts for {cursor[0]} of the {len(payload)} payload bytes")
     return _Saved(h, payload, config, DTYPES[h["dtype"]], model)
+
+
+#: a state entry's fields: per state index, the conv and recurrent tensors (or null), the conv kernel size (or
+#: null) and whether the layer has seen a previous state (transformers' `LinearAttentionLayer` attributes)
+_STATE_FIELDS = {"conv", "recurrent", "conv_kernel", "previous"}
+
+
+def _check_layered(layers: object, n_layers: int, rows: int, tokens: int, config: CompressionConfig,
+                   cursor: list[int]) -> None:
+    """Version 4's layer entries: increasing layer indices below ``n_layers``, each with K/V blocks that tile the
+    tokens it holds and / or a state whose tensors fill their extents."""
+    if not isinstance(layers, list) or not layers or len(layers) > n_layers:
+        raise CacheFileError(f"layers: expected a list of 1 to {n_layers} layer entries")
+    last = -1
+    for entry in layers:
+        entry = _dict(entry, "layer entry", {"layer", "kv", "state"})
+        index = _int(entry["layer"], "layer entry index", last + 1, n_layers - 1)
+        last = index
+        where = f"layer {index}"
+        if entry["kv"] is None and entry["state"] is None:
+            raise CacheFileError(f"{where} holds neither K/V nor a state")
+        if entry["kv"] is not None:
+            kv = _dict(entry["kv"], f"{where} kv", {"heads", "key_dim", "value_dim", "sliding_window", "start",
+                                                      "blocks"})
+            heads = _int(kv["heads"], f"{where} heads", 1, 1 << 16)
+            key_dim = _int(kv["key_dim"], f"{where} key_dim", 1, 1 << 16)
+            value_dim = _int(kv["value_dim"], f"{where} value_dim", 1, 1 << 16)
+            window = kv["sliding_window"]
+            if window is not None:
+                _int(window, f"{where} sliding_window", 1)
+            start = _int(kv["start"], f"{where} start", 0, tokens - 1)
+            if window is None and start != 0:
+                raise CacheFileError(f"{where} starts at token {start}, but only a sliding layer drops tokens")
+            _check_blocks(kv["blocks"], where, start, tokens, rows, heads, max(key_dim, value_dim), config, cursor)
+        if entry["state"] is not None:
+            state = _dict(entry["state"], f"{where} state", _STATE_FIELDS)
+            count = len(state["previous"]) if isinstance(state["previous"], list) else 0
+            if not 1 <= count <= 64 or any(not isinstance(state[f], list) or len(state[f]) != count
+                                           for f in _STATE_FIELDS):
+                raise CacheFileError(f"{where} state: conv, recurrent, conv_kernel and previous must be lists of "
+                                     "one entry per state (1 to 64)")
+            for i in range(count):
+                if not isinstance(state["previous"][i], bool):
+                    raise CacheFileError(f"{where} state {i}: previous must be true or false")
+                if state["conv_kernel"][i] is not None:
+                    _int(state["conv_kernel"][i], f"{where} state {i} conv_kernel", 1, 1 << 20)
+                for field in ("conv", "recurrent"):
+                    if state[field][i] is not None:
+                        _check_tensor(state[field][i], f"{where} state {i} {field}", cursor)
+                        if state[field][i]["shape"][:1] != [rows]:
+                            raise CacheFileError(f"{where} state {i} {field}: shape {state[field][i]['shape']} does "
+                                                 f"not begin with the {rows} batch rows")
+                if (state["conv"][i] is None) != (state["conv_kernel"][i] is None):
+                    raise CacheFileError(f"{where} state {i}: a conv state and its kernel size go together")
+
+
+def _check_blocks(blocks: object, layer: str, start: int, tokens: int, rows: int, heads: int, dim: int,
+                  config: CompressionConfig, cursor: list[int]) -> None:
+    """``layer``'s blocks tile positions ``start .. tokens`` in order, full blocks but the last (streams at most
+    ``dim`` elements a token)."""
+    if not isinstance(blocks, list) or not blocks:
+        raise CacheFileError(f"{layer} has no blocks")
+    for b, block in enumerate(blocks):
+        where = f"{layer}, block {b}"
+        block = _dict(block, where, {"start", "tokens", "rows"})
+        if block["start"] != start:
+            raise CacheFileError(f"{where} starts at token {block['start']!r}, expected {start} "
+                                 "(blocks missing, duplicated or out of order?)")
+        count = _int(block["tokens"], f"{where} tokens", 1, config.block_tokens)
+        if count != config.block_tokens and start + count != tokens:
+            raise CacheFileError(f"{where} holds {count} tokens; only the last block may hold fewer than "
+                                 f"block_tokens={config.block_tokens}")
+        if not isinstance(block["rows"], list) or len(block["rows"]) != rows:
+            raise CacheFileError(f"{where} must hold {rows} rows")
+        for r, row in enumerate(block["rows"]):
+            _check_row(row, f"{where}, row {r}", heads, count * dim, cursor)
+        start += count
+    if start != tokens:
+        raise CacheFileError(f"{layer} holds {start} tokens, the header says {tokens}")
 
 
 def _check_row(row: object, where: str, heads: int, elements: int, cursor: list[int]) -> None:

@@ -182,6 +182,20 @@ class CompressedLayer(CacheLayerMixin):
         self.residual_values = owned(self.residual_values[..., :keep, :])
         self.seen_tokens -= remove
 
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, seen_tokens: int) -> None:
+        """Hold ``keys`` / ``values`` as the last of ``seen_tokens`` positions, sealed as updates would have sealed
+        them (a loaded file: a sliding layer's window is the tail of a longer text)."""
+        if not 0 < keys.shape[-2] <= seen_tokens:
+            raise ValueError(f"layer {self.layer_idx}: {keys.shape[-2]} tokens cannot be the last of {seen_tokens}")
+        self.reset()
+        self._check_states(keys, values)
+        self.lazy_initialization(keys, values)
+        self.residual_keys, self.residual_values = owned(keys), owned(values)
+        self.seen_tokens = seen_tokens
+        self.window_start = seen_tokens - keys.shape[-2] if self.sliding_window is not None else 0
+        self._seal_full_blocks()
+        self._drop_out_of_window()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             self._select_rows(row_index(beam_idx, self.rows, masks=False))

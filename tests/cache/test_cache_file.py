@@ -203,9 +203,13 @@ def test_resealed_odd_headers_are_refused(tmp_path, raw):
 
 def test_other_versions_are_refused_with_what_to_do(tmp_path):
     header, payload = split(original()[0])
-    path = tmp_path / "v4.kvc"
+    path = tmp_path / "v5.kvc"
+    path.write_bytes(seal(header, payload, version=5))
+    with pytest.raises(CacheFileError, match=r"format version 5, this library reads \[3, 4\]"):
+        CompressedCache.load(path, model=tiny_model(MODEL, torch.bfloat16))
+    # a version 3 header behind a version 4 prefix: the two must agree
     path.write_bytes(seal(header, payload, version=4))
-    with pytest.raises(CacheFileError, match="format version 4"):
+    with pytest.raises(CacheFileError, match="the header says version 3, the file's prefix 4"):
         CompressedCache.load(path, model=tiny_model(MODEL, torch.bfloat16))
     path.write_bytes(seal(header, payload, version=2))
     with pytest.raises(CacheFileError, match=r"format version 2.*float32 predictor statistics; re-save"):
