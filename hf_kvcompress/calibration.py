@@ -262,6 +262,7 @@ class Calibration:
         elif ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < n_chunks * chunk:
             raise ValueError(f"Calibration.fit: ids must be [1, >= {n_chunks * chunk}], got {tuple(ids.shape)}")
         ids = ids[:, : n_chunks * chunk].cpu()
+        _require_one_width(run_decoder(model, ids[:, :16])[0])  # before any slow work (16 tokens)
         frame = RopeFrame.from_model_config(model.config)
         n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         probe_layers = tuple(k for k in probe_layers if 1 <= k < n_layers)
@@ -494,6 +495,21 @@ def _fit_predictor(
         ]
     mean_bits = sum(gaussian_bits) / len(gaussian_bits) if gaussian_bits else 0.0
     return {"first_layer": first, "in_sample_gaussian_bits_estimate": round(mean_bits, 3)}
+
+
+def _require_one_width(cache) -> None:
+    """Refuse a model whose layers (``cache``'s, after a short forward pass) cache keys and values of more than one
+    width (an MLA latent and its rotary part, another value width, per-layer head dims): a calibration holds one
+    head width (its file, its RoPE frame)."""
+    width = cache.layers[0].keys.shape[-1]
+    for layer, held in enumerate(cache.layers):
+        keys, values = held.keys, held.values
+        if keys.shape[-1] != values.shape[-1] or keys.shape[-1] != width:
+            raise ValueError(
+                f"Calibration.fit: layer {layer} caches keys {keys.shape[-1]} and values {values.shape[-1]} wide "
+                f"(layer 0's keys: {width}); a calibration fits heads of one width, so this model is coded without "
+                "one: predictor='generic' (per-block statistics per kind, the default), 'framed' or 'self'"
+            )
 
 
 def _compact(weight: torch.Tensor) -> torch.Tensor:

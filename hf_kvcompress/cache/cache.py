@@ -34,7 +34,7 @@ STATE_LAYER_TYPES = ("conv", "linear_attention")
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 SUPPORTED_LAYER_TYPES = (*ATTENTION_LAYER_TYPES, *STATE_LAYER_TYPES, *HYBRID_LAYER_TYPES, "dummy")
 #: a sliding layer seals (codes) blocks only when its window holds at least this many blocks beyond the residual:
-#: a smaller window keeps every token raw, as transformers does (docs/architectures.md, "Sliding windows")
+#: a smaller window keeps every token raw, as transformers does (docs/model_support.md, "Sliding windows")
 SLIDING_MIN_BLOCKS = 4
 
 

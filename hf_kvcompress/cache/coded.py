@@ -3,7 +3,8 @@
 A block of one layer is ``rows * 2 * kv_heads`` streams (one per batch row, kind and head, coded in
 `stream_order`). Each stream's mean and std come from the predictor; the encoder adds one byte per stream
 that scales the std by ``2^(s/4)`` to fit the block's actual spread (cheap protection against text unlike
-the calibration text). Decoding a block of layer ``l`` needs the same block of the layers below when the
+the calibration text). Keys and values may differ in width (an MLA latent and its rotary part): such a block
+is coded in one codec call per kind, and a layer's such blocks decode in one call per kind (`CodedBlock.split`). Decoding a block of layer ``l`` needs the same block of the layers below when the
 predictor reads them; `LosslessContext` keeps those only as long as a layer above can need them (`pool`).
 """
 
@@ -37,6 +38,7 @@ from ..codec.symbols import format_of
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
 from ..predictors.base import (
+    KINDS,
     BlockInputs,
     ExtrasSource,
     LayerValues,
@@ -114,13 +116,14 @@ def settle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
 
 
 def expected_side(predictor: Predictor, layer: int, heads: int, tokens: int, dim: int,
-                  dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The side data ``predictor`` sends with one row of a ``heads x tokens x dim`` block of ``layer``: name ->
-    (dtype, shape of the row's tensor), from a zero probe. A reader checks what a file or payload holds against
-    it before any predictor reads it (a missing or misshapen tensor would fail inside the predictor instead, with
-    an error of the predictor's)."""
+                  dtype: torch.dtype, value_dim: int | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The side data ``predictor`` sends with one row of a ``heads x tokens x dim`` block of ``layer`` (values
+    ``value_dim`` wide, default ``dim``): name -> (dtype, shape of the row's tensor), from a zero probe. A reader
+    checks what a file or payload holds against it before any predictor reads it (a missing or misshapen tensor
+    would fail inside the predictor instead, with an error of the predictor's)."""
     probe = torch.zeros(1, heads, tokens, dim, dtype=dtype)
-    return {name: (t.dtype, tuple(t.shape[1:])) for name, t in predictor.side_data(layer, probe, probe).items()}
+    values = probe if value_dim is None or value_dim == dim else torch.zeros(1, heads, tokens, value_dim, dtype=dtype)
+    return {name: (t.dtype, tuple(t.shape[1:])) for name, t in predictor.side_data(layer, probe, values).items()}
 
 
 def listed_problem(order: np.ndarray, limit: int) -> str | None:
@@ -168,12 +171,13 @@ class _Ahead:
 
 
 class CodedBlock(Block):
-    """A sealed block held as codec streams (see module docstring)."""
+    """A sealed block held as codec streams (see module docstring): ``dim`` is the keys' width, ``value_dim`` the
+    values' (``dim`` unless given)."""
 
     exact = True
 
     def __init__(self, context: LosslessContext, layer: int, start: int, tokens: int, rows: list[CodedRow],
-                 heads: int, dim: int, dtype: torch.dtype, device: torch.device):
+                 heads: int, dim: int, dtype: torch.dtype, device: torch.device, *, value_dim: int | None = None):
         self.context = context
         self.layer = layer
         self.start = start
@@ -181,6 +185,10 @@ class CodedBlock(Block):
         self.rows = rows
         self.heads = heads
         self.dim = dim
+        self.value_dim = dim if value_dim is None else value_dim
+        #: keys and values differ in width: coded and decoded in one codec call per kind (one shape per call;
+        #: `LosslessContext._decode_split`), never straight into the layer's tensors or ahead of its read
+        self.split = self.value_dim != dim
         self.dtype = dtype
         self.device = device
         # set once a decode has checked every stream's hash: the blobs are immutable bytes, so later decodes
@@ -197,7 +205,7 @@ class CodedBlock(Block):
     def select_rows(self, indices: torch.Tensor) -> CodedBlock:
         rows = [self.rows[i] for i in indices.tolist()]
         return CodedBlock(self.context, self.layer, self.start, self.tokens, rows, self.heads, self.dim,
-                          self.dtype, self.device)
+                          self.dtype, self.device, value_dim=self.value_dim)
 
     def to(self, device: torch.device | str) -> CodedBlock:
         return self  # bytes live on the host; decoded tensors go to self.device
@@ -271,6 +279,7 @@ class LosslessContext:
             xs, means, stds = [], [], []
             for (kind, head), (mean, std) in zip(streams, predictions):
                 x = (keys if kind == "k" else values)[:, head]
+                width = x.shape[-1]
                 factors = []
                 for b, row in enumerate(rows):
                     row.scales.append(choose_scale(x[b], mean[b], std[b]))
@@ -287,13 +296,17 @@ class LosslessContext:
                     xs.append(x[b].T)
                     means.append(mean[b].T)
                     # scaled before broadcasting, so per-channel statistics stay [head_dim, 1] for the coder
-                    stds.append(compact(std[b].T).mul(factors[b]).expand(dim, tokens))
+                    stds.append(compact(std[b].T).mul(factors[b]).expand(width, tokens))
             blobs = encode_streams(xs, means, stds, config, self.workers)
             for i, blob in enumerate(blobs):
                 rows[i % batch].blobs.append(blob)
 
-        if session.independent:  # every stream's prediction is known up front: one batch for the block
+        if session.independent and values.shape[-1] == dim:  # all predicted up front: one batch for the block
             code(order, [session.predict(kind, head) for kind, head in order])
+        elif session.independent:  # keys and values of two widths: a batch per kind (one shape per codec call)
+            for kind in KINDS:
+                streams = [(k, head) for k, head in order if k == kind]
+                code(streams, [session.predict(k, head) for k, head in streams])
         else:
             for kind, head in order:
                 code([(kind, head)], [session.predict(kind, head)])
@@ -301,8 +314,8 @@ class LosslessContext:
         for b, row in enumerate(rows):
             entries = np.concatenate(listed[b]) if listed[b] else np.zeros((0, 4), np.int32)
             row.listed = torch.from_numpy(entries) if entries.shape[0] else None  # None: nothing listed
-        self.sealed_raw_bytes += 2 * keys.numel() * keys.element_size()
-        block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, device)
+        self.sealed_raw_bytes += (keys.numel() + values.numel()) * keys.element_size()
+        block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, device, value_dim=values.shape[-1])
         self._keep(block, session.finish(keys, values))
         return block
 
@@ -331,7 +344,7 @@ class LosslessContext:
             groups: dict[tuple, list[int]] = {}
             for i in missing:
                 b = blocks[i]
-                groups.setdefault((b.tokens, len(b.rows), b.heads, b.dim, b.dtype), []).append(i)
+                groups.setdefault((b.tokens, len(b.rows), b.heads, b.dim, b.value_dim, b.dtype), []).append(i)
             with one_thread():
                 for members in groups.values():
                     decoded = self._decode_together([blocks[i] for i in members])
@@ -367,7 +380,8 @@ class LosslessContext:
             del ahead  # its buffers go before the next layer's are allocated (peak RSS: docs/codec.md 12.5)
         runs: list[list[int]] = []  # same-shaped blocks not held decoded, in runs of adjacent positions
         for i, block in enumerate(blocks):
-            if direct[i] or not isinstance(block, CodedBlock) or self.depth != 0 or self._held(block) is not None:
+            if direct[i] or not isinstance(block, CodedBlock) or self.depth != 0 or block.split or \
+                    self._held(block) is not None:
                 continue
             if runs and runs[-1][-1] == i - 1 and _same_shape(blocks[i - 1], block):
                 runs[-1].append(i)
@@ -405,7 +419,7 @@ class LosslessContext:
         blocks = self.blocks_of(layer)
         run: list[int] = []
         for i, block in enumerate(blocks):  # the first run of adjacent same-shaped blocks not held decoded
-            if isinstance(block, CodedBlock) and self._held(block) is None and (
+            if isinstance(block, CodedBlock) and not block.split and self._held(block) is None and (
                     not run or (run[-1] == i - 1 and _same_shape(blocks[run[-1]], block))):
                 run.append(i)
             elif run:
@@ -457,6 +471,8 @@ class LosslessContext:
         runs there (`codec.decode_batch`), and the decoded blocks (the pool's included) stay there. Other
         predictors compute on host values, so their blocks decode on the host."""
         first = blocks[0]
+        if first.split:  # keys and values of two widths: a codec call per kind
+            return self._decode_split(blocks)
         device = first.device if self.depth == 0 else torch.device("cpu")
         batch, heads, tokens, dim = len(first.rows), first.heads, first.tokens, first.dim
         predicted = self._predict_together(blocks)
@@ -511,6 +527,94 @@ class LosslessContext:
             self._keep(block, values)
             out.append(values)
         return out
+
+    def _decode_split(self, blocks: list[CodedBlock]) -> list[LayerValues] | None:
+        """`_decode_together` for same-shaped blocks whose keys and values differ in width: every block's key
+        streams in one codec call, its value streams in another (one per shape of statistics, as there)."""
+        first = blocks[0]
+        device = first.device if self.depth == 0 else torch.device("cpu")
+        batch, heads, tokens = len(first.rows), first.heads, first.tokens
+        predicted = self._predict_split(blocks)
+        if predicted is None:
+            return None
+        sessions, per_kind = predicted
+        config = self.codec_for(first.layer)
+        decoded: dict[str, torch.Tensor] = {}
+        try:
+            for kind, (means, stds) in per_kind.items():
+                width, base = (first.dim, 0) if kind == "k" else (first.value_dim, heads)
+                shapes: dict[tuple, list[int]] = {}  # blocks by shape of statistics (`_decode_together`)
+                for i, (m, sd) in enumerate(zip(means, stds)):
+                    shapes.setdefault((tuple(m.shape), tuple(sd.shape)), []).append(i)
+                parts: list[torch.Tensor | None] = [None] * len(blocks)
+                for members in shapes.values():
+                    mean = torch.stack([means[i] for i in members]).flatten(0, 2)  # blob order: block, head, row
+                    std = torch.stack([stds[i] for i in members]).flatten(0, 2)
+                    blobs = [row.blobs[base + head] for i in members for head in range(heads) for row in blocks[i].rows]
+                    if config.coder == "lanes":
+                        out = torch.empty((len(blobs), width, tokens), dtype=first.dtype, device=device)
+                        verify = [not blocks[i].verified for i in members for _ in range(heads * batch)]
+                        x = decode_batch(blobs, mean, std, config, out=out, threads=self.workers, verify=verify)
+                    else:  # per stream, with the [width, tokens] shapes the encoder fingerprinted
+                        shape = (width, tokens)
+                        x = torch.stack(decode_streams(blobs, [m.expand(shape) for m in mean],
+                                                       [s.expand(shape) for s in std], config, self.workers)).to(device)
+                    x = x.view(len(members), heads, batch, width, tokens)
+                    for j, i in enumerate(members):
+                        parts[i] = x[j]
+                x = x if len(shapes) == 1 else torch.stack(parts)
+                # [blocks, heads, rows, width, tokens] -> [blocks, rows, heads, tokens, width]
+                decoded[kind] = x.permute(0, 2, 1, 4, 3).contiguous()
+        except ParameterMismatchError as err:
+            raise self._mismatch(first.layer, err) from err
+        out = []
+        for i, block in enumerate(blocks):
+            keys, values = decoded["k"][i], decoded["v"][i]
+            if sessions is None:  # PlainSession.finish of a block with nothing below
+                found = LayerValues(keys, values, torch.ones(batch, tokens))
+            else:
+                found = sessions[i].finish(keys, values)
+            block.verified = True
+            self.decodes += 1
+            self._keep(block, found)
+            out.append(found)
+        return out
+
+    def _predict_split(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, dict] | None:
+        """`_predict_together` for `_decode_split`: sessions (None when the predictor predicted the blocks in one
+        call, `Predictor.predict_blocks_per_kind`) and, per kind, each block's means and stds ``[heads, batch,
+        width, 1 or tokens]`` (the std scaled by the block's per-stream codes; one ``[blocks, ...]`` tensor each
+        when predicted in one call); None if a session is not independent."""
+        first = blocks[0]
+        batch, heads, tokens = len(first.rows), first.heads, first.tokens
+        codes = np.array([[row.scales for row in block.rows] for block in blocks], dtype=np.int64)
+        factors = torch.from_numpy(_SCALE_FACTORS[codes - SCALE_MIN]).transpose(1, 2)[..., None, None]
+        kind_factors = {"k": factors[:, :heads], "v": factors[:, heads:]}  # [blocks, heads, batch, 1, 1]
+        for block in blocks:
+            self._catch_up(block.layer, block.start)
+        if self.extras_source is None and self.depth == 0:
+            side = {name: torch.stack([row.side[name] for block in blocks for row in block.rows])
+                    for name in first.rows[0].side}
+            batched = self.predictor.predict_blocks_per_kind(side, len(blocks), heads)
+            if batched is not None:
+                return None, {kind: (mean.transpose(-1, -2), std.transpose(-1, -2) * kind_factors[kind])
+                              for kind, (mean, std) in batched.items()}
+        sessions: list[PredictorSession] = []
+        per_kind: dict[str, tuple[list, list]] = {kind: ([], []) for kind in KINDS}
+        for i, block in enumerate(blocks):
+            side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
+            session = self.predictor.session(self._inputs(block.layer, block.start, tokens, batch, side))
+            if not session.independent or session.portable:  # (portable: `_decode_block` settles its statistics)
+                return None
+            sessions.append(session)
+            for kind in KINDS:
+                pairs = [session.predict(kind, head) for head in range(heads)]  # [batch, tokens, width] each
+                # broadcast (stride-0) token dimensions stay size 1, as the encoder's `compact` statistics
+                mean = torch.stack([compact(m) for m, _ in pairs]).transpose(-1, -2)
+                std = torch.stack([compact(s) for _, s in pairs]).transpose(-1, -2) * kind_factors[kind][i]
+                per_kind[kind][0].append(mean)
+                per_kind[kind][1].append(std)
+        return sessions, per_kind
 
     def _decode_in_place(self, blocks: list[CodedBlock], means: torch.Tensor, stds: torch.Tensor,
                          config: CodecConfig, into: torch.Tensor) -> list[LayerValues]:
@@ -587,14 +691,14 @@ class LosslessContext:
         session = self.predictor.session(inputs)
         config = self.codec_for(block.layer)
         batch = len(block.rows)
-        shape = (batch, block.heads, block.tokens, block.dim)
-        keys = torch.empty(shape, dtype=block.dtype)
-        values = torch.empty(shape, dtype=block.dtype)
+        keys = torch.empty((batch, block.heads, block.tokens, block.dim), dtype=block.dtype)
+        values = torch.empty((batch, block.heads, block.tokens, block.value_dim), dtype=block.dtype)
         order = stream_order(block.heads)
 
         def decode(indices: list[int], predictions) -> None:
             blobs, means, stds = [], [], []
             for index, (mean, std) in zip(indices, predictions):
+                width = block.dim if order[index][0] == "k" else block.value_dim
                 factors = [scale_factor(row.scales[index]) for row in block.rows]
                 if session.portable:
                     mean, std = resettle_stream(mean, std, factors, [_listed_of(row, index) for row in block.rows],
@@ -603,7 +707,7 @@ class LosslessContext:
                 for b, row in enumerate(block.rows):
                     blobs.append(row.blobs[index])
                     means.append(mean[b].T)
-                    stds.append(compact(std[b].T).mul(factors[b]).expand(block.dim, block.tokens))
+                    stds.append(compact(std[b].T).mul(factors[b]).expand(width, block.tokens))
             try:
                 out = decode_streams(blobs, means, stds, config, self.workers, verify=not block.verified)
             except ParameterMismatchError as err:
@@ -616,8 +720,12 @@ class LosslessContext:
                 kind, head = order[indices[i // batch]]
                 (keys if kind == "k" else values)[i % batch, head] = x.T
 
-        if session.independent:
+        if session.independent and not block.split:
             decode(list(range(len(order))), [session.predict(kind, head) for kind, head in order])
+        elif session.independent:  # a codec call per kind: one shape per call
+            for kind in KINDS:
+                indices = [index for index, (k, _) in enumerate(order) if k == kind]
+                decode(indices, [session.predict(*order[index]) for index in indices])
         else:
             for index, (kind, head) in enumerate(order):
                 decode([index], [session.predict(kind, head)])
@@ -796,7 +904,8 @@ def _batch_streams(blocks: list[CodedBlock]) -> tuple[list[bytes], list[bool]]:
 
 
 def _same_shape(a: CodedBlock, b: CodedBlock) -> bool:
-    return (a.tokens, len(a.rows), a.heads, a.dim, a.dtype) == (b.tokens, len(b.rows), b.heads, b.dim, b.dtype)
+    return (a.tokens, len(a.rows), a.heads, a.dim, a.value_dim, a.dtype) == \
+        (b.tokens, len(b.rows), b.heads, b.dim, b.value_dim, b.dtype)
 
 
 def _destination(keys: torch.Tensor, values: torch.Tensor, start: int, count: int,
@@ -810,7 +919,7 @@ def _destination(keys: torch.Tensor, values: torch.Tensor, start: int, count: in
         return None
     offset = values.storage_offset() - keys.storage_offset()
     rows, heads, _, dim = keys.shape
-    if offset <= 0 or (rows, heads, dim) != (len(block.rows), block.heads, block.dim):
+    if offset <= 0 or block.split or (rows, heads, dim) != (len(block.rows), block.heads, block.dim):
         return None
     s_row, s_head, s_token, s_dim = keys.stride()
     return torch.as_strided(keys, (count, 2, heads, rows, dim, block.tokens),

@@ -69,5 +69,6 @@ def sealed_raw_bytes(cache) -> int:
     for layer in cache.kv_layers():
         for block in layer.blocks:
             if isinstance(block, CodedBlock):
-                total += 2 * len(block.rows) * block.heads * block.tokens * block.dim * block.dtype.itemsize
+                total += len(block.rows) * block.heads * block.tokens * (block.dim + block.value_dim) * \
+                    block.dtype.itemsize
     return total

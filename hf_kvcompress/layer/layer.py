@@ -260,7 +260,7 @@ class CompressedLayer(CacheLayerMixin):
         window_tokens = self.seen_tokens
         if self.sliding_window is not None:
             window_tokens = min(self.seen_tokens, self.sliding_window - 1)
-        scalars = 2 * batch * heads * dim * window_tokens
+        scalars = batch * heads * (dim + self.residual_values.shape[-1]) * window_tokens  # K and V widths may differ
         blocks = sum(block.nbytes() for block in self.blocks)
         stored = blocks + tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
         residual = storage_bytes([self.residual_keys, self.residual_values])  # whole buffers, views included

@@ -186,6 +186,7 @@ def lossy_attention(
             f"cache's last update prepared {layer._expected_kv} keys for {layer.rows} rows (an update whose attention "
             "never ran, or two caches interleaved on one model); its biases and padding mask would be lost"
         )
+    layer.check_reads(key, value)
     mask = layer.attention_mask(query, key.shape[-2], attention_mask, additive=name == "eager")
     if mask is not None and mask.dtype != torch.bool:
         # the float mask replaces sdpa's causal shortcut: tell it the mask is complete

@@ -18,9 +18,10 @@ if TYPE_CHECKING:
     from ..config import LossyConfig
 
 
-def token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
-    """Bytes one text position costs in a full cache, per batch row (its key and value over all KV heads)."""
-    return 2 * kv_heads * head_dim * element_size
+def token_bytes(kv_heads: int, head_dim: int, element_size: int, value_dim: int | None = None) -> int:
+    """Bytes one text position costs in a full cache, per batch row (its key and value over all KV heads; values
+    ``value_dim`` wide, default ``head_dim``)."""
+    return kv_heads * (head_dim + (head_dim if value_dim is None else value_dim)) * element_size
 
 
 def budget_bytes(config: LossyConfig, seen_tokens: int, per_token: int) -> int:
@@ -41,12 +42,16 @@ def full_budget(config: LossyConfig) -> bool:
 
 def entry_bytes(
     kv_heads: int, head_dim: int, element_size: int, *, with_bias: bool, value_rank: int | None = None,
-    fmt: str = "model",
+    fmt: str = "model", value_dim: int | None = None,
 ) -> int:
     """Bytes of one kept entry per batch row: its key, its value (or its row of value factors at ``value_rank``)
-    and its bias when biases are stored; keys and tensor values in entry format ``fmt`` (`packed`)."""
+    and its bias when biases are stored; keys and tensor values in entry format ``fmt`` (`packed`); values
+    ``value_dim`` wide (default ``head_dim``)."""
     key = vector_bytes(head_dim, element_size, fmt)
-    value = key if value_rank is None else value_rank * element_size
+    if value_rank is not None:
+        value = value_rank * element_size
+    else:
+        value = key if value_dim is None or value_dim == head_dim else vector_bytes(value_dim, element_size, fmt)
     return kv_heads * (key + value + (element_size if with_bias else 0))
 
 
@@ -62,7 +67,7 @@ def keep_within(
     b, h, n, d = region.keys.shape
     elem = region.keys.element_size()
     for with_bias in (False, True):
-        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias, fmt=fmt))
+        count = min(n, budget // entry_bytes(h, d, elem, with_bias=with_bias, fmt=fmt, value_dim=region.values.shape[-1]))
         if count <= 0:
             return None
         if order is None:
@@ -76,18 +81,22 @@ def keep_within(
 
 
 def upgrade_order(
-    score: torch.Tensor, budget: int, head_dim: int, element_size: int, *, with_bias: bool
+    score: torch.Tensor, budget: int, head_dim: int, element_size: int, *, with_bias: bool,
+    value_dim: int | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Entry format ``mixed``: of ``t`` kept entries (``score`` ``[b, h, t]``, higher = more important), all stored in
     the last of `packed.MIXED_TIERS`, how many the budget left lets move up to each better tier (every entry to the
     second-to-last tier before any to the one above it), and the order that puts the best first: ``(order
-    [b, h, t] indices into the kept entries, counts per tier but the last)``, each tier in its original order."""
+    [b, h, t] indices into the kept entries, counts per tier but the last)``, each tier in its original order.
+    Values are ``value_dim`` wide (default ``head_dim``)."""
     h, t = score.shape[-2:]
     tiers = MIXED_TIERS
-    spare = budget - t * entry_bytes(h, head_dim, element_size, with_bias=with_bias, fmt=tiers[-1])
+    value_dim = head_dim if value_dim is None else value_dim
+    spare = budget - t * entry_bytes(h, head_dim, element_size, with_bias=with_bias, fmt=tiers[-1], value_dim=value_dim)
     reach = []  # entries at this tier or better, from the last-but-one tier up
     for better, worse in zip(tiers[-2::-1], tiers[:0:-1]):
-        step = 2 * h * (vector_bytes(head_dim, element_size, better) - vector_bytes(head_dim, element_size, worse))
+        step = h * sum(vector_bytes(width, element_size, better) - vector_bytes(width, element_size, worse)
+                       for width in (head_dim, value_dim))
         n = max(0, min(reach[-1] if reach else t, spare // step))
         spare -= n * step
         reach.append(n)
@@ -104,7 +113,8 @@ def tiered(kept: Region, score: torch.Tensor, budget: int, fmt: str, *, with_bia
     format but ``mixed``, whose best-scored entries (``score`` ``[b, h, t]``) go first (`upgrade_order`)."""
     if fmt != "mixed":
         return kept, ()
-    order, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(), with_bias=with_bias)
+    order, tiers = upgrade_order(score, budget, kept.keys.shape[-1], kept.keys.element_size(), with_bias=with_bias,
+                                 value_dim=kept.values.shape[-1])
     return kept.gather(order), tiers
 
 

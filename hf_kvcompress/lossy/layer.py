@@ -148,6 +148,23 @@ class LossyLayer(CompressedLayer):
         against a stale registration, e.g. an ``update`` whose attention never ran)."""
         return key.shape[-2] == self._expected_kv and query.shape[0] == self.rows
 
+    def check_reads(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Refuse a query-scored method (before its first summary) where attention reads other keys or values than
+        the cached ones (``[batch, heads, entries, width]`` of another head count or width: an MLA latent cache,
+        up-projected after the cache), against which its scores and refits are not defined."""
+        if not self.method.needs_queries or not self.compresses:
+            return
+        held_k, held_v = self.residual_keys, self.residual_values
+        if (key.shape[1], key.shape[-1], value.shape[1], value.shape[-1]) != (
+                held_k.shape[1], held_k.shape[-1], held_v.shape[1], held_v.shape[-1]):
+            raise ValueError(
+                f"lossy layer {self.layer_idx}: attention reads keys {list(key.shape[1::2])} and values "
+                f"{list(value.shape[1::2])} ([heads, width]) computed from the cached keys {list(held_k.shape[1::2])} "
+                f"and values {list(held_v.shape[1::2])} (a latent cache, as MLA's); method {self.lossy.method!r} scores "
+                "entries by the model's queries, which is not defined on them: use method 'streaming' or 'svd', or "
+                "mode='lossless'"
+            )
+
     def attention_mask(
         self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None, *, additive: bool = False
     ) -> torch.Tensor | None:
@@ -214,7 +231,8 @@ class LossyLayer(CompressedLayer):
     @property
     def token_bytes(self) -> int:
         """Bytes one text position costs per batch row in a full cache."""
-        return token_bytes(self.residual_keys.shape[1], self.residual_keys.shape[-1], self.residual_keys.element_size())
+        return token_bytes(self.residual_keys.shape[1], self.residual_keys.shape[-1], self.residual_keys.element_size(),
+                           self.residual_values.shape[-1])
 
     def budget_bytes(self) -> int:
         """Bytes per batch row this layer may hold after a summary."""
@@ -455,6 +473,30 @@ def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
             f"CompressedCache(config, model=model). Without a model use method {free} "
             "(LossyConfig(method=...)), which need no queries"
         )
+    refuse_latent_cache(config, model)
+
+
+def refuse_latent_cache(config: LossyConfig, model: torch.nn.Module | None) -> None:
+    """Refuse a query-scored method on a model whose cache holds an MLA latent (DeepSeek-V2/V3 style: a
+    ``kv_lora_rank``-wide compressed KV as keys and the rotary key part as values, up-projected per head only after
+    the cache), before any work: the queries attention scores are not in the latent's space, so neither a selection
+    by their scores nor a refit against them is defined there. `LossyLayer.check_reads` refuses the same at the first
+    attention call for any model whose attention reads other keys or values than the cached ones."""
+    if model is None or not METHODS[config.method].needs_queries or full_budget(config):
+        return
+    text = model.config.get_text_config(decoder=True)
+    rank = getattr(text, "kv_lora_rank", None)
+    if not rank:
+        return
+    rope = getattr(text, "qk_rope_head_dim", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    where = f"layers 0..{layers - 1}" if layers else "every layer"
+    raise ValueError(
+        f"lossy method {config.method!r} scores entries by the model's queries, but {where} of this "
+        f"{text.model_type} model cache an MLA latent (keys {rank} wide, values {rope} wide), not the per-head keys "
+        "and values attention reads: use method 'streaming' or 'svd' (LossyConfig(method=...)), which keep or "
+        "approximate the cached entries as they are, or mode='lossless'"
+    )
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -204,6 +204,13 @@ class Predictor(ABC):
         tensors attention reads (docs/codec.md 12.5)."""
         return None
 
+    def predict_blocks_per_kind(self, side: dict[str, torch.Tensor], blocks: int,
+                                heads: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """`predict_blocks` for blocks whose keys and values differ in width: kind -> mean and std of its streams,
+        ``[blocks, heads, batch, 1 or tokens, width]`` each, equal to each block's `PredictorSession.predict` of
+        them. None (the default): the cache opens a session per block."""
+        return None
+
     def history(self, layer: int, start: int) -> int | None:
         """For predictors fitted on the cache's own blocks: None when a block of ``layer`` at ``start`` can be
         coded now, else the start of the earlier block of ``layer`` it must see first (decoded, then

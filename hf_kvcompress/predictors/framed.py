@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockInputs, PlainSession, Predictor, PredictorSession, register
-from .generic import BLOCK_MEAN, BLOCK_STD, block_stats
+from .base import BlockInputs, Predictor, PredictorSession, register
+from .generic import BlockStatsSession, block_stats
 from .rope import RopeFrame
 
 FRAME = "rope_frame"
@@ -52,42 +52,57 @@ def framed_stats(keys: torch.Tensor, values: torch.Tensor, start: int) -> dict[s
     return stats
 
 
-class FramedStatsSession(PlainSession):
+class FramedStatsSession(BlockStatsSession):
     """Block statistics, key means rotated back from each row's frame (see module docstring)."""
 
     independent = True
 
     def __init__(self, inputs: BlockInputs):
-        self.inputs = inputs
-        self.mean = inputs.extras[BLOCK_MEAN].to(torch.float32)  # [rows, 2, heads, dim]
-        std = inputs.extras[BLOCK_STD].to(torch.float32)
+        super().__init__(inputs)
         self.frame = inputs.extras[FRAME].reshape(-1).to(torch.long)  # [rows]
         if self.frame.numel() and (int(self.frame.min()) < 0 or int(self.frame.max()) >= len(BASES)):
             raise ValueError(f"framed predictor: frame index {self.frame.tolist()} outside 0..{len(BASES) - 1}")
-        half = std.shape[-1] // 2
-        if std.shape[-1] % 2 == 0:  # a pair's spread for both its channels: rotation-free, per channel
-            pair = (std[:, 0, :, :half].square() + std[:, 0, :, half:].square()).mul(0.5).sqrt()
-            std = torch.stack([torch.cat([pair, pair], dim=-1), std[:, 1]], dim=1)
-        self.std = std
+        key_std = self.stds["k"]  # [rows, heads, dim]
+        half = key_std.shape[-1] // 2
+        if key_std.shape[-1] % 2 == 0:  # a pair's spread for both its channels: rotation-free, per channel
+            pair = (key_std[..., :half].square() + key_std[..., half:].square()).mul(0.5).sqrt()
+            self.stds = {"k": torch.cat([pair, pair], dim=-1), "v": self.stds["v"]}
+            if not self.split:
+                self.std = torch.stack([self.stds["k"], self.stds["v"]], dim=1)
+        self._keys: torch.Tensor | None = None
         self._streams: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._streams is None:
-            rows, _, _, dim = self.mean.shape
+    def key_means(self) -> torch.Tensor:
+        """``[rows, heads, tokens, dim]``: each row's key means rotated back from its frame."""
+        if self._keys is None:
+            rows, _, dim = self.means["k"].shape
             positions = self.inputs.positions
             tokens = positions.shape[0]
             candidates = frames(dim)
-            key_mean = torch.stack([
-                candidates[int(self.frame[r])].rotate(self.mean[r, 0].unsqueeze(1).expand(-1, tokens, -1), positions)
+            self._keys = torch.stack([
+                candidates[int(self.frame[r])].rotate(self.means["k"][r].unsqueeze(1).expand(-1, tokens, -1), positions)
                 for r in range(rows)
-            ])  # [rows, heads, tokens, dim]
+            ])
+        return self._keys
+
+    def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.split:
+            return super().predict_all(heads)  # refuses: keys and values of two widths have no stacked form
+        if self._streams is None:
+            rows, _, _, dim = self.mean.shape
+            tokens = self.inputs.positions.shape[0]
             value_mean = self.mean[:, 1].unsqueeze(2).expand(-1, -1, tokens, -1)
-            means = torch.cat([key_mean, value_mean], dim=1).transpose(0, 1).contiguous()  # [2H, rows, T, dim]
+            means = torch.cat([self.key_means(), value_mean], dim=1).transpose(0, 1).contiguous()  # [2H, rows, T, dim]
             stds = self.std.permute(1, 2, 0, 3).reshape(2 * heads, rows, 1, dim).contiguous()  # [2H, rows, 1, dim]
             self._streams = (means, stds)
         return self._streams
 
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.split:
+            if kind == "v":
+                return super().predict(kind, head)
+            std = self.stds["k"][:, head].unsqueeze(1).expand(-1, self.tokens, -1)
+            return self.key_means()[:, head], std
         heads = self.mean.shape[2]
         means, stds = self.predict_all(heads)
         index = head if kind == "k" else heads + head

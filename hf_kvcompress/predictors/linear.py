@@ -321,7 +321,14 @@ class CalibratedLinearPredictor(Predictor):
             )
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {} if self.calibrated else block_stats(keys, values)
+        if not self.calibrated:
+            return block_stats(keys, values)  # per kind where keys and values differ in width
+        if keys.shape[-1] != values.shape[-1]:  # fitted heads have one width (`Calibration.fit` refuses others)
+            raise ValueError(
+                f"layer {layer}: keys {keys.shape[-1]} and values {values.shape[-1]} wide, but the calibrated "
+                f"'{self.name}' predictor's heads have one width; use predictor='generic' (or no calibration)"
+            )
+        return {}
 
     def below_depth(self) -> int:
         # a fitted session reads its recipe's layers below, and at least the layer below's surprise

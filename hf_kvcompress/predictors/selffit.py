@@ -11,7 +11,8 @@ in complex form: channel pairs (c, c + head_dim/2) are the real and imaginary pa
 heads as complex numbers. A complex scalar commutes with a rotation, so the map is the same at every position
 without knowing the model's RoPE frequencies. ``mean_l`` is the block's side-data mean, ``mean_{l-1}`` the
 exact mean of the decoded block below. The std of a key channel is the fitted map's residual spread (of its
-pair); values keep the block statistics.
+pair); values keep the block statistics (per kind where keys and values differ in width), and so do the keys of a
+layer whose keys are of another width than the layer below's (per-layer head dims: no map between them).
 
 Fitting is causal and from decoded data only: per layer the predictor accumulates ``sum f^H f``,
 ``sum f^H y`` and ``sum |y|^2`` over its blocks in position order (a block's share in float64, the running
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockInputs, LayerValues, Predictor, register
-from .generic import BLOCK_MEAN, BLOCK_STD, BlockStatsSession, block_stats
+from .generic import BLOCK_MEAN, BLOCK_STD, KIND_MEAN, BlockStatsSession, block_stats
 
 #: first epoch boundary in tokens; epochs start at FIRST_EPOCH * 2^k
 FIRST_EPOCH = 128
@@ -119,14 +120,19 @@ class SelfFitSession(BlockStatsSession):
         self.predictor = predictor
         self.fitted = fitted
         self._streams: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._keys: torch.Tensor | None = None
+
+    def key_means(self) -> torch.Tensor:
+        """``[rows, H, tokens, dim]``: the fitted map's keys from the layer below, plus the block's key means."""
+        below = _complex(self.inputs.below.keys, torch.float32)  # [rows, pairs, tokens, F]
+        pred = (below @ self.fitted.complex_weight()).permute(0, 3, 2, 1)  # [rows, H, tokens, pairs]
+        return torch.cat([pred.real, pred.imag], dim=-1) + self.means["k"].unsqueeze(2)
 
     def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fitted is None:
+        if self.fitted is None or self.split:  # (split: keys and values of two widths, refused there)
             return super().predict_all(heads)
         if self._streams is None:
-            below = _complex(self.inputs.below.keys, torch.float32)  # [rows, pairs, tokens, F]
-            pred = (below @ self.fitted.complex_weight()).permute(0, 3, 2, 1)  # [rows, H, tokens, pairs]
-            key_mean = torch.cat([pred.real, pred.imag], dim=-1) + self.mean[:, 0].unsqueeze(2)
+            key_mean = self.key_means()
             tokens = key_mean.shape[2]
             value_mean = self.mean[:, 1].unsqueeze(2).expand(-1, -1, tokens, -1)
             means = torch.cat([key_mean, value_mean], dim=1)  # [rows, 2H, tokens, dim]
@@ -135,10 +141,15 @@ class SelfFitSession(BlockStatsSession):
         return self._streams
 
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fitted is None:
+        if self.fitted is None or (self.split and kind == "v"):
             return super().predict(kind, head)
-        means, stds = self.predict_all(self.mean.shape[2])
-        index = head if kind == "k" else self.mean.shape[2] + head
+        if self.split:  # keys of another width than the values: this stream alone
+            if self._keys is None:
+                self._keys = self.key_means()
+            return self._keys[:, head], self.fitted.channel_sigma()[:, head].expand(-1, self.tokens, -1)
+        heads = self.means["k"].shape[1]
+        means, stds = self.predict_all(heads)
+        index = head if kind == "k" else heads + head
         return means[index], stds[index].expand(-1, self.tokens, -1)
 
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
@@ -157,6 +168,8 @@ class SelfFitPredictor(Predictor):
         self._stats: dict[int, _Stats] = {}
         self._maps: dict[tuple[int, int], _Map] = {}
         self._odd = False  # odd head_dim: no complex pairs, block statistics only
+        #: layers whose keys differ in width from the layer below's (per-layer head dims): block statistics only
+        self._unmapped: set[int] = set()
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return block_stats(keys, values)
@@ -169,7 +182,7 @@ class SelfFitPredictor(Predictor):
 
     def _active(self, layer: int, start: int, dim: int | None = None) -> bool:
         even = not self._odd if dim is None else dim % 2 == 0
-        return layer > 0 and epoch_of(start) is not None and even
+        return layer > 0 and epoch_of(start) is not None and even and layer not in self._unmapped
 
     def history(self, layer: int, start: int) -> int | None:
         """None when a block of ``layer`` at ``start`` can be predicted now; else the start of the block
@@ -192,7 +205,9 @@ class SelfFitPredictor(Predictor):
         """Add a block's keys (and the layer below's) to the layer's sums, if it is the next one in order."""
         if keys.shape[-1] % 2:
             self._odd = True
-        if layer == 0 or self._odd:
+        if layer > 0 and below_keys.shape[-1] != keys.shape[-1]:
+            self._unmapped.add(layer)
+        if layer == 0 or self._odd or layer in self._unmapped:
             return
         stats = self._stats.setdefault(layer, _Stats())
         if start != stats.covered:
@@ -204,7 +219,9 @@ class SelfFitPredictor(Predictor):
 
     def session(self, inputs: BlockInputs) -> SelfFitSession:
         start = int(inputs.positions[0])
-        dim = inputs.extras[BLOCK_MEAN].shape[-1]
+        dim = (inputs.extras[BLOCK_MEAN] if BLOCK_MEAN in inputs.extras else inputs.extras[KIND_MEAN["k"]]).shape[-1]
+        if inputs.below is not None and inputs.below.keys.shape[-1] != dim:
+            self._unmapped.add(inputs.layer)  # no map between keys of two widths
         fitted = None
         if self._active(inputs.layer, start, dim) and inputs.below is not None:
             if self.history(inputs.layer, start) is not None:
@@ -216,6 +233,7 @@ class SelfFitPredictor(Predictor):
         """Drop maps and sums (the cache's blocks changed); they are refitted from the blocks in order."""
         self._stats.clear()
         self._maps.clear()
+        self._unmapped.clear()
 
     def state_tensors(self) -> list[torch.Tensor]:
         out = []

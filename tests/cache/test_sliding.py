@@ -188,3 +188,12 @@ def test_lossy_mode_keeps_sliding_layers_as_plain_windows():
     assert type(sliding).__name__ == "CompressedLayer" and not sliding.seals
     assert type(full).__name__ == "LossyLayer"
     assert sliding.entries == SEALING - 1
+
+
+def test_without_a_model_every_layer_is_held_as_dynamic_cache_without_a_config_holds_it():
+    # the cache cannot see the model's layer types then: like DynamicCache(), it keeps every token of every layer
+    model = sliding_model(SEALING)
+    ids = random_ids(1, 70, seed=14)
+    want = run(model, ids, DynamicCache(), max_new_tokens=6)
+    got = run(model, ids, CompressedCache(config("lossless")), max_new_tokens=6)
+    assert_same_generation(want, got)

@@ -37,11 +37,12 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Summarise ``region`` into at most ``budget`` bytes per batch row."""
     cfg = ctx.config
     b, h, n, d = region.keys.shape
+    dv = region.values.shape[-1]  # the values' width (the keys' unless the model's differ)
     elem = region.keys.element_size()
     use_bias = ctx.attached and cfg.fit_bias
     store_bias = use_bias or not bool(region.live.all())
     fmt = cfg.entry_format
-    count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias, fmt=fmt))
+    count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias, fmt=fmt, value_dim=dv))
     if count <= 0:
         return []
     # the kernel and the selection scores of each row are computed once and shared by every fit below
@@ -52,7 +53,7 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
         # nothing is dropped, so nothing needs compensating: the entries stay as they are (only their format
         # changes), as a quantized cache would hold them
         return [_block(region, torch.cat(scores), budget, fmt, store_bias)]
-    fits, worst = [], torch.zeros(min(count, d) + 1)
+    fits, worst = [], torch.zeros(min(count, dv) + 1)
     for kernel, score, (sub, _) in zip(kernels, scores, rows):
         index = top_entries(score, count)
         fit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge)
@@ -60,9 +61,9 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
         worst = torch.maximum(worst, truncation_errors(kernel, fit))
     rank = smallest_rank(worst, cfg.error_tolerance)
     # more entries than the plain count only where layers may differ in length (a model attached)
-    if rank < d and ctx.attached:
+    if rank < dv and ctx.attached:
         per_entry = entry_bytes(h, d, elem, with_bias=store_bias, value_rank=rank, fmt=fmt)
-        more = min(n, (budget - h * rank * d * elem) // per_entry)
+        more = min(n, (budget - h * rank * dv * elem) // per_entry)
         if more > count:
             # the refit keeps the first fit's entries and adds the next best: only the added entries' rows of the
             # Gram are new; the entries are put back in position order afterwards

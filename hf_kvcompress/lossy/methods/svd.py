@@ -13,10 +13,13 @@ from ..registry import register
 from ..solvers import truncated_svd
 
 
-def rank_for_budget(heads: int, entries: int, head_dim: int, element_size: int, budget: int, bias_bytes: int) -> int:
-    """Largest rank whose K and V factors (``n x r`` and ``r x d`` each, per head) fit in ``budget`` bytes."""
-    per_rank = 2 * heads * (entries + head_dim) * element_size
-    return max(0, min(head_dim, entries, (budget - bias_bytes) // per_rank))
+def rank_for_budget(heads: int, entries: int, head_dim: int, element_size: int, budget: int, bias_bytes: int,
+                    value_dim: int | None = None) -> int:
+    """Largest rank whose K and V factors (``n x r`` and ``r x d`` each, per head; values ``value_dim`` wide, default
+    ``head_dim``) fit in ``budget`` bytes."""
+    value_dim = head_dim if value_dim is None else value_dim
+    per_rank = heads * (2 * entries + head_dim + value_dim) * element_size
+    return max(0, min(head_dim, value_dim, entries, (budget - bias_bytes) // per_rank))
 
 
 @register("svd", paper="https://doi.org/10.1007/BF02288367", needs_queries=False)
@@ -25,7 +28,7 @@ def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]
     _, h, n, d = region.keys.shape
     elem = region.keys.element_size()
     bias = dead_bias_or_none(region.bias, region.keys.dtype)
-    rank = rank_for_budget(h, n, d, elem, budget, 0 if bias is None else h * n * elem)
+    rank = rank_for_budget(h, n, d, elem, budget, 0 if bias is None else h * n * elem, region.values.shape[-1])
     if rank <= 0:
         return []
     live = region.live[..., None]
