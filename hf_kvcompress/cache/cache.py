@@ -97,6 +97,14 @@ class CompressedCache(Cache):
 
     def _layers_for(self, model_config: PretrainedConfig) -> list[Any]:
         decoder_config = model_config.get_text_config(decoder=True)
+        looped = _per_loop_caches(decoder_config)
+        if looped:
+            raise ValueError(
+                f"CompressedCache does not support {decoder_config.model_type} with {looped}: its forward appends "
+                "copies of its looped layers' caches to the cache (a KV cache per loop), beyond the one layer per "
+                "model layer this cache holds. Use transformers' DynamicCache"
+                + (", or recurrent_kv_cache_mode='last_loop'" if decoder_config.model_type == "dory" else "")
+            )
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
         for idx, layer_type in enumerate(layer_types):  # every refusal before anything is built
             if layer_type not in SUPPORTED_LAYER_TYPES:
@@ -168,6 +176,12 @@ class CompressedCache(Cache):
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         self._state_layer(layer_idx)
         return super().get_recurrent_state(layer_idx, state_idx)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        raise ValueError(
+            f"CompressedCache: layer {layer_idx} of this model keeps a sparse-attention indexer key cache beside its "
+            "K/V (DeepSeek V3.2-style DSA), which this cache does not hold; use transformers' DynamicCache"
+        )
 
     def _state_layer(self, layer_idx: int) -> LinearAttentionCacheLayerMixin:
         """The layer holding ``layer_idx``'s recurrent / conv states; a clear error where the cache could not know
@@ -424,3 +438,14 @@ def _unsupported_why(layer_type: str) -> str:
         return ("its layers keep a sparse-attention indexer key cache beside K/V (DeepSeek V3.2-style DSA), which "
                 "this cache does not hold")
     return "its cache layer class is specific to the model and this cache has no equivalent of it"
+
+
+def _per_loop_caches(config: PretrainedConfig) -> str | None:
+    """The setting with which a looped model (dory, inkling2_loop) keeps one cache per loop, or None."""
+    loops = getattr(config, "n_recurrent_loops", None)
+    if loops and loops > 1 and getattr(config, "recurrent_kv_cache_mode", "per_loop") != "last_loop":
+        return f"n_recurrent_loops={loops} and recurrent_kv_cache_mode='per_loop'"
+    passes = getattr(config, "loop_num_passes", None)
+    if passes and passes > 1:
+        return f"loop_num_passes={passes}"
+    return None

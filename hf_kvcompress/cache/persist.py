@@ -41,6 +41,7 @@ from ..config import CompressionConfig
 from ..errors import CacheFileError
 from ..identity import ModelIdentity, model_identity
 from ..layer import CompressedLayer
+from ..layer.hybrid import state_tensors
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
@@ -91,7 +92,9 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
     ``save_predictor``)."""
     layers = cache.kv_layers()
-    if not layers or max(layer.seen_tokens for layer in layers) == 0:
+    states = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+              and bool(state_tensors(layer))]
+    if max((layer.seen_tokens for layer in layers), default=0) == 0 and not states:
         raise ValueError("save: the cache is empty")
     if any(not block.exact for layer in layers for block in layer.blocks):
         raise ValueError("save: only caches that hold their tokens exactly (no lossy summary)")
@@ -107,7 +110,12 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
             "the same tokens (sliding windows, KV-sharing or state layers); save with predictor='generic'"
         )
     token_ids = cache.token_ids
-    tokens = max(layer.seen_tokens for layer in layers)
+    tokens = max((layer.seen_tokens for layer in layers), default=0)
+    if tokens == 0:  # recurrent states only (a mamba model): the recorded ids say how many tokens they hold
+        if token_ids is None:
+            raise ValueError("save: a cache of recurrent states only needs the model attached (model=...) from "
+                             "its first forward, so that it knows how many tokens its states hold")
+        tokens = token_ids.shape[1]
     needs_tokens = not chosen.practical_in_generation
     if needs_tokens:
         _check_tokens_for_rerun(cache, token_ids, tokens)
@@ -150,7 +158,8 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         bar.update(1)
     bar.close()
 
-    if token_ids is not None and tuple(token_ids.shape) != (keys0.shape[0], tokens):
+    first = keys0 if keys0 is not None else state_tensors(states[0])[0]  # rows and dtype of what is held
+    if token_ids is not None and tuple(token_ids.shape) != (first.shape[0], tokens):
         token_ids = None  # ids of other rows or tokens than the cache holds (recorded partly): not the cache's
     header = {
         "format": FORMAT,
@@ -160,9 +169,9 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         "predictor": {"name": name, "probe_layer": k},
         "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
         "calibration_sha256": cache.calibration.meta["tensors_sha256"] if cache.calibration is not None else None,
-        "dtype": str(keys0.dtype).replace("torch.", ""),
+        "dtype": str(first.dtype).replace("torch.", ""),
         "kv_layers": len(cache.layers) if layered else len(layer_entries),
-        "rows": keys0.shape[0],
+        "rows": first.shape[0],
         "kv_heads": None if layered else keys0.shape[1],
         "head_dim": None if layered else keys0.shape[3],
         "tokens": tokens,
@@ -353,7 +362,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
         raise CacheFileError(f"a stream does not decode: {err}") from err
     except ValueError as err:  # e.g. a calibration that lacks a layer the file holds
         raise CacheFileError(f"cannot decode: {err}") from err
-    if next(layer.rows for layer in target.kv_layers() if layer.is_initialized) != rows:
+    if next((layer.rows for layer in target.kv_layers() if layer.is_initialized), rows) != rows:
         raise CacheFileError(f"decoded {target.kv_layers()[0].rows} batch rows, the header says {rows}")
     target.token_ids = token_ids
     return target
@@ -387,14 +396,17 @@ def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
     if header["kv_layers"] != expected:
         raise CacheFileError(f"holds {header['kv_layers']} KV layers, the model has {expected}")
     text = target.model_config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-    dim = getattr(text, "head_dim", None)
-    if dim is None and heads is not None and getattr(text, "hidden_size", None):
-        dim = text.hidden_size // text.num_attention_heads
-    if heads is not None and header["kv_heads"] != heads:
-        raise CacheFileError(f"holds {header['kv_heads']} KV heads per layer, the model has {heads}")
-    if dim is not None and header["head_dim"] != dim:
-        raise CacheFileError(f"holds head_dim {header['head_dim']}, the model has {dim}")
+    # a file that records the model's identity matched it (config included) already, and its shapes are the
+    # model's own, whatever the config's head fields say (multi-query falcon, an MLA latent's one head)
+    if header["model"] is None:
+        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        dim = getattr(text, "head_dim", None)
+        if dim is None and heads is not None and getattr(text, "hidden_size", None):
+            dim = text.hidden_size // text.num_attention_heads
+        if heads is not None and header["kv_heads"] != heads:
+            raise CacheFileError(f"holds {header['kv_heads']} KV heads per layer, the model has {heads}")
+        if dim is not None and header["head_dim"] != dim:
+            raise CacheFileError(f"holds head_dim {header['head_dim']}, the model has {dim}")
     vocab = getattr(text, "vocab_size", None)
     if vocab and header["token_ids"] is not None and max(max(row) for row in header["token_ids"]) >= vocab:
         raise CacheFileError(f"holds token ids beyond the model's vocabulary of {vocab}")

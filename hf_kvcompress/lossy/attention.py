@@ -86,9 +86,9 @@ def attach(model: torch.nn.Module) -> None:
             "attn_implementation='sdpa'."
         )
     for module in model.modules():
-        # every module that knows its layer may be an attention module (o_proj, out_proj, dense, ... by model)
-        if hasattr(module, "layer_idx"):
-            setattr(module, INNER_ATTRIBUTE, current)
+        # any module may call the attention function (o_proj / out_proj / dense attention, block-attention
+        # residuals without a layer index, ...): each finds the implementation to run underneath
+        setattr(module, INNER_ATTRIBUTE, current)
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         raise ValueError(f"could not switch {type(model).__name__} to the lossy attention function")

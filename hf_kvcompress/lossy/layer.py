@@ -485,10 +485,11 @@ def refuse_latent_cache(config: LossyConfig, model: torch.nn.Module | None) -> N
     if model is None or not METHODS[config.method].needs_queries or full_budget(config):
         return
     text = model.config.get_text_config(decoder=True)
-    rank = getattr(text, "kv_lora_rank", None)
+    configs = getattr(text, "per_layer_config", None) or [text]  # per-layer attributes are read per layer
+    rank = next((getattr(c, "kv_lora_rank", None) for c in configs if getattr(c, "kv_lora_rank", None)), None)
     if not rank:
         return
-    rope = getattr(text, "qk_rope_head_dim", None)
+    rope = next((getattr(c, "qk_rope_head_dim", None) for c in configs if getattr(c, "kv_lora_rank", None)), None)
     layers = getattr(text, "num_hidden_layers", None)
     where = f"layers 0..{layers - 1}" if layers else "every layer"
     raise ValueError(
