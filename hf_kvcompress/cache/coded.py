@@ -587,14 +587,9 @@ class LosslessContext:
         when predicted in one call); None if a session is not independent."""
         first = blocks[0]
         batch, heads, tokens = len(first.rows), first.heads, first.tokens
-        codes = np.array([[row.scales for row in block.rows] for block in blocks], dtype=np.int64)
-        factors = torch.from_numpy(_SCALE_FACTORS[codes - SCALE_MIN]).transpose(1, 2)[..., None, None]
+        factors, side = self._factors_and_side(blocks)
         kind_factors = {"k": factors[:, :heads], "v": factors[:, heads:]}  # [blocks, heads, batch, 1, 1]
-        for block in blocks:
-            self._catch_up(block.layer, block.start)
-        if self.extras_source is None and self.depth == 0:
-            side = {name: torch.stack([row.side[name] for block in blocks for row in block.rows])
-                    for name in first.rows[0].side}
+        if side is not None:
             batched = self.predictor.predict_blocks_per_kind(side, len(blocks), heads)
             if batched is not None:
                 return None, {kind: (mean.transpose(-1, -2), std.transpose(-1, -2) * kind_factors[kind])
@@ -647,6 +642,21 @@ class LosslessContext:
             f"were encoded with: {err}"
         )
 
+    def _factors_and_side(self, blocks: list[CodedBlock]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """What predicting ``blocks`` together starts from: each stream's std factor ``[blocks, 2 * heads, batch,
+        1, 1]`` (the float32 factors `scale_factor` gives the encoder), and the blocks' side data stacked over
+        blocks and rows where the predictor may predict them in one call (nothing from the model, no layer below;
+        else None). Self-fitting predictors see the earlier blocks first (`_catch_up`)."""
+        codes = np.array([[row.scales for row in block.rows] for block in blocks], dtype=np.int64)
+        factors = torch.from_numpy(_SCALE_FACTORS[codes - SCALE_MIN]).transpose(1, 2)[..., None, None]
+        for block in blocks:
+            self._catch_up(block.layer, block.start)
+        if self.extras_source is not None or self.depth != 0:
+            return factors, None
+        side = {name: torch.stack([row.side[name] for block in blocks for row in block.rows])
+                for name in blocks[0].rows[0].side}
+        return factors, side
+
     def _predict_together(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, Any, Any] | None:
         """Sessions, means and stds (``[2 * heads, batch, dim, 1 or tokens]`` per block, the std scaled by the
         block's per-stream codes) of blocks decoded together, or None if a session is not independent. A
@@ -654,14 +664,8 @@ class LosslessContext:
         means and stds one ``[blocks, ...]`` tensor each."""
         first = blocks[0]
         batch, heads, tokens = len(first.rows), first.heads, first.tokens
-        # [blocks, 2 * heads, batch]: the same float32 factors as `scale_factor` gives the encoder
-        codes = np.array([[row.scales for row in block.rows] for block in blocks], dtype=np.int64)
-        factors = torch.from_numpy(_SCALE_FACTORS[codes - SCALE_MIN]).transpose(1, 2)[..., None, None]
-        for block in blocks:
-            self._catch_up(block.layer, block.start)
-        if self.extras_source is None and self.depth == 0:
-            side = {name: torch.stack([row.side[name] for block in blocks for row in block.rows])
-                    for name in first.rows[0].side}
+        factors, side = self._factors_and_side(blocks)
+        if side is not None:
             batched = self.predictor.predict_blocks(side, len(blocks), heads)
             if batched is not None:
                 mean, std = batched
