@@ -178,7 +178,11 @@ def lossy_attention(
     name = _inner_name(module)
     inner = _inner_function(module, name)
     layer = take_active(getattr(module, "layer_idx", -1))
-    if layer is None:  # another cache (or none) on the attached model
+    if layer is None:  # another cache (or none) on the attached model, or attention that reads no cache
+        if attention_mask is None and not getattr(module, "is_causal", True):
+            # a non-causal module's None means no mask at all (inkling2's block-attention residuals), not sdpa's
+            # causal shortcut
+            return inner(module, query, key, value, None, **kwargs)
         return inner(module, query, key, value, inner_mask(name, attention_mask, query, key.shape[-2]), **kwargs)
     if not layer.expects(query, key):
         raise RuntimeError(

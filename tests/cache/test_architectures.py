@@ -430,6 +430,18 @@ def test_fast_subset_generates_like_dynamic_cache(arch, mode):
     assert outcome.status == "exact", str(outcome)
 
 
+@pytest.mark.parametrize(("arch", "check", "mode"), [
+    ("gemma3_text", "save", "lossless"),  # windows and full layers in one file (format version 4)
+    ("falcon_h1", "save", "lossless"),  # hybrid layers: states beside K/V
+    ("gemma3_text", "lossy", "lossy"),  # sliding layers stay plain windows
+    ("inkling2_text", "lossy", "lossy"),  # attention modules that read no cache call the lossy function too
+    ("mistral", "crop-recorded", "lossless"),
+])
+def test_fast_subset_beyond_greedy(arch, check, mode):
+    outcome = run_check(arch, "float32", 2, check, mode)
+    assert passes(check, outcome), str(outcome)
+
+
 @pytest.mark.architectures
 def test_matrix(arch, dtype, batch, check, mode):
     outcome = run_check(arch, dtype, batch, check, mode)
