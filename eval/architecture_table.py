@@ -6,7 +6,8 @@ markdown table: per architecture its cache layer kinds and, per mode, ``exact`` 
 batch passes), or the worst outcome with the checks it came from: ``differs`` (the largest logit difference),
 ``refused`` (hf_kvcompress's own ValueError/TypeError/NotImplementedError: its first line) or ``crashed`` (any
 other exception: type and first line). The ``no-model`` column is `CompressedCache()` without ``model=``:
-``exact``, ``refused (asks for model=)`` (what the issue accepts) or the outcome. Every failing cell follows the
+``exact``, ``refused at <where>: <the refusal>`` (what the issue accepts: our own refusal at construction, or
+without a model at the first update) or the outcome. Every failing cell follows the
 table, one line each.
 
     python eval/architecture_table.py [--arch llama,gemma3_text] [--checks greedy,save] [--dtypes float32]
@@ -78,7 +79,10 @@ def cell_text(rows: list[dict]) -> str:
     """One table cell: ``exact``, or the worst outcome among the failing rows with the checks it came from."""
     failing = [row for row in rows if not row["passes"]]
     if not failing:
-        text = "refused (asks for model=)" if any(row["status"] == "refused" for row in rows) else "exact"
+        refused = [row for row in rows if row["status"] == "refused"]
+        text = "exact"
+        if refused:  # a refusal the issue accepts: say what it says
+            text = f"refused at {refused[0]['where']}: {refused[0]['detail'][:200]}"
         missing = sorted({row["check"] for row in rows if row["status"] == "n/a"})
         return text + (f" ({', '.join(missing)}: n/a)" if missing else "")
     worst = max(failing, key=lambda row: RANK[row["status"]])

@@ -476,6 +476,12 @@ def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
     refuse_latent_cache(config, model)
 
 
+#: models whose attention reads keys and values computed from the cached ones in another layout, known by type
+#: (the general check, `LossyLayer.check_reads`, sees it only at the first attention call; measured in the
+#: architecture matrix, docs/architectures_table.md)
+EXPANDED_READS = {"jetmoe": "each cached KV head once per selected attention expert (mixture of attention heads)"}
+
+
 def refuse_latent_cache(config: LossyConfig, model: torch.nn.Module | None) -> None:
     """Refuse a query-scored method on a model whose cache holds an MLA latent (DeepSeek-V2/V3 style: a
     ``kv_lora_rank``-wide compressed KV as keys and the rotary key part as values, up-projected per head only after
@@ -485,6 +491,12 @@ def refuse_latent_cache(config: LossyConfig, model: torch.nn.Module | None) -> N
     if model is None or not METHODS[config.method].needs_queries or full_budget(config):
         return
     text = model.config.get_text_config(decoder=True)
+    if text.model_type in EXPANDED_READS:
+        raise ValueError(
+            f"lossy method {config.method!r} scores entries by the model's queries, but {text.model_type}'s attention "
+            f"reads {EXPANDED_READS[text.model_type]}, not the cached entries as they are: use method 'streaming' or "
+            "'svd' (LossyConfig(method=...)), or mode='lossless'"
+        )
     configs = getattr(text, "per_layer_config", None) or [text]  # per-layer attributes are read per layer
     rank = next((getattr(c, "kv_lora_rank", None) for c in configs if getattr(c, "kv_lora_rank", None)), None)
     if not rank:
