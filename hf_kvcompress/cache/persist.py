@@ -434,9 +434,12 @@ def _layered_target(target: CompressedCache, entries: list[dict[str, Any]], coun
                 continue
             kv, state = entry["kv"], entry["state"]
             window = kv["sliding_window"] if kv is not None else None
-            kind = ("linear_attention" if kv is None else
-                    ("hybrid_sliding" if window else "hybrid") if state is not None else
-                    "sliding_attention" if window else "full_attention")
+            if kv is None:
+                kind = "linear_attention"
+            elif state is not None:
+                kind = "hybrid_sliding" if window else "hybrid"
+            else:
+                kind = "sliding_attention" if window else "full_attention"
             kwargs = {"sliding_window": window, "number_of_states": len(state["previous"]) if state else 1}
             target.layers.append(target._new_layer(index, kind, kwargs))
         target._layer_count = count
@@ -449,11 +452,9 @@ def _layered_target(target: CompressedCache, entries: list[dict[str, Any]], coun
         index, kv, state = entry["layer"], entry["kv"], entry["state"]
         layer = target.layers[index] if index < len(target.layers) else None
         if kv is not None and (not isinstance(layer, CompressedLayer) or layer.sliding_window != kv["sliding_window"]):
-            raise CacheFileError(
-                f"layer {index} holds K/V of a {'sliding window of ' + str(kv['sliding_window']) if kv['sliding_window'] else 'full-attention layer'}, "
-                f"the cache has a {type(layer).__name__}"
-                + (f" with window {layer.sliding_window}" if isinstance(layer, CompressedLayer) else "")
-            )
+            have = getattr(layer, "sliding_window", None)
+            raise CacheFileError(f"layer {index} holds K/V of window {kv['sliding_window']} (None: full attention), "
+                                 f"the cache has a {type(layer).__name__} of window {have} there")
         if state is not None and (not isinstance(layer, LinearAttentionCacheLayerMixin)
                                   or layer.number_of_states != len(state["previous"])):
             raise CacheFileError(f"layer {index} holds {len(state['previous'])} recurrent states, the cache has a "
