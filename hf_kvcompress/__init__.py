@@ -1,7 +1,7 @@
 """hf_kvcompress: KV-cache compression for Hugging Face transformers."""
 
 from . import codec, downloads
-from .cache import CompressedCache
+from .cache import CompressedCache, PrefixStore
 from .config import CompressionConfig, LosslessConfig, LossyConfig
 from .version import __version__
 
@@ -9,4 +9,4 @@ from .version import __version__
 # when the tables are first built, so importing creates nothing).
 codec.set_table_cache(lambda: downloads.cache_dir() / "codec")
 
-__all__ = ["CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "__version__"]
+__all__ = ["CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "PrefixStore", "__version__"]

@@ -215,11 +215,15 @@ def uses_calibration(cache: CompressedCache) -> bool:
 
 
 def load_cache(path: str | Path, *, cache_class: type[CompressedCache], model: torch.nn.Module | None = None,
-               calibration=None, config: CompressionConfig | None = None, progress: bool = False) -> CompressedCache:
+               calibration=None, config: CompressionConfig | None = None, progress: bool = False,
+               verify: bool = False) -> CompressedCache:
     """Rebuild a saved cache: bit-identical keys and values, held per ``config`` (default: the saved one).
-    Every failure is a `CacheFileError` that says what is wrong."""
+    Every failure is a `CacheFileError` that says what is wrong. Blocks coded as the cache codes them in
+    generation are adopted, not decoded: the file's SHA-256 and structure are checked here, each stream's own
+    checks at its first decode (``verify=True`` decodes them here once, so that a file edited behind its checksum
+    fails in `load`, not at the first read, where it raises `CorruptStreamError`)."""
     try:
-        return _load(Path(path), cache_class, model, calibration, config, progress)
+        return _load(Path(path), cache_class, model, calibration, config, progress, verify)
     except CacheFileError as err:
         raise CacheFileError(f"{path}: {err}") from err.__cause__
 
@@ -285,7 +289,7 @@ class _Saved:
     model: ModelIdentity | None
 
 
-def _load(path: Path, cache_class, model, calibration, config, progress) -> CompressedCache:
+def _load(path: Path, cache_class, model, calibration, config, progress, verify: bool = False) -> CompressedCache:
     saved = _read(path)
     header = saved.header
     if header["library_version"] != __version__:
@@ -322,14 +326,16 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
     entries = _layer_entries(header)
     if header["version"] == LAYERED:
         _layered_target(target, entries, header["kv_layers"])
+    sides: dict[tuple, dict] = {}  # the side data each block shape needs, asked of the predictor once per shape
     for entry in entries:  # every block checked before any is decoded (or allocated for)
         layer, kv = entry["layer"], entry["kv"]
         for b in (kv or {}).get("blocks", ()):
             coded = [_read_row(row, saved.payload) for row in b["rows"]]
             block = CodedBlock(context, layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
                                saved.dtype, torch.device("cpu"), value_dim=kv["value_dim"])
-            _check_block(block, context, predictor)
+            _check_block(block, context, predictor, sides)
             blocks[(layer, b["start"])] = block
+    adopting = _adopts(header, saved.config, target, predictor, context)
     try:
         for entry in tqdm(entries, desc=f"loading ({name})", disable=not progress, leave=False):
             layer, kv = entry["layer"], entry["kv"]
@@ -337,11 +343,27 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
             if kv is None:
                 _restore_state(target.layers[layer], entry["state"], saved.payload, device)
                 continue
+            held = target.layers[layer] if layer < len(target.layers) else None
+            count = _adoptable_blocks(kv, header["tokens"], target, held) if adopting else 0
+            adopted = [_adopted(blocks[(layer, b["start"])], target.lossless, device) for b in kv["blocks"][:count]]
             keys, values = [], []
-            for b in kv["blocks"]:
+            for b in kv["blocks"][count:]:  # the newest tokens, which generation holds as plain tensors
                 decoded = context.decoded(blocks[(layer, b["start"])])
                 keys.append(decoded.keys)
                 values.append(decoded.values)
+            if adopted:
+                if held is None:
+                    target.layers.append(target._new_layer(layer))
+                    held = target.layers[layer]
+                first = blocks[(layer, kv["blocks"][0]["start"])]
+                empty_k = torch.empty((len(first.rows), first.heads, 0, first.dim), dtype=first.dtype)
+                empty_v = torch.empty((len(first.rows), first.heads, 0, first.value_dim), dtype=first.dtype)
+                keys = torch.cat([empty_k, *keys], dim=2).to(device)
+                values = torch.cat([empty_v, *values], dim=2).to(device)
+                held.adopt(adopted, keys, values)
+                if entry["state"] is not None:
+                    _restore_state(held, entry["state"], saved.payload, device)
+                continue
             keys, values = torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device)
             if header["version"] == LAYERED:
                 target.layers[layer].restore(keys, values, header["tokens"])
@@ -349,6 +371,10 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
                     _restore_state(target.layers[layer], entry["state"], saved.payload, device)
             else:
                 target.update(keys, values, layer)
+        if verify and adopting:  # adopted blocks decode once here, so that a stream that does not decode fails now
+            for held in target.kv_layers():
+                if held.blocks and target.lossless is not None:
+                    target.lossless.read_all(held.blocks)
     except PredictorMismatchError as err:
         here = reproducibility()
         why = (f"saved with {header['reproducibility']}, loading with {here}" if header["reproducibility"] != here
@@ -366,6 +392,44 @@ def _load(path: Path, cache_class, model, calibration, config, progress) -> Comp
         raise CacheFileError(f"decoded {target.kv_layers()[0].rows} batch rows, the header says {rows}")
     target.token_ids = token_ids
     return target
+
+
+def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,
+            context: LosslessContext) -> bool:
+    """Whether the file's blocks are coded exactly as ``target`` codes blocks in generation, so that `load` takes
+    them as they are: the same predictor, one whose statistics every CPU computes alike (a file's portable coding
+    is then generation's), and the same codec settings and marginals for every layer."""
+    mine = target.lossless
+    if mine is None or header["predictor"]["name"] != mine.predictor.name or not predictor.exact_everywhere:
+        return False
+    if saved.block_tokens != target.config.block_tokens:
+        return False
+    return all(context.codec_for(entry["layer"]) == mine.codec_for(entry["layer"]) for entry in _layer_entries(header)
+               if entry["kv"] is not None)
+
+
+def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, layer: object) -> int:
+    """How many of a layer's saved blocks ``target`` takes as they are: those generation would have sealed (whole
+    blocks from position 0, leaving ``residual_tokens``), into a full-attention layer that seals (0: none)."""
+    if kv["start"] != 0 or kv["sliding_window"] is not None:
+        return 0
+    if layer is not None and (type(layer) is not CompressedLayer or layer.sliding_window is not None
+                              or not layer.seals):
+        return 0
+    block_tokens = target.config.block_tokens
+    sealed = max(0, tokens - target.config.residual_tokens) // block_tokens
+    count = 0
+    for b in kv["blocks"][:sealed]:
+        if b["start"] != count * block_tokens or b["tokens"] != block_tokens:
+            break
+        count += 1
+    return count
+
+
+def _adopted(block: CodedBlock, context: LosslessContext, device: torch.device) -> CodedBlock:
+    """A checked block of a file as a block of the cache it loads into (its streams not decoded)."""
+    return CodedBlock(context, block.layer, block.start, block.tokens, block.rows, block.heads, block.dim,
+                      block.dtype, device, value_dim=block.value_dim)
 
 
 def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
@@ -493,9 +557,9 @@ def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any],
         layer.has_previous_state[i] = previous
 
 
-def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predictor) -> None:
+def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predictor, sides: dict[tuple, dict]) -> None:
     """Each stream must declare the block's dtype and channel-major shape; side data must be what the
-    predictor sends for such a block (names, per-row shapes, dtypes)."""
+    predictor sends for such a block (names, per-row shapes, dtypes; ``sides`` memoises them per shape)."""
     where = f"layer {block.layer}, block at token {block.start}"
     config = context.codec_for(block.layer)
     for r, row in enumerate(block.rows):
@@ -510,8 +574,10 @@ def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predict
                     f"{where}, row {r}, stream {s}: holds {dtype} {list(shape)}, the header says "
                     f"{block.dtype} {[dim, block.tokens]}"
                 )
-    expected = expected_side(predictor, block.layer, block.heads, block.tokens, block.dim, block.dtype,
-                             value_dim=block.value_dim)
+    shape = (block.layer, block.heads, block.tokens, block.dim, block.dtype, block.value_dim)
+    if shape not in sides:
+        sides[shape] = expected_side(predictor, *shape[:5], value_dim=block.value_dim)
+    expected = sides[shape]
     for r, row in enumerate(block.rows):
         got = {name: (t.dtype, tuple(t.shape)) for name, t in row.side.items()}
         if got != expected:
@@ -784,7 +850,10 @@ def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
 def _coding_context(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessContext, dict]:
     blocks: dict[tuple[int, int], Block] = {}
     codec = settings.codec_config()
-    marginals = cache.calibration.marginal if cache.calibration is not None else None
+    # only a calibrated predictor codes with the calibration's marginals, as in generation (`lossless_context`): a
+    # 'generic' file is then coded exactly as generation codes, and its blocks load without decoding
+    calibrated = cache.calibration is not None and bool(getattr(predictor, "calibrated", False))
+    marginals = cache.calibration.marginal if calibrated else None
     context = LosslessContext(predictor, codec, lambda layer, start: blocks.get((layer, start)), marginals, settings.workers)
     return context, blocks
 

@@ -196,6 +196,25 @@ class CompressedLayer(CacheLayerMixin):
         self._seal_full_blocks()
         self._drop_out_of_window()
 
+    def adopt(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``blocks`` as this layer's sealed blocks, taken as they are (a loaded file or a stored prefix whose
+        blocks are already coded the way this layer's storage codes them: not decoded and coded again), then
+        ``keys`` / ``values`` (``[batch, kv_heads, tokens, dim]``, possibly 0 tokens) as the newest tokens. A
+        full-attention layer only, each block ``block_tokens`` long from position 0, as updates seal them."""
+        if self.sliding_window is not None or not self.seals:
+            raise ValueError(f"layer {self.layer_idx}: adopt() is for full-attention layers that seal blocks")
+        if any(block.tokens != self.block_tokens for block in blocks):
+            raise ValueError(f"layer {self.layer_idx}: adopted blocks must hold {self.block_tokens} tokens each, got "
+                             f"{[block.tokens for block in blocks]}")
+        self.reset()
+        self._check_states(keys, values)
+        self.lazy_initialization(keys, values)
+        self.blocks = list(blocks)
+        self.block_starts = [i * self.block_tokens for i in range(len(blocks))]
+        self.residual_keys, self.residual_values = owned(keys), owned(values)
+        self.seen_tokens = len(blocks) * self.block_tokens + keys.shape[-2]
+        self._seal_full_blocks()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             self._select_rows(row_index(beam_idx, self.rows, masks=False))

@@ -189,6 +189,11 @@ class Predictor(ABC):
     #: statistics are exact on every CPU (side data) ignore it
     portable: bool = False
 
+    #: True when its statistics are exact float32 values every CPU computes alike whatever `portable` says (read
+    #: from side data): a file or a stored chunk is then coded exactly as generation codes, and loads adopt its
+    #: blocks without decoding them (`cache.persist`)
+    exact_everywhere: ClassVar[bool] = False
+
     #: True when a session's block never needs another block of its layer: a cache may decode a layer's blocks
     #: in one call even when the sessions read the layer below
     independent_blocks: bool = False

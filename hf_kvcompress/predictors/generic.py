@@ -115,6 +115,7 @@ class GenericPredictor(Predictor):
     costs 3.3x (`none`) and 3-5x (`context`) its step time (docs/lossless.md, "Inside generate()")."""
 
     name = "generic"
+    exact_everywhere = True
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return block_stats(keys, values)

@@ -1,0 +1,200 @@
+"""Prefix reuse side by side: `PrefixStore` and saved files against recomputing the prompt (docs/prefix_store.md).
+
+SmolLM2-135M-Instruct in bf16 (the embedded default), held-out Shakespeare (evaluation split), torch on
+``--threads`` threads. For each prefix length P (default 512, 2,048, 8,192) and a 64-token new suffix:
+
+- ``recompute``: `generate(prompt, max_new_tokens=1)` with a fresh `DynamicCache`: the time to the first token
+  of the whole P + 64 prompt;
+- ``store`` / ``store (context)``: a warm `PrefixStore` (``predictor="generic"``, and ``"context"`` with the
+  model's calibration) filled by prefilling exactly the prefix, then per repetition a new `PrefixStore` object
+  (nothing kept in memory between repetitions), ``cache_for(prompt)`` and `generate(max_new_tokens=1)`;
+- ``load (generic)`` / ``load (context)``: `CompressedCache.load` of a saved prefix file, then the same
+  generate; and ``load`` alone against a `DynamicCache` prefill of the P prefix tokens (the "load of a
+  generation-format file <= 0.1x prefill" goal).
+
+Medians of ``--repeats`` (>= 5) runs, interleaved, as ratios to ``recompute`` of the same run; store and file
+bytes against the raw bf16 K/V. Exactness: the tokens and every logit of a 16-token greedy continuation from each
+route equal (bitwise) those of DynamicCache reusing the same prefix (prefill the prefix into a DynamicCache, then
+generate the whole prompt from a `copy.deepcopy` of it: transformers' prompt-reuse pattern). Writes
+``results.json`` first, then ``prefix_store.png``.
+
+    python eval/bench_prefix.py [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out results/prefix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
+from hf_kvcompress.calibration import calibration_for
+from hf_kvcompress.data import token_ids
+from hf_kvcompress.models import load_model
+
+SUFFIX = 64
+CHECK_TOKENS = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefixes", default="512,2048,8192")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--offset", type=int, default=3000, help="first token of the held-out text used")
+    parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes")
+    parser.add_argument("--out", default="results/prefix")
+    args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("--repeats must be >= 5 (medians of at least five runs)")
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model()
+    calibration = None if args.no_context else calibration_for(model)[0]
+    prefixes = [int(p) for p in args.prefixes.split(",")]
+    result = {"model": "SmolLM2-135M-Instruct bf16", "threads": args.threads, "repeats": args.repeats,
+              "suffix": SUFFIX, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "prefixes": {}}
+    for prefix in prefixes:
+        result["prefixes"][str(prefix)] = run_prefix(model, tokenizer, prefix, args, calibration)
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+    print_table(result)
+    plot(result, out / "prefix_store.png")
+
+
+def run_prefix(model, tokenizer, prefix: int, args, calibration) -> dict:
+    ids = token_ids(tokenizer, prefix + SUFFIX, split="evaluation", offset=args.offset)
+    head = ids[:, :prefix]
+    mask = torch.ones_like(ids)
+    raw_bytes = None
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        routes: dict[str, dict] = {}
+        # fill: prefill exactly the prefix (the KV the reference reuses), then store / save it
+        filled = CompressedCache(CompressionConfig(mode="lossless"), model=model, calibration=calibration)
+        with torch.no_grad():
+            model(input_ids=head, past_key_values=filled, use_cache=True)
+        raw_bytes = filled.stats()["raw_bytes"]
+        stores = {"store": {"predictor": "generic"}}
+        if calibration is not None:
+            stores["store (context)"] = {"predictor": "context", "calibration": calibration}
+        for name, kwargs in stores.items():
+            folder = tmp / name.replace(" ", "_")
+            PrefixStore(model, path=folder, **kwargs).put(head, filled)
+            routes[name] = {"bytes": PrefixStore(model, path=folder, **kwargs).stats()["bytes"],
+                            "make": lambda folder=folder, kwargs=kwargs: PrefixStore(model, path=folder, **kwargs)
+                            .cache_for(ids)}
+        for predictor in ("generic", "context") if calibration is not None else ("generic",):
+            path = filled.save(tmp / f"{predictor}.kvc", predictor=predictor)
+            routes[f"load ({predictor})"] = {
+                "bytes": path.stat().st_size,
+                "make": lambda path=path: CompressedCache.load(path, model=model, calibration=calibration)}
+
+        def recompute():
+            return generate(model, ids, mask, DynamicCache(config=model.config), 1)
+
+        def prefill_prefix():
+            with torch.no_grad():
+                model(input_ids=head, past_key_values=DynamicCache(config=model.config), use_cache=True)
+
+        times: dict[str, list[float]] = {"recompute": [], "prefill prefix": []}
+        for name in routes:
+            times[name] = []
+            times[f"{name}: lookup"] = []
+        for _ in tqdm(range(args.repeats), desc=f"prefix {prefix}"):
+            times["recompute"].append(timed(recompute))
+            times["prefill prefix"].append(timed(prefill_prefix))
+            for name, route in routes.items():
+                start = time.perf_counter()
+                cache = route["make"]()
+                looked = time.perf_counter()
+                generate(model, ids, mask, cache, 1)
+                done = time.perf_counter()
+                times[name].append(done - start)
+                times[f"{name}: lookup"].append(looked - start)
+
+        reference = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=head, past_key_values=reference, use_cache=True)
+        ref = generate(model, ids, mask, copy.deepcopy(reference), CHECK_TOKENS)
+        exact = {name: same(ref, generate(model, ids, mask, route["make"](), CHECK_TOKENS))
+                 for name, route in routes.items()}
+    median = {name: statistics.median(values) for name, values in times.items()}
+    base = median["recompute"]
+    rows = {}
+    for name, route in routes.items():
+        rows[name] = {"ttft_s": median[name], "ttft_ratio": median[name] / base,
+                      "lookup_s": median[f"{name}: lookup"],
+                      "lookup_to_prefill_prefix": median[f"{name}: lookup"] / median["prefill prefix"],
+                      "bytes": route["bytes"], "bytes_ratio": route["bytes"] / raw_bytes,
+                      "exact_tokens_and_logits": exact[name], "runs_s": times[name]}
+    return {"recompute_s": base, "prefill_prefix_s": median["prefill prefix"], "raw_bytes": raw_bytes,
+            "runs_recompute_s": times["recompute"], "runs_prefill_prefix_s": times["prefill prefix"], "routes": rows}
+
+
+def generate(model, ids, mask, cache, new_tokens: int):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def same(a, b) -> bool:
+    """Same tokens and bit-identical logits (int views: NaN payloads, -0.0 included)."""
+    if not torch.equal(a.sequences, b.sequences) or len(a.logits) != len(b.logits):
+        return False
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.logits, b.logits))
+
+
+def print_table(result: dict) -> None:
+    print(f"{'prefix':>7} {'route':<18} {'TTFT s':>8} {'x recompute':>12} {'lookup/prefill':>15} {'bytes x raw':>12} exact")
+    for prefix, entry in result["prefixes"].items():
+        print(f"{prefix:>7} {'recompute':<18} {entry['recompute_s']:8.3f} {1.0:12.3f}")
+        for name, row in entry["routes"].items():
+            print(f"{prefix:>7} {name:<18} {row['ttft_s']:8.3f} {row['ttft_ratio']:12.3f} "
+                  f"{row['lookup_to_prefill_prefix']:15.3f} {row['bytes_ratio']:12.3f} {row['exact_tokens_and_logits']}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prefixes = list(result["prefixes"])
+    names = list(next(iter(result["prefixes"].values()))["routes"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(prefixes))]
+        left.bar(xs, [result["prefixes"][p]["routes"][name]["ttft_ratio"] for p in prefixes], width, label=name)
+        right.bar(xs, [result["prefixes"][p]["routes"][name]["bytes_ratio"] for p in prefixes], width, label=name)
+    for axis, title, goal in ((left, "time to first token / recompute", 0.5), (right, "bytes / raw bf16 K/V", 0.66)):
+        axis.set_xticks([j + 0.4 - width / 2 for j in range(len(prefixes))], [f"{p} + {SUFFIX}" for p in prefixes])
+        axis.axhline(goal, color="grey", linestyle="--", linewidth=1)
+        axis.set_title(title)
+        axis.set_xlabel("prefix + new tokens")
+    left.set_yscale("log")
+    left.legend(fontsize=8)
+    fig.suptitle(f"Prefix reuse, SmolLM2-135M bf16, {result['threads']} threads, medians of {result['repeats']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

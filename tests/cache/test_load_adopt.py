@@ -1,0 +1,105 @@
+"""`CompressedCache.load` adopts blocks coded as generation codes them: checked, not decoded, decoded at first read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_file_util import reseal, split
+from helpers import assert_continues_identically, fresh_tiny_model, random_ids, same_bits
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.cache.coded import CodedBlock, LosslessContext
+from hf_kvcompress.codec import CorruptStreamError
+from hf_kvcompress.errors import CacheFileError
+
+LAYERS = 6  # a per-layer cost (a decode, an encode) must not hide behind two layers
+CONFIG = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4)
+TOKENS = 45  # (45 - 4) // 16 = 2 blocks sealed in generation, 13 residual tokens; the file holds 3 blocks
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fresh_tiny_model("llama-gqa", torch.bfloat16, layers=LAYERS)
+
+
+def filled(model, config=CONFIG, tokens=TOKENS):
+    ids = random_ids(1, tokens, seed=3)
+    cache = CompressedCache(config, model=model, calibration=None)
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        model(ids, cache=reference, use_cache=True)
+    return cache, reference
+
+
+def count_encodes(monkeypatch) -> dict[str, int]:
+    counts = {"encodes": 0}
+    original = LosslessContext.encode_block
+
+    def counting(self, *args, **kwargs):
+        counts["encodes"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LosslessContext, "encode_block", counting)
+    return counts
+
+
+def test_generic_file_blocks_are_adopted_without_decoding_or_encoding(model, tmp_path, monkeypatch):
+    cache, reference = filled(model)
+    path = cache.save(tmp_path / "g.kvc", predictor="generic")
+    counts = count_encodes(monkeypatch)
+    loaded = CompressedCache.load(path, model=model)
+    assert loaded.lossless.decodes == 0 and counts["encodes"] == 0  # taken as they are
+    for mine, theirs in zip(loaded.kv_layers(), cache.kv_layers()):
+        assert len(mine.blocks) == 2 and mine.block_starts == [0, 16] and mine.residual_length == TOKENS - 32
+        assert all(isinstance(b, CodedBlock) and b.context is loaded.lossless and not b.verified for b in mine.blocks)
+        # the same streams generation coded
+        assert [r.blobs for b in mine.blocks for r in b.rows] == [r.blobs for b in theirs.blocks for r in b.rows]
+    stats = loaded.stats()
+    assert stats["stored_bytes"] == cache.stats()["stored_bytes"]
+    # decoded at the first read, exactly; generation goes on as with DynamicCache
+    for mine, ref in zip(loaded.kv_layers(), reference.layers):
+        assert same_bits(mine.keys, ref.keys) and same_bits(mine.values, ref.values)
+    assert loaded.lossless.decodes == 2 * 2 * LAYERS  # .keys and .values each decode both blocks (budget 0)
+    assert_continues_identically(model, reference, loaded, random_ids(1, 20, seed=4))
+
+
+def test_files_of_other_coding_are_decoded_and_coded_again(model, tmp_path, monkeypatch):
+    cache, reference = filled(model)
+    other = CompressionConfig(mode="lossless", block_tokens=32, residual_tokens=0)
+    for path, config in ((cache.save(tmp_path / "c.kvc", predictor="context"), None),  # another predictor
+                         (cache.save(tmp_path / "g.kvc", predictor="generic"), other)):  # other block sizes
+        counts = count_encodes(monkeypatch)
+        loaded = CompressedCache.load(path, model=model, config=config)
+        assert counts["encodes"] == LAYERS * len(loaded.kv_layers()[0].blocks) > 0  # decoded (the file's own
+        # coder counts those) and coded again by the cache
+        for mine, ref in zip(loaded.kv_layers(), reference.layers):
+            assert same_bits(mine.keys, ref.keys) and same_bits(mine.values, ref.values)
+        monkeypatch.undo()
+
+
+def test_a_stream_edited_behind_the_checksum_fails_at_first_read_or_in_load_with_verify(model, tmp_path):
+    cache, _ = filled(model)
+    data = cache.save(tmp_path / "g.kvc", predictor="generic").read_bytes()
+    header, payload = split(data)
+    offset, length = header["layers"][3]["blocks"][1]["rows"][0]["streams"][2]
+    base = len(data) - 32 - len(payload)
+    damaged = bytearray(data)
+    damaged[base + offset + length - 3] ^= 0x40  # inside the coded body, not its header
+    path = tmp_path / "edited.kvc"
+    path.write_bytes(reseal(bytes(damaged)))
+    with pytest.raises(CacheFileError, match="stream"):
+        CompressedCache.load(path, model=model, verify=True)
+    loaded = CompressedCache.load(path, model=model)  # adopted: checked (structure, checksum), not decoded
+    with pytest.raises(CorruptStreamError):
+        for layer in loaded.kv_layers():
+            layer.keys  # noqa: B018 - the read is the point
+
+
+def test_load_of_a_generic_file_is_cheaper_than_the_prefill_in_decodes(model, tmp_path):
+    """Work counted, not seconds: a 6-layer cache of 8 blocks a layer loads with no block decoded."""
+    cache, _ = filled(model, CompressionConfig(mode="lossless", block_tokens=16), tokens=8 * 16)
+    loaded = CompressedCache.load(cache.save(tmp_path / "g.kvc", predictor="generic"), model=model)
+    assert loaded.lossless.decodes == 0
+    assert sum(len(layer.blocks) for layer in loaded.kv_layers()) == 8 * LAYERS
