@@ -16,12 +16,13 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..calibration import Calibration, calibration_for
+from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
 from ..layer import CompressedLayer, RawStorage, Storage
 from ..layer.hybrid import CompressedHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
 from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
+from ..predictors.registry import predictor_class
 from .coded import CodedStorage, LosslessContext
 from .lossless import lossless_context, sealed_raw_bytes
 from .persist import load_cache, save_cache
@@ -49,8 +50,11 @@ class CompressedCache(Cache):
         calibration: for lossless mode: a `Calibration` (or the folder one was saved to) with fitted predictor
             heads, sigma tables and marginals; ``"auto"`` (the default) takes the attached model's default
             calibration, fitting and saving it on first use (`hf_kvcompress.calibration.calibration_for`: about
-            half a minute for SmolLM2-135M, with a progress bar); None codes without one (per-block channel
-            statistics). ``stats()["calibration"]`` says which was used.
+            half a minute for SmolLM2-135M, with a progress bar) when something first needs it: here, if the
+            in-generation predictor (``LosslessConfig.predictor``) reads one, else on the first `save` whose
+            predictor reads one (or `resolve_calibration`); generation with ``"generic"`` (the default) never
+            waits for it. None codes without one (per-block channel statistics). ``stats()["calibration"]`` says
+            which was used, or that the lookup is still to come.
 
     Without ``model``/``model_config`` layers are created lazily as full-attention layers, like `DynamicCache`.
     """
@@ -75,6 +79,8 @@ class CompressedCache(Cache):
         self.model = model
         self.model_config = model_config
         self.calibration, self.calibration_note = _resolve_calibration(calibration, model, config)
+        #: True while an ``"auto"`` calibration waits for its first use (`resolve_calibration`)
+        self._calibration_pending = self.calibration_note in (PENDING_NOTE, PENDING_ON_REQUEST_NOTE)
         self.lossless: LosslessContext | None = None
         if config.mode == "lossless":
             self.lossless = lossless_context(self)
@@ -273,18 +279,42 @@ class CompressedCache(Cache):
              progress: bool = False) -> Path:
         """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
         token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"context"``;
-        ``"probe"``/``"twin"`` rerun the model here and at load)."""
+        ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
+        resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use)."""
+        name = predictor or self.config.lossless.save_predictor
+        if self._calibration_pending and reads_calibration(name):
+            self.resolve_calibration()
         return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
+
+    @property
+    def calibration_pending(self) -> bool:
+        """Whether ``calibration="auto"`` is still to be resolved (`resolve_calibration`; `calibration` is
+        None until then)."""
+        return self._calibration_pending
+
+    def resolve_calibration(self) -> Calibration | None:
+        """The calibration this cache uses, resolving a pending ``calibration="auto"`` first: the attached
+        model's default calibration, found or fitted and saved on first use (`calibration_for`, with its
+        progress bar and one printed line), or None where there is none (``stats()["calibration"]`` says why).
+        Idempotent: later calls return what the first found. `save` calls it when its predictor reads a
+        calibration; the in-generation predictor keeps coding as it was built (without one)."""
+        if self._calibration_pending:
+            self.calibration, self.calibration_note = calibration_for(self.model)
+            self._calibration_pending = False  # after the lookup: one interrupted midway is tried again
+        return self.calibration
 
     @classmethod
     def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
              calibration: Calibration | str | Path | None = None, config: CompressionConfig | None = None,
-             progress: bool = False) -> CompressedCache:
+             progress: bool = False, verify: bool = False) -> CompressedCache:
         """Rebuild a cache saved with `save`: bit-identical K/V; generation continues as without the round
         trip. A file saved with a calibration needs that calibration: ``calibration`` or, when not given, the
         model's default one (never fitted here). Raises `CacheFileError` for files from another model,
-        calibration or library version, corrupt files, or a predictor that does not reproduce here."""
-        return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config, progress=progress)
+        calibration or library version, corrupt files, or a predictor that does not reproduce here. Blocks coded
+        as generation codes them (a ``"generic"`` file) are adopted, not decoded: they decode when attention first
+        reads them; ``verify=True`` decodes them once here, so that a file edited behind its checksum fails here."""
+        return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config, progress=progress,
+                          verify=verify)
 
     def layer(self, layer_idx: int) -> CompressedLayer:
         """The `CompressedLayer` at ``layer_idx`` (a clear error where there is none)."""
@@ -364,14 +394,28 @@ class CompressedCache(Cache):
         return f"CompressedCache(mode={self.config.mode!r}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
 
 
+#: ``stats()["calibration"]`` of an ``"auto"`` calibration still to be resolved (`CompressedCache.resolve_calibration`):
+#: the in-generation predictor reads none, the default save predictor does / does not
+PENDING_NOTE = "auto: found or fitted on first save (generation does not use one)"
+PENDING_ON_REQUEST_NOTE = ("auto: found or fitted only for a save with a predictor that uses one (neither generation "
+                           "nor the default save predictor does)")
+
+
+def reads_calibration(name: str) -> bool:
+    """Whether the predictor called ``name`` codes with a calibration when it has one (``context``, ``none``,
+    ``probe``, ``twin``); ``generic``, ``framed`` and ``self`` never read one."""
+    cls = predictor_class(name)
+    return bool(cls.fitted_by_calibration or cls.needs_calibration)
+
+
 def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple[Calibration | None, str]:
-    """The calibration a cache uses and a note of where it came from (``stats()["calibration"]``)."""
+    """The calibration a cache uses and a note of where it came from (``stats()["calibration"]``). An ``"auto"``
+    calibration that the in-generation predictor does not read is left for its first use: None and
+    `PENDING_NOTE` (or `PENDING_ON_REQUEST_NOTE`), which `CompressedCache.resolve_calibration` resolves."""
     if isinstance(calibration, str) and calibration == "auto":
         if config.mode != "lossless":
             return None, "none: not used in this mode"
         settings = config.lossless
-        if not ({settings.predictor, settings.save_predictor} - {"generic"}):
-            return None, "none: the configured predictors need none"
         if model is None:
             return None, "none: no model attached (pass model= to use its calibration)"
         types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
@@ -380,7 +424,10 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
             # below); other structures code with per-block statistics
             return None, (f"none: calibrations cover full-attention models only, this one has "
                           f"{sorted(set(types) - {'full_attention'})} layers")
-        return calibration_for(model)
+        if not reads_calibration(settings.predictor):  # fitting one would only delay the cache's first use
+            return None, PENDING_NOTE if reads_calibration(settings.save_predictor) else PENDING_ON_REQUEST_NOTE
+        # the first-use heads and those of the in-generation predictor (``none`` is not among the first-use ones)
+        return calibration_for(model, predictors=tuple(dict.fromkeys((*FIRST_USE_PREDICTORS, settings.predictor))))
     if calibration is None:
         return None, "none"
     if isinstance(calibration, (str, Path)):

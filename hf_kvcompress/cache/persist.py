@@ -168,7 +168,9 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         "config": cache.config.to_dict(),
         "predictor": {"name": name, "probe_layer": k},
         "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
-        "calibration_sha256": cache.calibration.meta["tensors_sha256"] if cache.calibration is not None else None,
+        # only a file coded with the calibration names it (a 'generic' file loads without one)
+        "calibration_sha256": cache.calibration.meta["tensors_sha256"]
+        if cache.calibration is not None and bool(getattr(chosen, "calibrated", False)) else None,
         "dtype": str(first.dtype).replace("torch.", ""),
         "kv_layers": len(cache.layers) if layered else len(layer_entries),
         "rows": first.shape[0],

@@ -75,6 +75,10 @@ def fits(monkeypatch):
 def test_first_use_fits_saves_and_later_caches_find_it(user_cache, model, fits, tmp_path, capsys):
     cache = CompressedCache(LOSSLESS, model=model)
     folder = calibration_dir(model)
+    assert fits == [] and cache.calibration is None  # generation does not use one: looked up at the first save
+    with torch.no_grad():
+        model(random_ids(1, 40), cache=cache)
+    cache.save(tmp_path / "first.kvc")
     assert fits == [["context"]]
     assert folder.is_relative_to(user_cache) and (folder / META_FILE).is_file() and (folder / TENSORS_FILE).is_file()
     assert cache.stats()["calibration"] == f"fitted on first use, saved to {folder}"
@@ -82,6 +86,7 @@ def test_first_use_fits_saves_and_later_caches_find_it(user_cache, model, fits, 
     assert cache.calibration.predictors == ["context"]
 
     again = CompressedCache(LOSSLESS, model=model)
+    assert again.resolve_calibration() is again.calibration
     assert fits == [["context"]]  # found, not fitted again
     assert again.stats()["calibration"] == str(folder)
     assert again.calibration.digest == cache.calibration.digest
@@ -137,7 +142,7 @@ def test_no_fit_where_nothing_needs_one(user_cache, model, fits):
 def test_a_model_without_a_tokenizer_codes_without_calibration(user_cache, fits, recwarn):
     model = fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6)  # names no folder: no tokenizer to find
     cache = CompressedCache(LOSSLESS, model=model)
-    assert cache.calibration is None and fits == [] and not recwarn.list
+    assert cache.resolve_calibration() is None and fits == [] and not recwarn.list
     assert "tokenizer" in cache.stats()["calibration"]
     assert cache.stats()["predictor"] == "generic"
 
@@ -148,11 +153,12 @@ def test_fit_false_only_looks(user_cache, model, fits):
 
 
 def test_an_unreadable_default_calibration_is_replaced(user_cache, model, fits, capsys):
-    first = CompressedCache(LOSSLESS, model=model).calibration
+    first = CompressedCache(LOSSLESS, model=model).resolve_calibration()
     folder = calibration_dir(model)
     raw = (folder / TENSORS_FILE).read_bytes()
     (folder / TENSORS_FILE).write_bytes(raw[:-8] + bytes(b ^ 0xFF for b in raw[-8:]))
     second = CompressedCache(LOSSLESS, model=model)
+    second.resolve_calibration()
     assert len(fits) == 2 and "unusable" in capsys.readouterr().err
     assert second.calibration.digest == Calibration.load(folder, model).digest
     assert first.predictors == second.calibration.predictors
