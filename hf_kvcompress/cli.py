@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import torch
 from transformers import DynamicCache
 
 from .cache import CompressedCache
+from .cache.store import clear as clear_prefixes
+from .cache.store import folder_usage
 from .calibration import META_FILE, Calibration, CalibrationError, calibration_dir
 from .config import CompressionConfig
 from .data import check_source, token_ids
-from .downloads import writable_folder
+from .downloads import cache_dir, writable_folder
 from .errors import CliError
 from .generation import greedy_generate
 from .models import load_model
@@ -130,6 +133,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _human(size: int) -> str:
+    """``size`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
+    if size < 1024:
+        return f"{size} B"
+    value = size / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    """List, measure or clear the prefix store's folder (`hf_kvcompress.PrefixStore`): one subfolder per model
+    and settings, holding its chunks (``*.kvp``) and killed writers' temporary files (``*.tmp``)."""
+    root = Path(args.path).expanduser() if args.path else cache_dir() / "prefixes"
+    if root.exists() and not root.is_dir():
+        raise CliError(f"--path {str(root)!r} is not a folder")
+    if args.action == "clear":
+        removed = clear_prefixes(root)
+        print(f"removed {_human(removed)} ({removed} bytes) of stored prefixes from {root}")
+        return 0
+    usage = folder_usage(root)
+    if args.action == "du":
+        total, chunks = sum(e["bytes"] for e in usage), sum(e["chunks"] for e in usage)
+        temporary = sum(e["temporary_files"] for e in usage)
+        print(f"{root}: {_human(total)} ({total} bytes) in {chunks} chunks, {len(usage)} model folders, "
+              f"{temporary} temporary files")
+        return 0
+    if not usage:
+        print(f"{root}: no stored prefixes")
+        return 0
+    print(f"{'folder':<32}  {'chunks':>7}  {'MiB':>9}  {'last used':<19}  temporary files")
+    for e in usage:
+        last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["last_used"])) if e["last_used"] else "-"
+        print(f"{e['folder']:<32}  {e['chunks']:>7}  {e['bytes'] / 2**20:>9.2f}  {last:<19}  {e['temporary_files']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvcompress", description="KV-cache compression for transformers")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks")
@@ -158,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--probe-layers", default="8,15,22", help="k values of the probe predictor")
     cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
     cal.set_defaults(func=cmd_calibrate)
+
+    store = sub.add_parser("store", help="list, measure or clear the prefix store (PrefixStore) on disk")
+    store.add_argument("action", choices=["ls", "du", "clear"],
+                       help="ls: one line per model folder; du: total bytes and chunks; clear: remove every chunk")
+    store.add_argument("--path", default=None,
+                       help="the store's folder (default: ~/.cache/hf_kvcompress/prefixes, or $HF_KVCOMPRESS_CACHE/prefixes)")
+    store.set_defaults(func=cmd_store)
 
     _add_eval_parser(sub)
     return parser

@@ -167,7 +167,8 @@ class PrefixStore:
                 "dtype": self._identity.dtype,
                 "predictor": self.predictor,
                 "chunk_tokens": self.chunk_tokens,
-                "lossless": self.config.lossless.to_dict(),
+                # what the chunks' bytes depend on; not workers, decoded_budget, save_predictor, residual_tokens
+                "codec": {name: getattr(self.config.lossless, name) for name in self.config.lossless.CODEC_FIELDS},
                 "block_tokens": self.config.block_tokens,
                 "calibration": calibration.meta["tensors_sha256"] if calibration is not None else None,
             }
@@ -191,7 +192,8 @@ class PrefixStore:
         cache = CompressedCache(self.config, model=self.model, calibration=None)
         usable = (len(row) - 1) // self.chunk_tokens  # generate() needs at least one token to compute logits from
         chunks: list[dict[str, Any]] = []
-        for index, key in enumerate(self.keys(row)[:usable]):
+        keys = self.keys(row)[:usable]
+        for index, key in enumerate(keys):
             found = self._read_chunk(key, index, row)
             if found is None:
                 self.misses += usable - index
@@ -199,10 +201,11 @@ class PrefixStore:
             chunks.append(found)
         if not chunks:
             return cache
+        self._fill(cache, chunks)
+        _touch_chain([self._path(key) for key in keys[: len(chunks)]])
         self.hits += len(chunks)
         self.hit_tokens += len(chunks) * self.chunk_tokens
         self.bytes_saved += sum(c["raw_bytes"] for c in chunks)
-        self._fill(cache, chunks)
         tokens = len(chunks) * self.chunk_tokens
         cache.token_ids = torch.from_numpy(row[:tokens].copy()).unsqueeze(0)
         return cache
@@ -217,18 +220,45 @@ class PrefixStore:
         if isinstance(recorded, torch.Tensor) and (recorded.shape[0] != 1 or recorded.shape[1] < held
                                                    or not np.array_equal(recorded[0, :held].numpy(), row[:held])):
             raise ValueError("PrefixStore.put: the cache holds the KV of other tokens than ids")
+        self._check_kv(cache)
         written = 0
+        paths = []
         for index, key in enumerate(self.keys(row[: min(held, len(row))])):
             path = self._path(key)
+            paths.append(path)
             if path.exists():
-                _touch(path)
                 continue
             blob = self._encode_chunk(cache, index, key, row)
-            _write_atomic(path, blob)
+            try:
+                _write_atomic(path, blob)
+            except OSError as err:  # a full disk or a concurrent clear(): the store is a cache, generation goes on
+                log.warning("prefix store: could not write %s (%s); stopped storing this prompt", path.name, err)
+                paths.pop()
+                break
             written += self.chunk_tokens
+        _touch_chain(paths)
         if written:
             self.evict()
         return written
+
+    def _check_kv(self, cache: Cache) -> None:
+        """The cache's K/V must be this model's: its dtype, KV heads and head size (a cache of another model or
+        dtype would be stored under this model's keys)."""
+        dtype = self._identity_dtype()
+        config = self.model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for i, layer in enumerate(cache.layers):
+            if not getattr(layer, "is_initialized", False):
+                continue
+            # a compressed layer's residual has the dtype and shape of its K/V (its .keys would decode every block)
+            keys = layer.residual_keys if isinstance(layer, CompressedLayer) else layer.keys
+            if keys is None:
+                continue
+            if keys.dtype != dtype or keys.shape[1] != heads or keys.shape[3] != dim:
+                raise ValueError(f"PrefixStore.put: layer {i} holds {keys.dtype} K/V of {keys.shape[1]} heads x "
+                                 f"{keys.shape[3]}, this store's model {dtype} of {heads} x {dim}")
+            return  # one layer tells: the rest come from the same forward
 
     def stats(self) -> dict[str, int]:
         """Chunks and bytes on disk for this model and settings, raw bytes they hold, and this process's hits,
@@ -352,7 +382,6 @@ class PrefixStore:
             log.warning("prefix store: %s is damaged (%s); removed, computing its tokens again", path.name, err)
             _unlink(path, 0)
             return None
-        _touch(path)
         return chunk
 
     def _check_chunk(self, data: bytes, key: bytes, index: int, row: np.ndarray) -> dict[str, Any]:
@@ -503,6 +532,9 @@ def _layer_kv(layer: object, first: int, stop: int) -> tuple[torch.Tensor, torch
     keys, values = layer.keys, layer.values
     if keys is None or keys.shape[0] != 1 or keys.shape[2] < stop:
         raise ValueError("PrefixStore.put: the cache holds fewer tokens (or more rows) than asked for")
+    if keys.shape[2] != layer.get_seq_length():  # checked before the first chunk is written
+        raise ValueError(f"PrefixStore.put: a cache layer holds {keys.shape[2]} entries for {layer.get_seq_length()} "
+                         "tokens (a lossy or sliding-window cache); the store takes the exact KV of every token")
     return keys[:, :, first:stop].cpu(), values[:, :, first:stop].cpu()
 
 
@@ -523,6 +555,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep other users' processes from reading a shared store
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.replace(tmp, path)
@@ -531,9 +564,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def _touch(path: Path) -> None:
-    with contextlib.suppress(OSError):  # evicted meanwhile
-        os.utime(path)
+def _touch_chain(paths: list[Path]) -> None:
+    """Mark a prompt's chunks (in chain order) used now, each a microsecond older than the one before it: eviction
+    takes the least recently used first, so a chain loses its tail before its head (a chunk is of no use without
+    every chunk before it; same-time marks would leave the order to sizes and names)."""
+    now = time.time_ns()
+    for index, path in enumerate(paths):
+        with contextlib.suppress(OSError):  # evicted meanwhile
+            os.utime(path, ns=(now - 1000 * index, now - 1000 * index))
 
 
 def _unlink(path: Path, size: int) -> int:
