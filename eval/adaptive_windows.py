@@ -52,7 +52,7 @@ import torch
 from tqdm import tqdm
 
 from hf_kvcompress import codec
-from hf_kvcompress.cache.coded import choose_scale, compact, scale_factor
+from hf_kvcompress.blockcoder import choose_scale, compact, scale_factor
 from hf_kvcompress.codec.coder import models_for, symbols
 from hf_kvcompress.codec.params import ParamSource
 from hf_kvcompress.codec.symbols import format_of, split_bits, tensor_bits

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-import hf_kvcompress.cache.coded as coded
+import hf_kvcompress.blockcoder as blockcoder
 from hf_kvcompress import CompressedCache, CompressionConfig, codec
 from hf_kvcompress.calibration import Calibration, calibration_dir
 from hf_kvcompress.codec import CodecConfig
@@ -206,18 +206,18 @@ def capture_streams(tokens: int, offset: int = 4096) -> list[tuple[torch.Tensor,
     with torch.inference_mode():
         model(ids, cache=cache)
     captured = []
-    original = coded.encode
+    original = blockcoder.encode
 
     def spy(x, mean=None, std=None, config=None):
         captured.append((x.clone(), mean.float().clone(), std.float().clone()))
         return original(x, mean, std, config)
 
-    coded.encode = spy
+    blockcoder.encode = spy
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cache.save(Path(tmp) / "cache", predictor="context")
     finally:
-        coded.encode = original
+        blockcoder.encode = original
     return captured
 
 

@@ -5,7 +5,7 @@ predictor costs per decoded scalar, for the in-generation candidates.
 
 Everything is measured: SmolLM2-135M bf16 K/V of held-out text (evaluation split) cut in blocks of 128 tokens
 (generation's), every stream coded with the real ``lanes`` codec (`codec.encode_batch`, per-element or
-per-channel statistics, the encoder's per-stream std scale `cache.coded.choose_scale`), decoded back
+per-channel statistics, the encoder's per-stream std scale `blockcoder.choose_scale`), decoded back
 (`codec.decode_batch`, one call per layer as `generate()` does for independent streams) and compared bit for bit.
 Rates count every byte a cache would hold for the block: the blobs (headers included), one scale byte per
 stream and any side data (bf16). Variants:
@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
-from hf_kvcompress.cache.coded import choose_scale, scale_factor
+from hf_kvcompress.blockcoder import choose_scale, scale_factor
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import decode_batch, encode_batch
 from hf_kvcompress.data import token_ids

@@ -1,57 +1,52 @@
 """Lossless storage: a sealed block held only as codec streams, predicted from what the decoder knows.
 
-A block of one layer is ``rows * 2 * kv_heads`` streams (one per batch row, kind and head, coded in
-`stream_order`). Each stream's mean and std come from the predictor; the encoder adds one byte per stream
-that scales the std by ``2^(s/4)`` to fit the block's actual spread (cheap protection against text unlike
-the calibration text). Keys and values may differ in width (an MLA latent and its rotary part): such a block
-is coded in one codec call per kind, and a layer's such blocks decode in one call per kind (`CodedBlock.split`). Decoding a block of layer ``l`` needs the same block of the layers below when the
-predictor reads them; `LosslessContext` keeps those only as long as a layer above can need them (`pool`).
+A block of one layer is ``rows * 2 * kv_heads`` streams, coded by the block coder (`hf_kvcompress.blockcoder`:
+predicted, scaled by one byte per stream, settled for `portable` predictors, coded channel-major). Keys and values
+may differ in width (an MLA latent and its rotary part): such a block is coded in one codec call per kind, and a
+layer's such blocks decode in one call per kind (`CodedBlock.split`). Decoding a block of layer ``l`` needs the
+same block of the layers below when the predictor reads them; `LosslessContext` keeps those only as long as a
+layer above can need them (`pool`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
 
+from ..blockcoder import (  # SCALE_*, expected_side, listed_problem, scale_factor: re-exported (cache.persist, tests)
+    SCALE_MAX,  # noqa: F401
+    SCALE_MIN,  # noqa: F401
+    CodedStreams,
+    DecodeItem,
+    EncodeItem,
+    compact,
+    decode_blocks,
+    decode_stacked,
+    encode_blocks,
+    expected_side,  # noqa: F401
+    listed_problem,  # noqa: F401
+    one_thread,
+    scale_factor,  # noqa: F401
+    scale_factors,
+)
 from ..codec import (
     CodecConfig,
     CorruptStreamError,
     Marginal,
     ParameterMismatchError,
-    decode,
     decode_batch,
-    encode,
-    encode_batch,
     start_decode_batch,
 )
 from ..codec.lanes import DecodeJob
-from ..codec.params import settle
-from ..codec.symbols import format_of
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
-from ..predictors.base import (
-    KINDS,
-    BlockInputs,
-    ExtrasSource,
-    LayerValues,
-    Predictor,
-    PredictorSession,
-    stream_order,
-)
+from ..predictors.base import KINDS, BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
 from .pool import DecodedPool, flat_values, values_tensors
-
-# The per-stream std scale, in quarter octaves (std * 2^(s/4)), one byte per stream: a format constant (saved files
-# hold it and persist.py refuses codes outside it). The range, std x 2^-8 .. 2^15.75, is a choice, not a tuned value:
-# `choose_scale` clips to it, and a clipped scale only costs rate, never exactness (docs/lossless.md, "Data flow").
-SCALE_MIN, SCALE_MAX = -32, 63
 
 
 def available_cores() -> int:
@@ -62,24 +57,10 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Predictor maths on one thread: its matrices are small (intra-op threads only add synchronisation,
-    badly so on a busy machine: 30x measured here), and the means then do not depend on the caller's thread
-    setting, so encoder and decoder agree whatever ``torch.set_num_threads`` says."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-
 @dataclass
 class CodedRow:
     """One batch row of a coded block: a blob and a std-scale code per stream, plus side data and, for a
-    `portable` predictor, the elements whose canonical statistics the encoder lists (`settle_stream`)."""
+    `portable` predictor, the elements whose canonical statistics the encoder lists (`blockcoder.settle_stream`)."""
 
     blobs: list[bytes]
     scales: array  # signed bytes ("b"): the one byte per stream that `nbytes` counts, not a list of Python ints
@@ -90,66 +71,6 @@ class CodedRow:
         side = sum(t.numel() * t.element_size() for t in self.side.values())
         listed = 0 if self.listed is None else self.listed.numel() * self.listed.element_size()
         return sum(len(b) for b in self.blobs) + len(self.scales) + side + listed
-
-
-def settle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float],
-                  bounds: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
-                  config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
-    """The float32 statistics a `portable` session's stream is coded with: canonical values
-    (`codec.params.settle`) that every CPU computes alike. ``mean`` / ``std``: float64 ``[batch, tokens, dim]``
-    (std broadcastable to it); the std is scaled by its row's ``factors`` first (`scale_factor`: the coded std's
-    class is what must agree). Also, per batch row, the elements within ``bounds`` of a class boundary, as int32
-    ``[n, 3]``: element index in the row's statistics, canonical mean and std bits, which the encoder sends and
-    `resettle_stream` puts back (``bounds=None``: the decoder's call, nothing is listed)."""
-    batch = mean.shape[0]
-    scale = np.asarray(factors, dtype=np.float64).reshape(batch, *([1] * (mean.dim() - 1)))
-    std64 = np.broadcast_to(std.numpy(), mean.shape) * scale
-    tol = (None, None) if bounds is None else (bounds[0].numpy(), bounds[1].numpy() * scale)
-    m, s, idx = settle(mean.numpy(), std64, tol[0], tol[1], format_of(dtype), config.mean_steps)
-    per_row = m.size // batch
-    flat_m, flat_s = m.reshape(-1).view(np.int32), s.reshape(-1).view(np.int32)
-    listed = []
-    for b in range(batch):
-        at = idx[(idx >= b * per_row) & (idx < (b + 1) * per_row)]
-        listed.append(np.stack([at - b * per_row, flat_m[at], flat_s[at]], axis=1).astype(np.int32))
-    return torch.from_numpy(m), torch.from_numpy(s), listed
-
-
-def expected_side(predictor: Predictor, layer: int, heads: int, tokens: int, dim: int,
-                  dtype: torch.dtype, value_dim: int | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The side data ``predictor`` sends with one row of a ``heads x tokens x dim`` block of ``layer`` (values
-    ``value_dim`` wide, default ``dim``): name -> (dtype, shape of the row's tensor), from a zero probe. A reader
-    checks what a file or payload holds against it before any predictor reads it (a missing or misshapen tensor
-    would fail inside the predictor instead, with an error of the predictor's)."""
-    probe = torch.zeros(1, heads, tokens, dim, dtype=dtype)
-    values = probe if value_dim is None or value_dim == dim else torch.zeros(1, heads, tokens, value_dim, dtype=dtype)
-    return {name: (t.dtype, tuple(t.shape[1:])) for name, t in predictor.side_data(layer, probe, values).items()}
-
-
-def listed_problem(order: np.ndarray, limit: int) -> str | None:
-    """What is wrong with a list's element keys ``order`` (int64, in the list's order; a file's (stream, element)
-    pairs as ``stream * elements + element``), or None: each in ``[0, limit)``, strictly increasing."""
-    if not order.size:
-        return None
-    if int(order.min()) < 0 or int(order.max()) >= limit:
-        return "out of range"
-    if not bool((order[1:] > order[:-1]).all()):
-        return "out of order or repeated"
-    return None
-
-
-def resettle_stream(mean: torch.Tensor, std: torch.Tensor, factors: list[float], listed: list[np.ndarray],
-                    dtype: torch.dtype, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder's `settle_stream`: canonical statistics with the encoder's ``listed`` elements (per row,
-    int32 ``[n, 3]``, element indices checked by the caller) put back."""
-    mean, std, _ = settle_stream(mean, std, factors, None, dtype, config)
-    rows_m = mean.numpy().reshape(mean.shape[0], -1).view(np.int32)
-    rows_s = std.numpy().reshape(std.shape[0], -1).view(np.int32)
-    for b, entries in enumerate(listed):
-        if entries.shape[0]:
-            rows_m[b, entries[:, 0]] = entries[:, 1]
-            rows_s[b, entries[:, 0]] = entries[:, 2]
-    return mean, std
 
 
 @dataclass
@@ -187,7 +108,7 @@ class CodedBlock(Block):
         self.dim = dim
         self.value_dim = dim if value_dim is None else value_dim
         #: keys and values differ in width: coded and decoded in one codec call per kind (one shape per call;
-        #: `LosslessContext._decode_split`), never straight into the layer's tensors or ahead of its read
+        #: `LosslessContext._decode_together`), never straight into the layer's tensors or ahead of its read
         self.split = self.value_dim != dim
         self.dtype = dtype
         self.device = device
@@ -270,50 +191,9 @@ class LosslessContext:
         keys, values = owned(keys.cpu()), owned(values.cpu())  # never pin the residual the block came from
         side = self.predictor.block_side_data(layer, keys, values, start)
         session = self.predictor.session(self._inputs(layer, start, tokens, batch, side))
-        config = self.codec_for(layer)
-        rows = [CodedRow([], array("b"), {name: t[b].clone() for name, t in side.items()}) for b in range(batch)]
-        order = stream_order(heads)
-        listed: list[list[np.ndarray]] = [[] for _ in range(batch)]
-
-        def code(streams: list[tuple[str, int]], predictions) -> None:
-            xs, means, stds = [], [], []
-            for (kind, head), (mean, std) in zip(streams, predictions):
-                x = (keys if kind == "k" else values)[:, head]
-                width = x.shape[-1]
-                factors = []
-                for b, row in enumerate(rows):
-                    row.scales.append(choose_scale(x[b], mean[b], std[b]))
-                    factors.append(scale_factor(row.scales[-1]))
-                if session.portable:  # float64 statistics: coded as their canonical float32, std scaled
-                    mean, std, found = settle_stream(mean, std, factors, session.bounds(kind, head), keys.dtype,
-                                                     config)
-                    factors = [1.0] * batch
-                    index = order.index((kind, head))
-                    for b, entries in enumerate(found):
-                        listed[b].append(np.concatenate([np.full((entries.shape[0], 1), index, np.int32), entries], 1))
-                for b in range(batch):
-                    # channel-major: a channel's elements share its sigma, so the coder switches tables less
-                    xs.append(x[b].T)
-                    means.append(mean[b].T)
-                    # scaled before broadcasting, so per-channel statistics stay [head_dim, 1] for the coder
-                    stds.append(compact(std[b].T).mul(factors[b]).expand(width, tokens))
-            blobs = encode_streams(xs, means, stds, config, self.workers)
-            for i, blob in enumerate(blobs):
-                rows[i % batch].blobs.append(blob)
-
-        if session.independent and values.shape[-1] == dim:  # all predicted up front: one batch for the block
-            code(order, [session.predict(kind, head) for kind, head in order])
-        elif session.independent:  # keys and values of two widths: a batch per kind (one shape per codec call)
-            for kind in KINDS:
-                streams = [(k, head) for k, head in order if k == kind]
-                code(streams, [session.predict(k, head) for k, head in streams])
-        else:
-            for kind, head in order:
-                code([(kind, head)], [session.predict(kind, head)])
-                session.observe(kind, head, (keys if kind == "k" else values)[:, head])
-        for b, row in enumerate(rows):
-            entries = np.concatenate(listed[b]) if listed[b] else np.zeros((0, 4), np.int32)
-            row.listed = torch.from_numpy(entries) if entries.shape[0] else None  # None: nothing listed
+        [coded] = encode_blocks([EncodeItem(session, keys, values, self.codec_for(layer))], self.workers)
+        rows = [CodedRow(coded.blobs[b], coded.codes[b], {name: t[b].clone() for name, t in side.items()},
+                         _listing(coded, b)) for b in range(batch)]
         self.sealed_raw_bytes += (keys.numel() + values.numel()) * keys.element_size()
         block = CodedBlock(self, layer, start, tokens, rows, heads, dim, keys.dtype, device, value_dim=values.shape[-1])
         self._keep(block, session.finish(keys, values))
@@ -433,7 +313,7 @@ class LosslessContext:
         config = self.codec_for(layer)
         if predicted is None or predicted[0] is not None or config.coder != "lanes":
             return
-        _, means, stds = predicted
+        means, stds = predicted[1]["kv"]
         blobs, verify = _batch_streams(chosen)
         out = torch.empty((len(chosen), 2, first.heads, len(first.rows), first.dim, first.tokens), dtype=first.dtype)
         # chunks of ~3 streams at 2,048 tokens: 32 chunks a layer beat 8 by 2-6 % in an A/B (the last chunk one
@@ -456,160 +336,53 @@ class LosslessContext:
         into = _destination(keys, values, at[ahead.indices[0]], len(ahead.blocks), ahead.blocks[0])
         if into is not None:
             into.copy_(ahead.out)
-        for i, block, decoded in zip(ahead.indices, ahead.blocks, self._settle(ahead.blocks, ahead.out)):
+        for i, block, decoded in zip(ahead.indices, ahead.blocks, self._settle(ahead.blocks, _views(ahead.out))):
             if into is None:
                 keys[..., at[i] : at[i] + block.tokens, :].copy_(decoded.keys)
                 values[..., at[i] : at[i] + block.tokens, :].copy_(decoded.values)
             direct[i] = True
 
     def _decode_together(self, blocks: list[CodedBlock], into: torch.Tensor | None = None) -> list[LayerValues] | None:
-        """Decode same-shaped blocks whose sessions are independent in one codec call (None if they are not),
-        also into ``into`` when given (`_destination`): in place when the predictor predicted them in one batch.
+        """Decode same-shaped blocks whose sessions are independent in one codec call per part of their streams
+        (`_predict_together`; None if they are not independent), also into ``into`` when given (`_destination`):
+        in place when the predictor predicted them in one batch.
 
         When the predictor reads no layer below (``depth == 0``: its sessions never look at decoded values),
         the blocks decode into tensors on their own device: on a CUDA model with Triton the codec's decoder
         runs there (`codec.decode_batch`), and the decoded blocks (the pool's included) stay there. Other
         predictors compute on host values, so their blocks decode on the host."""
         first = blocks[0]
-        if first.split:  # keys and values of two widths: a codec call per kind
-            return self._decode_split(blocks)
-        device = first.device if self.depth == 0 else torch.device("cpu")
-        batch, heads, tokens, dim = len(first.rows), first.heads, first.tokens, first.dim
         predicted = self._predict_together(blocks)
         if predicted is None:
             return None
-        sessions, means, stds = predicted
+        sessions, parts = predicted
         config = self.codec_for(first.layer)
-        if into is not None and sessions is None and config.coder == "lanes":
-            return self._decode_in_place(blocks, means, stds, config, into)
-        # one codec call per shape of statistics (per-channel or per-element means: a self-fitting predictor
-        # gives both kinds in one layer), each in the shapes the encoder had
-        shapes: dict[tuple, list[int]] = {}
-        for i, (m, sd) in enumerate(zip(means, stds)):
-            shapes.setdefault((tuple(m.shape), tuple(sd.shape)), []).append(i)
-        decoded: list[torch.Tensor | None] = [None] * len(blocks)
-        try:
-            for members in shapes.values():
-                if len(members) == len(blocks) and isinstance(means, torch.Tensor):  # predicted as one batch
-                    mean, std = means.flatten(0, 2), stds.flatten(0, 2)  # blob order: block, stream, row
-                else:
-                    mean = torch.stack([means[i] for i in members]).flatten(0, 2)
-                    std = torch.stack([stds[i] for i in members]).flatten(0, 2)
-                group_blobs = [row.blobs[index] for i in members for index in range(2 * heads)
-                               for row in blocks[i].rows]
-                if config.coder == "lanes":
-                    out = torch.empty((len(group_blobs), dim, tokens), dtype=first.dtype, device=device)
-                    verify = [not blocks[i].verified for i in members for _ in range(2 * heads * batch)]
-                    x = decode_batch(group_blobs, mean, std, config, out=out, threads=self.workers, verify=verify)
-                else:  # per stream, with the [head_dim, tokens] shapes the encoder fingerprinted
-                    shape = (dim, tokens)
-                    x = torch.stack(decode_streams(group_blobs, [m.expand(shape) for m in mean],
-                                                   [s.expand(shape) for s in std], config, self.workers)).to(device)
-                x = x.view(len(members), 2 * heads * batch, dim, tokens)
-                for j, i in enumerate(members):
-                    decoded[i] = x[j]
-        except ParameterMismatchError as err:
-            raise self._mismatch(first.layer, err) from err
-        # one group (the usual case) decoded into one tensor already in block order: no stacking copy
-        x = x if len(shapes) == 1 else torch.stack(decoded)
-        # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
-        x = x.view(len(blocks), 2, heads, batch, dim, tokens).permute(0, 1, 3, 2, 5, 4).contiguous()
-        if into is not None:  # sessions keep what `finish` gets, so they get x, and the destination a copy
-            into.copy_(x.permute(0, 1, 3, 2, 5, 4))
-        out = []
-        for i, block in enumerate(blocks):
-            if sessions is None:  # PlainSession.finish of a block with nothing below
-                values = LayerValues(x[i, 0], x[i, 1], torch.ones(batch, tokens))
-            else:
-                values = sessions[i].finish(x[i, 0], x[i, 1])
-            block.verified = True
-            self.decodes += 1
-            self._keep(block, values)
-            out.append(values)
-        return out
-
-    def _decode_split(self, blocks: list[CodedBlock]) -> list[LayerValues] | None:
-        """`_decode_together` for same-shaped blocks whose keys and values differ in width: every block's key
-        streams in one codec call, its value streams in another (one per shape of statistics, as there)."""
-        first = blocks[0]
+        if into is not None and sessions is None and config.coder == "lanes":  # (`into` is None for split blocks)
+            return self._decode_in_place(blocks, *parts["kv"], config, into)
         device = first.device if self.depth == 0 else torch.device("cpu")
-        batch, heads, tokens = len(first.rows), first.heads, first.tokens
-        predicted = self._predict_split(blocks)
-        if predicted is None:
-            return None
-        sessions, per_kind = predicted
-        config = self.codec_for(first.layer)
-        decoded: dict[str, torch.Tensor] = {}
+        count, batch, heads, tokens = len(blocks), len(first.rows), first.heads, first.tokens
+        verify = [not block.verified for block in blocks]
+        decoded = {}
         try:
-            for kind, (means, stds) in per_kind.items():
-                width, base = (first.dim, 0) if kind == "k" else (first.value_dim, heads)
-                shapes: dict[tuple, list[int]] = {}  # blocks by shape of statistics (`_decode_together`)
-                for i, (m, sd) in enumerate(zip(means, stds)):
-                    shapes.setdefault((tuple(m.shape), tuple(sd.shape)), []).append(i)
-                parts: list[torch.Tensor | None] = [None] * len(blocks)
-                for members in shapes.values():
-                    mean = torch.stack([means[i] for i in members]).flatten(0, 2)  # blob order: block, head, row
-                    std = torch.stack([stds[i] for i in members]).flatten(0, 2)
-                    blobs = [row.blobs[base + head] for i in members for head in range(heads) for row in blocks[i].rows]
-                    if config.coder == "lanes":
-                        out = torch.empty((len(blobs), width, tokens), dtype=first.dtype, device=device)
-                        verify = [not blocks[i].verified for i in members for _ in range(heads * batch)]
-                        x = decode_batch(blobs, mean, std, config, out=out, threads=self.workers, verify=verify)
-                    else:  # per stream, with the [width, tokens] shapes the encoder fingerprinted
-                        shape = (width, tokens)
-                        x = torch.stack(decode_streams(blobs, [m.expand(shape) for m in mean],
-                                                       [s.expand(shape) for s in std], config, self.workers)).to(device)
-                    x = x.view(len(members), heads, batch, width, tokens)
-                    for j, i in enumerate(members):
-                        parts[i] = x[j]
-                x = x if len(shapes) == 1 else torch.stack(parts)
-                # [blocks, heads, rows, width, tokens] -> [blocks, rows, heads, tokens, width]
-                decoded[kind] = x.permute(0, 2, 1, 4, 3).contiguous()
+            for part, (means, stds) in parts.items():
+                lo, hi, width = {"kv": (0, 2 * heads, first.dim), "k": (0, heads, first.dim),
+                                 "v": (heads, 2 * heads, first.value_dim)}[part]
+                blobs = [row.blobs[index] for block in blocks for index in range(lo, hi) for row in block.rows]
+                x = decode_stacked(blobs, means, stds, config, shape=(width, tokens), dtype=first.dtype, device=device,
+                                   threads=self.workers, verify=verify)
+                decoded[part] = x.view(count, hi - lo, batch, width, tokens)  # blob order: block, stream, row
         except ParameterMismatchError as err:
             raise self._mismatch(first.layer, err) from err
-        out = []
-        for i, block in enumerate(blocks):
-            keys, values = decoded["k"][i], decoded["v"][i]
-            if sessions is None:  # PlainSession.finish of a block with nothing below
-                found = LayerValues(keys, values, torch.ones(batch, tokens))
-            else:
-                found = sessions[i].finish(keys, values)
-            block.verified = True
-            self.decodes += 1
-            self._keep(block, found)
-            out.append(found)
-        return out
-
-    def _predict_split(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, dict] | None:
-        """`_predict_together` for `_decode_split`: sessions (None when the predictor predicted the blocks in one
-        call, `Predictor.predict_blocks_per_kind`) and, per kind, each block's means and stds ``[heads, batch,
-        width, 1 or tokens]`` (the std scaled by the block's per-stream codes; one ``[blocks, ...]`` tensor each
-        when predicted in one call); None if a session is not independent."""
-        first = blocks[0]
-        batch, heads, tokens = len(first.rows), first.heads, first.tokens
-        factors, side = self._factors_and_side(blocks)
-        kind_factors = {"k": factors[:, :heads], "v": factors[:, heads:]}  # [blocks, heads, batch, 1, 1]
-        if side is not None:
-            batched = self.predictor.predict_blocks_per_kind(side, len(blocks), heads)
-            if batched is not None:
-                return None, {kind: (mean.transpose(-1, -2), std.transpose(-1, -2) * kind_factors[kind])
-                              for kind, (mean, std) in batched.items()}
-        sessions: list[PredictorSession] = []
-        per_kind: dict[str, tuple[list, list]] = {kind: ([], []) for kind in KINDS}
-        for i, block in enumerate(blocks):
-            side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
-            session = self.predictor.session(self._inputs(block.layer, block.start, tokens, batch, side))
-            if not session.independent or session.portable:  # (portable: `_decode_block` settles its statistics)
-                return None
-            sessions.append(session)
-            for kind in KINDS:
-                pairs = [session.predict(kind, head) for head in range(heads)]  # [batch, tokens, width] each
-                # broadcast (stride-0) token dimensions stay size 1, as the encoder's `compact` statistics
-                mean = torch.stack([compact(m) for m, _ in pairs]).transpose(-1, -2)
-                std = torch.stack([compact(s) for _, s in pairs]).transpose(-1, -2) * kind_factors[kind][i]
-                per_kind[kind][0].append(mean)
-                per_kind[kind][1].append(std)
-        return sessions, per_kind
+        if "kv" in decoded:
+            # [blocks, k/v, heads, rows, dim, tokens] -> [blocks, k/v, rows, heads, tokens, dim]
+            x = decoded["kv"].view(count, 2, heads, batch, first.dim, tokens).permute(0, 1, 3, 2, 5, 4).contiguous()
+            if into is not None:  # sessions keep what `finish` gets, so they get x, and the destination a copy
+                into.copy_(x.permute(0, 1, 3, 2, 5, 4))
+            pairs = [(x[i, 0], x[i, 1]) for i in range(count)]
+        else:  # [blocks, heads, rows, width, tokens] -> [blocks, rows, heads, tokens, width], per kind
+            keys, values = (decoded[kind].permute(0, 2, 1, 4, 3).contiguous() for kind in KINDS)
+            pairs = [(keys[i], values[i]) for i in range(count)]
+        return self._settle(blocks, pairs, sessions)
 
     def _decode_in_place(self, blocks: list[CodedBlock], means: torch.Tensor, stds: torch.Tensor,
                          config: CodecConfig, into: torch.Tensor) -> list[LayerValues]:
@@ -620,20 +393,23 @@ class LosslessContext:
                          verify=verify)
         except ParameterMismatchError as err:
             raise self._mismatch(blocks[0].layer, err) from err
-        return self._settle(blocks, into)
+        return self._settle(blocks, _views(into))
 
-    def _settle(self, blocks: list[CodedBlock], decoded: torch.Tensor) -> list[LayerValues]:
-        """Bookkeeping of blocks just decoded into ``decoded`` (``[blocks, k/v, heads, rows, dim, tokens]``):
-        checked, counted, offered to the pool (which copies what it keeps), as `LayerValues` views."""
+    def _settle(self, blocks: list[CodedBlock], decoded: list[tuple[torch.Tensor, torch.Tensor]],
+                sessions: list[PredictorSession] | None = None) -> list[LayerValues]:
+        """Bookkeeping of blocks just decoded (each block's keys and values ``[rows, heads, tokens, width]``):
+        shown to their sessions (None: predicted without one, a `PlainSession` with nothing below), checked,
+        counted, offered to the pool (which copies what it keeps)."""
         out = []
-        for i, block in enumerate(blocks):
-            # [heads, rows, dim, tokens] views -> [rows, heads, tokens, dim]
-            values = LayerValues(decoded[i, 0].permute(1, 0, 3, 2), decoded[i, 1].permute(1, 0, 3, 2),
-                                 torch.ones(len(block.rows), block.tokens))
+        for i, (block, (keys, values)) in enumerate(zip(blocks, decoded)):
+            if sessions is None:  # PlainSession.finish of a block with nothing below
+                found = LayerValues(keys, values, torch.ones(len(block.rows), block.tokens))
+            else:
+                found = sessions[i].finish(keys, values)
             block.verified = True
             self.decodes += 1
-            self._keep(block, values)
-            out.append(values)
+            self._keep(block, found)
+            out.append(found)
         return out
 
     def _mismatch(self, layer: int, err: ParameterMismatchError) -> PredictorMismatchError:
@@ -648,7 +424,7 @@ class LosslessContext:
         blocks and rows where the predictor may predict them in one call (nothing from the model, no layer below;
         else None). Self-fitting predictors see the earlier blocks first (`_catch_up`)."""
         codes = np.array([[row.scales for row in block.rows] for block in blocks], dtype=np.int64)
-        factors = torch.from_numpy(_SCALE_FACTORS[codes - SCALE_MIN]).transpose(1, 2)[..., None, None]
+        factors = scale_factors(codes).transpose(1, 2)[..., None, None]
         for block in blocks:
             self._catch_up(block.layer, block.start)
         if self.extras_source is not None or self.depth != 0:
@@ -657,30 +433,46 @@ class LosslessContext:
                 for name in blocks[0].rows[0].side}
         return factors, side
 
-    def _predict_together(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, Any, Any] | None:
-        """Sessions, means and stds (``[2 * heads, batch, dim, 1 or tokens]`` per block, the std scaled by the
-        block's per-stream codes) of blocks decoded together, or None if a session is not independent. A
-        predictor with a batched form (`Predictor.predict_blocks`) predicts them all at once: sessions None,
-        means and stds one ``[blocks, ...]`` tensor each."""
+    def _predict_together(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, dict] | None:
+        """Sessions and statistics of same-shaped blocks decoded together, or None if a session is not
+        independent (or `portable`: `_decode_block` settles its statistics). The statistics come per part of a
+        block's streams, each part a codec call: ``"kv"``, all ``2 * heads`` streams (keys and values of one
+        width), else ``"k"`` and ``"v"``: means and stds ``[streams, batch, width, 1 or tokens]`` per block, the
+        std scaled by the block's per-stream codes. A predictor with a batched form (`Predictor.predict_blocks`,
+        `Predictor.predict_blocks_per_kind`) predicts them all at once: sessions None, one ``[blocks, ...]``
+        tensor each."""
         first = blocks[0]
         batch, heads, tokens = len(first.rows), first.heads, first.tokens
         factors, side = self._factors_and_side(blocks)
+        scales = {"k": factors[:, :heads], "v": factors[:, heads:]} if first.split else {"kv": factors}
         if side is not None:
-            batched = self.predictor.predict_blocks(side, len(blocks), heads)
+            if first.split:
+                batched = self.predictor.predict_blocks_per_kind(side, len(blocks), heads)
+            else:
+                together = self.predictor.predict_blocks(side, len(blocks), heads)
+                batched = None if together is None else {"kv": together}
             if batched is not None:
-                mean, std = batched
-                return None, mean.transpose(-1, -2), std.transpose(-1, -2) * factors
-        sessions, means, stds = [], [], []
+                return None, {part: (mean.transpose(-1, -2), std.transpose(-1, -2) * scales[part])
+                              for part, (mean, std) in batched.items()}
+        sessions: list[PredictorSession] = []
+        parts: dict[str, tuple[list, list]] = {part: ([], []) for part in scales}
         for i, block in enumerate(blocks):
             side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
             session = self.predictor.session(self._inputs(block.layer, block.start, tokens, batch, side))
-            if not session.independent:
+            if not session.independent or session.portable:
                 return None
-            mean, std = session.predict_all(heads)  # [2 * heads, batch, tokens or 1, dim]
             sessions.append(session)
-            means.append(mean.transpose(-1, -2))
-            stds.append(std.transpose(-1, -2) * factors[i])
-        return sessions, means, stds
+            if not first.split:
+                mean, std = session.predict_all(heads)  # [2 * heads, batch, tokens or 1, dim]
+                parts["kv"][0].append(mean.transpose(-1, -2))
+                parts["kv"][1].append(std.transpose(-1, -2) * factors[i])
+                continue
+            for kind in KINDS:
+                pairs = [session.predict(kind, head) for head in range(heads)]  # [batch, tokens, width] each
+                # broadcast (stride-0) token dimensions stay size 1, as the encoder's `compact` statistics
+                parts[kind][0].append(torch.stack([compact(m) for m, _ in pairs]).transpose(-1, -2))
+                parts[kind][1].append(torch.stack([compact(s) for _, s in pairs]).transpose(-1, -2) * scales[kind][i])
+        return sessions, parts
 
     def _held(self, block: Block) -> LayerValues | None:
         found = self.pool.get(block)
@@ -691,49 +483,21 @@ class LosslessContext:
 
     def _decode_block(self, block: CodedBlock) -> LayerValues:
         side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
-        inputs = self._inputs(block.layer, block.start, block.tokens, len(block.rows), side)
-        session = self.predictor.session(inputs)
-        config = self.codec_for(block.layer)
-        batch = len(block.rows)
-        keys = torch.empty((batch, block.heads, block.tokens, block.dim), dtype=block.dtype)
-        values = torch.empty((batch, block.heads, block.tokens, block.value_dim), dtype=block.dtype)
-        order = stream_order(block.heads)
-
-        def decode(indices: list[int], predictions) -> None:
-            blobs, means, stds = [], [], []
-            for index, (mean, std) in zip(indices, predictions):
-                width = block.dim if order[index][0] == "k" else block.value_dim
-                factors = [scale_factor(row.scales[index]) for row in block.rows]
-                if session.portable:
-                    mean, std = resettle_stream(mean, std, factors, [_listed_of(row, index) for row in block.rows],
-                                                block.dtype, config)
-                    factors = [1.0] * batch
-                for b, row in enumerate(block.rows):
-                    blobs.append(row.blobs[index])
-                    means.append(mean[b].T)
-                    stds.append(compact(std[b].T).mul(factors[b]).expand(width, block.tokens))
-            try:
-                out = decode_streams(blobs, means, stds, config, self.workers, verify=not block.verified)
-            except ParameterMismatchError as err:
-                raise PredictorMismatchError(
-                    f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
-                    f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
-                    f"(different thread count, CPU, library version or calibration?): {err}"
-                ) from err
-            for i, x in enumerate(out):
-                kind, head = order[indices[i // batch]]
-                (keys if kind == "k" else values)[i % batch, head] = x.T
-
-        if session.independent and not block.split:
-            decode(list(range(len(order))), [session.predict(kind, head) for kind, head in order])
-        elif session.independent:  # a codec call per kind: one shape per call
-            for kind in KINDS:
-                indices = [index for index, (k, _) in enumerate(order) if k == kind]
-                decode(indices, [session.predict(*order[index]) for index in indices])
-        else:
-            for index, (kind, head) in enumerate(order):
-                decode([index], [session.predict(kind, head)])
-                session.observe(kind, head, (keys if kind == "k" else values)[:, head])
+        session = self.predictor.session(self._inputs(block.layer, block.start, block.tokens, len(block.rows), side))
+        streams = 2 * block.heads
+        listed = [[_listed_of(row, index) for index in range(streams)] for row in block.rows] if session.portable \
+            else None
+        coded = CodedStreams([row.scales for row in block.rows], [row.blobs for row in block.rows], listed)
+        item = DecodeItem(session, coded, block.heads, block.tokens, block.dim, block.value_dim, block.dtype,
+                          self.codec_for(block.layer), verify=not block.verified)
+        try:
+            [(keys, values)] = decode_blocks([item], self.workers)
+        except ParameterMismatchError as err:
+            raise PredictorMismatchError(
+                f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
+                f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
+                f"(different thread count, CPU, library version or calibration?): {err}"
+            ) from err
         self.decodes += 1
         block.verified = True
         found = session.finish(keys, values)
@@ -840,43 +604,22 @@ class LosslessContext:
         self.sealed_raw_bytes = 0
 
 
+def _listing(coded: CodedStreams, row: int) -> torch.Tensor | None:
+    """`CodedRow.listed` of ``coded``'s batch row ``row``: its streams' listed elements as one int32 ``[n, 4]``
+    (stream, element, mean bits, std bits), or None when nothing is listed."""
+    if coded.listed is None:
+        return None
+    parts = [np.concatenate([np.full((entries.shape[0], 1), stream, np.int32), entries], 1)
+             for stream, entries in enumerate(coded.listed[row]) if entries.shape[0]]
+    return torch.from_numpy(np.concatenate(parts)) if parts else None
+
+
 def _listed_of(row: CodedRow, stream: int) -> np.ndarray:
     """The entries of ``row``'s list for ``stream``, int32 ``[n, 3]`` (element, mean bits, std bits)."""
     if row.listed is None or not row.listed.shape[0]:
         return np.zeros((0, 3), np.int32)
     entries = row.listed.numpy()
     return entries[entries[:, 0] == stream, 1:]
-
-
-def encode_streams(xs: list[torch.Tensor], means: list[torch.Tensor], stds: list[torch.Tensor],
-                   config: CodecConfig, threads: int = 1) -> list[bytes]:
-    """One blob per stream ``xs[i]`` under ``means[i]`` / ``stds[i]``: the block's streams in one compiled
-    call for the lanes coder (all streams of a call share a shape), one call per stream for ``ans``."""
-    if config.coder != "lanes":
-        return [encode(x, m, s, config) for x, m, s in zip(xs, means, stds)]
-    return encode_batch(torch.stack(xs), _stacked(means), _stacked(stds), config, threads=threads)
-
-
-def decode_streams(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
-                   workers: int = 1, verify: bool = True) -> list[torch.Tensor]:
-    """Inverse of `encode_streams`. The ``ans`` coder fingerprints mean and std as given, so they must come
-    in the shapes the encoder had (broadcast views of ``[head_dim, tokens]``, as `encode_block` passes);
-    it always checks its streams (``verify`` is the lanes coder's, `codec.decode_batch`)."""
-    if config.coder != "lanes":
-        return [decode(b, m, s, config=config, workers=workers) for b, m, s in zip(blobs, means, stds)]
-    return list(decode_batch(blobs, _stacked(means), _stacked(stds), config, threads=workers, verify=verify))
-
-
-def compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with every broadcast (stride-0) dimension cut to size 1: per-channel statistics stay
-    ``[D, 1]`` instead of ``[D, T]``, so the coder reads (and fingerprints) D values, not D x T."""
-    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
-                  for stride, size in zip(t.stride(), t.shape))
-    return t[index]
-
-
-def _stacked(stats: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([compact(t) for t in stats])
 
 
 class CodedStorage(Storage):
@@ -896,6 +639,12 @@ class CodedStorage(Storage):
 
     def read_into(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
         self.context.read_into(blocks, keys, values)
+
+
+def _views(decoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each block's keys and values ``[rows, heads, tokens, dim]`` as views of ``decoded`` (``[blocks, k/v, heads,
+    rows, dim, tokens]``, the order of a block's streams in a codec call)."""
+    return [(block[0].permute(1, 0, 3, 2), block[1].permute(1, 0, 3, 2)) for block in decoded]
 
 
 def _batch_streams(blocks: list[CodedBlock]) -> tuple[list[bytes], list[bool]]:
@@ -929,32 +678,6 @@ def _destination(keys: torch.Tensor, values: torch.Tensor, start: int, count: in
     return torch.as_strided(keys, (count, 2, heads, rows, dim, block.tokens),
                             (block.tokens * s_token, offset, s_head, s_row, s_dim, s_token),
                             keys.storage_offset() + start * s_token)
-
-
-#: 2 ** (q / 4) for q = 0..3, correctly rounded, written out: `scale_factor` needs no libm ``pow``, whose last bit
-#: may differ between C libraries (these are the values glibc's ``pow`` gives, so the factors did not change)
-_QUARTER_OCTAVES = (1.0, float.fromhex("0x1.306fe0a31b715p+0"), float.fromhex("0x1.6a09e667f3bcdp+0"),
-                    float.fromhex("0x1.ae89f995ad3adp+0"))
-
-
-def scale_factor(code: int) -> float:
-    """The std multiplier ``2 ** (code / 4)`` of a stream's scale code (exact scaling of a written-out constant)."""
-    return math.ldexp(_QUARTER_OCTAVES[code % 4], code // 4)
-
-
-# every code's factor as the float32 the encoder multiplies by (`scale_factor` rounded to float32)
-_SCALE_FACTORS = np.array([scale_factor(code) for code in range(SCALE_MIN, SCALE_MAX + 1)], dtype=np.float32)
-
-
-def choose_scale(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> int:
-    """The quarter-octave std scale that fits this stream's residuals (outliers clipped at 5 sigma, which
-    the mixture's wide component and escape pay for anyway)."""
-    z = (x.to(torch.float32) - mean) / std.clamp_min(1e-30)
-    z2 = torch.nan_to_num(z.square(), nan=25.0, posinf=25.0).clamp(max=25.0)
-    ms = float(z2.mean()) if z2.numel() else 1.0
-    if ms <= 0.0:
-        return SCALE_MIN
-    return int(min(SCALE_MAX, max(SCALE_MIN, round(2.0 * math.log2(ms)))))
 
 
 def _with_marginal(config: CodecConfig, marginal: Marginal) -> CodecConfig:

@@ -32,27 +32,20 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..cache.coded import (
-    choose_scale,
-    compact,
+from ..blockcoder import (
+    CodedStreams,
+    DecodeItem,
+    EncodeItem,
+    decode_blocks,
+    encode_blocks,
     expected_side,
     listed_problem,
     one_thread,
-    resettle_stream,
-    scale_factor,
-    settle_stream,
 )
 from ..calibration import Calibration
-from ..codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch, stream_info
+from ..codec import CodecConfig, CorruptStreamError, stream_info
 from ..errors import ChunkError, ChunkPayloadError
-from ..predictors.base import (
-    ROUNDING_TOLERANCE,
-    BlockInputs,
-    LayerValues,
-    Predictor,
-    PredictorSession,
-    stream_order,
-)
+from ..predictors.base import ROUNDING_TOLERANCE, BlockInputs, LayerValues, Predictor, PredictorSession
 from ..predictors.context import ContextPredictor
 from ..predictors.generic import BlockStatsSession, block_stats
 from ..predictors.rope import RopeFrame
@@ -66,7 +59,7 @@ MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "co
 # position, model id (the calibration's; zeros model-free), body length, CRC-32 of the decoded chunk's
 # bytes, CRC-32 of everything before this field plus the body
 HEADER = struct.Struct("<8sBBBBIIIII8sQII")
-STREAM = struct.Struct("<bI")  # std scale code (quarter octaves, see cache.coded.choose_scale), blob length
+STREAM = struct.Struct("<bI")  # std scale code (quarter octaves, see blockcoder.choose_scale), blob length
 LISTED = struct.Struct("<I")  # a portable session's stream: how many listed elements follow (element, mean, std bits)
 SIDE_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2}
 # the lossless cache's default codec setting (config.LosslessConfig): the compiled interleaved-rANS ``lanes``
@@ -75,7 +68,7 @@ SIDE_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2}
 # change when the cache's defaults do.
 CODEC_CONFIG = CodecConfig(coder="lanes", header="compact", fixed_window=65536, mean_steps=4)
 
-# predictor maths runs with one torch thread (cache.coded.one_thread), a process-wide setting: chunks are
+# predictor maths runs with one torch thread (blockcoder.one_thread), a process-wide setting: chunks are
 # coded one at a time so concurrent serde workers cannot change it under each other
 _LOCK = threading.Lock()
 
@@ -340,10 +333,7 @@ class ChunkCoder:
                     if not frame.is_identity:
                         heads = hidden // (2 * frame.inv_freq.numel())
                     predictor, prefix = ChunkStatsPredictor(frame), _pack_frame(frame)
-                if isinstance(predictor, ChunkStatsPredictor):
-                    body = prefix + self._encode_independent(chunk, heads, predictor)
-                else:
-                    body = prefix + self._encode_body(chunk, heads, first_position, predictor)
+                body = prefix + self._encode_layers(chunk, heads, first_position, predictor)
         except ValueError:
             # the predictor gave the codec a non-finite mean or spread (values near the float limits
             # overflow float32 statistics): such a chunk is stored raw
@@ -356,47 +346,34 @@ class ChunkCoder:
         crc = zlib.crc32(body, zlib.crc32(head[:-4]))
         return head[:-4] + crc.to_bytes(4, "little") + body
 
-    def _encode_body(self, chunk: torch.Tensor, heads: int, first_position: int, predictor: Predictor) -> bytes:
-        parts: list[bytes] = []
-        below: LayerValues | None = None
-        for layer in range(chunk.shape[1]):
-            keys, values = (_heads_view(chunk[kind, layer], heads) for kind in (0, 1))
-            side = predictor.side_data(layer, keys, values)
-            parts.append(_pack_side(side))
-            session = predictor.session(self._inputs(layer, chunk.shape[2], first_position, below, side))
-            config = self._codec_config(layer, self.mode)
-            for kind, head in stream_order(heads):
-                x = (keys if kind == "k" else values)[:, head]
-                code, mean, std, listed = _settled(session, kind, head, x[0], chunk.dtype)
-                mean_t, std_t = compact(mean[0]), compact(std[0])
-                # channel-major (as the cache codes a block): a channel's elements share a spread
-                blob = encode(x[0].T, mean_t.T, std_t.T, config)
-                parts += [STREAM.pack(code, len(blob)), blob, listed]
-                session.observe(kind, head, x)
-            below = session.finish(keys, values)
-        return b"".join(parts)
-
-    def _encode_independent(self, chunk: torch.Tensor, heads: int, predictor: ChunkStatsPredictor) -> bytes:
-        """`_encode_body` for a predictor whose streams do not depend on each other (chunk statistics): the
-        same bytes, every stream coded in a few batched codec calls instead of one call each."""
-        sides, codes, streams, lists = [], [], [], []
-        for layer in range(chunk.shape[1]):
+    def _encode_layers(self, chunk: torch.Tensor, heads: int, first_position: int, predictor: Predictor) -> bytes:
+        """The body after the frame: per layer its side data, then its streams in `stream_order`, each a `STREAM`
+        record (scale code, length, blob) followed, for a portable session, by its listed elements (`LISTED`).
+        Chunk statistics (independent sessions) code every layer in one block coder call; the calibrated
+        predictor layer by layer, each layer's session reading the one below."""
+        layers, tokens = chunk.shape[1], chunk.shape[2]
+        independent = isinstance(predictor, ChunkStatsPredictor)
+        sides, coded, items, below = [], [], [], None
+        for layer in range(layers):
             keys, values = (_heads_view(chunk[kind, layer], heads) for kind in (0, 1))
             side = predictor.side_data(layer, keys, values)
             sides.append(_pack_side(side))
-            session = predictor.session(self._inputs(layer, chunk.shape[2], 0, None, side))
-            for kind, head in stream_order(heads):
-                x = (keys if kind == "k" else values)[0, head]
-                code, mean, std, listed = _settled(session, kind, head, x, chunk.dtype)
-                codes.append(code)
-                lists.append(listed)
-                streams.append((x.T, compact(mean[0]).T, compact(std[0]).T))
-        blobs = _batched(streams, lambda x, m, s: encode_batch(x, m, s, CODEC_CONFIG, threads=self.threads))
-        parts, per_layer = [], 2 * heads
-        for layer, side in enumerate(sides):
+            session = predictor.session(self._inputs(layer, tokens, first_position, below, side))
+            item = EncodeItem(session, keys, values, self._codec_config(layer, self.mode))
+            if independent:
+                items.append(item)
+            else:
+                coded += encode_blocks([item], self.threads)
+                below = session.finish(keys, values)
+        coded += encode_blocks(items, self.threads)
+        parts: list[bytes] = []
+        for side, streams in zip(sides, coded):
             parts.append(side)
-            for i in range(layer * per_layer, (layer + 1) * per_layer):
-                parts += [STREAM.pack(codes[i], len(blobs[i])), blobs[i], lists[i]]
+            for index, (code, blob) in enumerate(zip(streams.codes[0], streams.blobs[0])):
+                parts += [STREAM.pack(code, len(blob)), blob]
+                if streams.listed is not None:
+                    listed = streams.listed[0][index]
+                    parts += [LISTED.pack(listed.shape[0]), listed.astype("<i4").tobytes()]
         return b"".join(parts)
 
     # ------------------------------------------------------------------ decode
@@ -437,10 +414,7 @@ class ChunkCoder:
                     predictor = ChunkStatsPredictor(frame)
                 _check_first_stream(body, offset, header, self._codec_config(0, header.mode))
                 with _LOCK, one_thread():
-                    if isinstance(predictor, ChunkStatsPredictor):
-                        chunk = self._decode_independent(body, header, predictor, offset)
-                    else:
-                        chunk = self._decode_body(body, header, predictor, offset)
+                    chunk = self._decode_layers(body, header, predictor, offset)
             except ChunkPayloadError:
                 raise
             except (CorruptStreamError, ValueError, struct.error, RuntimeError, IndexError) as err:
@@ -451,57 +425,31 @@ class ChunkCoder:
             raise ChunkPayloadError("KV chunk payload decoded to a chunk whose CRC-32 differs from the encoder's")
         return chunk
 
-    def _decode_body(self, body: memoryview, header: ChunkHeader, predictor: Predictor, offset: int) -> torch.Tensor:
-        chunk = torch.empty(header.shape, dtype=header.dtype)
+    def _decode_layers(self, body: memoryview, header: ChunkHeader, predictor: Predictor, offset: int) -> torch.Tensor:
+        """Inverse of `_encode_layers`: chunk statistics walk the body once and decode every layer in one block
+        coder call; the calibrated predictor decodes layer by layer (each layer's session reads the one below)."""
         heads, dim, tokens = header.heads, header.hidden // header.heads, header.tokens
-        below: LayerValues | None = None
+        independent = isinstance(predictor, ChunkStatsPredictor)
+        first_position = 0 if independent else header.first_position
+        chunk = torch.empty(header.shape, dtype=header.dtype)
+        items, below = [], None
         for layer in range(header.layers):
             side, offset = _unpack_side(body, offset)
             _check_side(side, predictor, layer, heads, dim, header.dtype)
-            session = predictor.session(self._inputs(layer, tokens, header.first_position, below, side))
-            config = self._codec_config(layer, header.mode)
-            out = {kind: torch.empty(1, heads, tokens, dim, dtype=header.dtype) for kind in ("k", "v")}
-            for kind, head in stream_order(heads):
-                mean, std = session.predict(kind, head)
-                code, blob, offset = _read_stream(body, offset)
-                mean, std, offset = _resettled(session, mean, std, code, body, offset, header.dtype, config)
-                mean_t, std_t = compact(mean[0]), compact(std[0])
-                x = decode(blob, mean_t.T, std_t.T, config=config)
-                if x.dtype != header.dtype or tuple(x.shape) != (dim, tokens):
-                    raise ChunkPayloadError(f"KV chunk payload stream {kind}{head} of layer {layer} has the wrong shape")
-                out[kind][0, head] = x.T
-                session.observe(kind, head, out[kind][:, head])
-            below = session.finish(out["k"], out["v"])
-            chunk[0, layer] = out["k"][0].permute(1, 0, 2).reshape(tokens, header.hidden)
-            chunk[1, layer] = out["v"][0].permute(1, 0, 2).reshape(tokens, header.hidden)
+            session = predictor.session(self._inputs(layer, tokens, first_position, below, side))
+            streams, offset = _read_streams(body, offset, 2 * heads, session.portable, tokens * dim)
+            item = DecodeItem(session, streams, heads, tokens, dim, dim, header.dtype,
+                              self._codec_config(layer, header.mode))
+            if independent:
+                items.append(item)
+                continue
+            [(keys, values)] = decode_blocks([item], self.threads)
+            below = session.finish(keys, values)
+            _place(chunk, layer, keys, values)
         if offset != len(body):
             raise ChunkPayloadError(f"KV chunk payload has {len(body) - offset} unexpected trailing body bytes")
-        return chunk
-
-    def _decode_independent(self, body: memoryview, header: ChunkHeader, predictor: ChunkStatsPredictor,
-                            offset: int) -> torch.Tensor:
-        """`_decode_body` for chunk statistics: the body walked once, the streams decoded in batches."""
-        heads, dim, tokens = header.heads, header.hidden // header.heads, header.tokens
-        places, streams = [], []
-        for layer in range(header.layers):
-            side, offset = _unpack_side(body, offset)
-            _check_side(side, predictor, layer, heads, dim, header.dtype)
-            session = predictor.session(self._inputs(layer, tokens, 0, None, side))
-            for kind, head in stream_order(heads):
-                mean, std = session.predict(kind, head)
-                code, blob, offset = _read_stream(body, offset)
-                mean, std, offset = _resettled(session, mean, std, code, body, offset, header.dtype, CODEC_CONFIG)
-                places.append((0 if kind == "k" else 1, layer, head))
-                streams.append((blob, compact(mean[0]).T, compact(std[0]).T))
-        if offset != len(body):
-            raise ChunkPayloadError(f"KV chunk payload has {len(body) - offset} unexpected trailing body bytes")
-        decoded = _batched(streams, lambda blobs, m, s: list(decode_batch(blobs, m, s, CODEC_CONFIG,
-                                                                          threads=self.threads)))
-        chunk = torch.empty(header.shape, dtype=header.dtype)
-        for (kind, layer, head), x in zip(places, decoded):
-            if x.dtype != header.dtype or tuple(x.shape) != (dim, tokens):
-                raise ChunkPayloadError(f"KV chunk payload stream of layer {layer} has the wrong shape or dtype")
-            chunk[kind, layer, :, head * dim : (head + 1) * dim] = x.T
+        for layer, (keys, values) in enumerate(decode_blocks(items, self.threads)):
+            _place(chunk, layer, keys, values)
         return chunk
 
     # ------------------------------------------------------------------ shared
@@ -554,34 +502,6 @@ def guess_rope_frame(chunk: torch.Tensor, kv_heads: int | None = None, head_dim:
             if c < best_cost:
                 best, best_cost = frame, c
     return best
-
-
-def _settled(session: PredictorSession, kind: str, head: int, x: torch.Tensor,
-             dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor, bytes]:
-    """A stream's std scale code and prediction as the codec takes it (std scaled; `cache.coded.settle_stream`
-    for float64 statistics of a `portable` session), and the bytes that follow the stream in the body: nothing,
-    or (portable) the count and the listed elements."""
-    mean, std = session.predict(kind, head)
-    code = choose_scale(x, mean[0], std[0])
-    if mean.dtype != torch.float64:
-        return code, mean, compact(std) * scale_factor(code), LISTED.pack(0) if session.portable else b""
-    mean, std, listed = settle_stream(mean, std, [scale_factor(code)], session.bounds(kind, head), dtype,
-                                      CODEC_CONFIG)
-    return code, mean, std, LISTED.pack(listed[0].shape[0]) + listed[0].astype("<i4").tobytes()
-
-
-def _resettled(session: PredictorSession, mean: torch.Tensor, std: torch.Tensor, code: int, body: memoryview,
-               offset: int, dtype: torch.dtype, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The decoder's `_settled`: the statistics the stream was coded with, reading its listed elements."""
-    if not session.portable:
-        return mean, compact(std) * scale_factor(code), offset
-    listed, offset = _read_listed(body, offset, mean[0].numel())
-    if mean.dtype != torch.float64:
-        if listed.shape[0]:
-            raise ChunkPayloadError("KV chunk payload lists elements of a stream whose statistics are exact")
-        return mean, compact(std) * scale_factor(code), offset
-    mean, std = resettle_stream(mean, std, [scale_factor(code)], [listed], dtype, config)
-    return mean, std, offset
 
 
 def _read_listed(body: memoryview, offset: int, elements: int) -> tuple[np.ndarray, int]:
@@ -653,28 +573,17 @@ def estimate_first_position(chunk: torch.Tensor, calibration: Calibration, max_p
     return best
 
 
+def _place(chunk: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A decoded layer's keys and values (``[1, heads, tokens, dim]``) into ``chunk``, the inverse of `_heads_view`."""
+    tokens, hidden = chunk.shape[2], chunk.shape[3]
+    chunk[0, layer] = keys[0].permute(1, 0, 2).reshape(tokens, hidden)
+    chunk[1, layer] = values[0].permute(1, 0, 2).reshape(tokens, hidden)
+
+
 def _heads_view(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``[tokens, heads * dim]`` -> ``[1, heads, tokens, dim]`` (the cache's block layout)."""
     tokens, hidden = x.shape
     return x.reshape(tokens, heads, hidden // heads).permute(1, 0, 2).unsqueeze(0)
-
-
-def _batched(streams: list[tuple], call) -> list:
-    """``call(first, means, stds)`` over ``streams`` (``(x or blob, mean, std)`` each) in one call per group
-    of streams whose mean and std have the same shape (per-channel ``[D, 1]`` values, per-element ``[D, T]``
-    rotated keys), stacked; results back in the order of ``streams``."""
-    groups: dict[tuple, list[int]] = {}
-    for i, (_, mean, std) in enumerate(streams):
-        groups.setdefault((tuple(mean.shape), tuple(std.shape)), []).append(i)
-    out: list = [None] * len(streams)
-    for index in groups.values():
-        first = [streams[i][0] for i in index]
-        first = torch.stack(first) if isinstance(first[0], torch.Tensor) else first
-        means = torch.stack([streams[i][1] for i in index])
-        stds = torch.stack([streams[i][2] for i in index])
-        for i, result in zip(index, call(first, means, stds)):
-            out[i] = result
-    return out
 
 
 def _pack_side(side: dict[str, torch.Tensor]) -> bytes:
@@ -689,6 +598,21 @@ def _pack_side(side: dict[str, torch.Tensor]) -> bytes:
         out.append(struct.pack(f"<{t.dim()}I", *t.shape))
         out.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return b"".join(out)
+
+
+def _read_streams(body: memoryview, offset: int, count: int, portable: bool,
+                  elements: int) -> tuple[CodedStreams, int]:
+    """A layer's ``count`` stream records at ``offset`` (each followed by its listed elements for a ``portable``
+    session, streams of ``elements`` elements) and the offset after them."""
+    codes, blobs, listed = [], [], []
+    for _ in range(count):
+        code, blob, offset = _read_stream(body, offset)
+        codes.append(code)
+        blobs.append(blob)
+        if portable:
+            entries, offset = _read_listed(body, offset, elements)
+            listed.append(entries)
+    return CodedStreams([codes], [blobs], [listed] if portable else None), offset
 
 
 def _read_stream(body: memoryview, offset: int) -> tuple[int, bytes, int]:

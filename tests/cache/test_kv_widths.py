@@ -12,7 +12,7 @@ import torch
 from helpers import random_ids, same_bits
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-import hf_kvcompress.cache.coded as coded
+import hf_kvcompress.blockcoder as blockcoder
 import hf_kvcompress.lossy.layer as lossy_layer
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.coded import CodedBlock
@@ -170,13 +170,13 @@ def test_a_layers_blocks_decode_in_one_codec_call_per_kind(monkeypatch):
     with torch.no_grad():
         model(random_ids(1, 80, seed=5), cache=cache)
     calls = []
-    real = coded.decode_batch
+    real = blockcoder.decode_batch
 
     def counted(blobs, mean, std, *args, **kwargs):
         calls.append((len(blobs), tuple(mean.shape[1:2])))
         return real(blobs, mean, std, *args, **kwargs)
 
-    monkeypatch.setattr(coded, "decode_batch", counted)
+    monkeypatch.setattr(blockcoder, "decode_batch", counted)
     blocks = len(cache.layers[0].blocks)
     heads = cache.layers[0].blocks[0].heads
     with torch.no_grad():

@@ -12,6 +12,7 @@ import torch
 from chunk_testutil import channel_chunk
 from helpers import fresh_tiny_model, random_ids, same_bits
 
+import hf_kvcompress.blockcoder as blockcoder
 import hf_kvcompress.cache.coded as coded
 import hf_kvcompress.predictors.linear as linear
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
@@ -92,7 +93,7 @@ def test_a_file_of_float32_statistics_would_not_survive_the_same_rounding(monkey
         stds = torch.stack([std[b] * f for b, f in enumerate(factors)])
         return mean.float(), stds.float(), [coded.np.zeros((0, 3), coded.np.int32)] * mean.shape[0]
 
-    monkeypatch.setattr(coded, "settle_stream", plain)
+    monkeypatch.setattr(blockcoder, "settle_stream", plain)
     path = cache.save(tmp_path / "x.kvc")
     _shake(monkeypatch, linear.LinearSession)
     with pytest.raises(CacheFileError, match="does not reproduce here"):
@@ -117,8 +118,9 @@ def test_a_chunk_decodes_where_the_predictor_rounds_otherwise(monkeypatch, calib
     assert kv_chunk.parse_header(payload).mode == (kv_chunk.MODE_CONTEXT if calibrated else kv_chunk.MODE_STATS)
     _shake(monkeypatch, session)
     assert same_bits(coder.decode(payload), chunk)
-    monkeypatch.setattr(kv_chunk, "resettle_stream", lambda mean, std, factors, listed, dtype, config:
-                        coded.resettle_stream(mean, std, factors, [listed[0][:0]], dtype, config))
+    resettle = blockcoder.resettle_stream
+    monkeypatch.setattr(blockcoder, "resettle_stream", lambda mean, std, factors, listed, dtype, config:
+                        resettle(mean, std, factors, [listed[0][:0]], dtype, config))
     with pytest.raises(ChunkPayloadError):
         coder.decode(payload)
 
