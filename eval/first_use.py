@@ -3,10 +3,11 @@ argument, on a fresh calibrations folder (issue 11's acceptance).
 
     python eval/first_use.py [--prompt-tokens 400] [--new-tokens 32]
 
-Builds ``CompressedCache(CompressionConfig(mode="lossless"), model=model)`` twice (the first fits and saves the
-model's default calibration, the second finds it), generates next to `DynamicCache` (token ids and logits
-compared bit for bit), saves the prompt's cache with the defaults, loads it with ``model=`` only and compares
-every key and value bit for bit. The model and text are taken from the usual cache folder; calibrations go to a
+Builds ``CompressedCache(CompressionConfig(mode="lossless"), model=model)`` twice and asks each for the model's
+default calibration (``resolve_calibration()``, what the first ``save(predictor="context")`` does: the first fits
+and saves it, the second finds it; the defaults themselves never look one up), generates next to `DynamicCache`
+(token ids and logits compared bit for bit), saves the prompt's cache with the defaults (``generic``) and with
+``predictor="context"``, loads each with ``model=`` only and compares every key and value bit for bit. The model and text are taken from the usual cache folder; calibrations go to a
 temporary one. Prints one JSON object and writes it to ``results/first_use/first_use.json``.
 """
 
@@ -53,11 +54,13 @@ def main() -> None:
 
     cpu, wall = time.process_time(), time.perf_counter()
     first = CompressedCache(config, model=model)
+    first.resolve_calibration()
     first_use = {"cpu_s": round(time.process_time() - cpu, 1), "wall_s": round(time.perf_counter() - wall, 1),
                  "note": first.stats()["calibration"]}
     folder = calibration_dir(model)
     cpu, wall = time.process_time(), time.perf_counter()
     cache = CompressedCache(config, model=model)
+    cache.resolve_calibration()
     lookup = {"cpu_s": round(time.process_time() - cpu, 2), "wall_s": round(time.perf_counter() - wall, 2),
               "note": cache.stats()["calibration"]}
 
@@ -71,11 +74,13 @@ def main() -> None:
     with torch.inference_mode():
         model(ids, cache=prompt_cache)
     with tempfile.TemporaryDirectory() as tmp:
-        path = prompt_cache.save(Path(tmp) / "prompt.kvc")
-        file_bytes = path.stat().st_size
-        loaded = CompressedCache.load(path, model=model)
-        exact = all(same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
-                    for a, b in zip(prompt_cache.kv_layers(), loaded.kv_layers()))
+        files, exact = {}, True
+        for predictor in ("generic", "context"):  # the default, and the calibrated one
+            path = prompt_cache.save(Path(tmp) / f"{predictor}.kvc", predictor=predictor)
+            files[predictor] = path.stat().st_size
+            loaded = CompressedCache.load(path, model=model)
+            exact = exact and all(same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+                                  for a, b in zip(prompt_cache.kv_layers(), loaded.kv_layers()))
     scalars = prompt_cache.stats()["raw_bytes"] // 2
     on_disk = sum(f.stat().st_size for f in folder.iterdir())
     result = {
@@ -85,8 +90,8 @@ def main() -> None:
         "later_lookup": lookup,
         "generation_identical_to_DynamicCache": identical,
         "in_generation_stats": in_generation,
-        "saved_file_bytes": file_bytes,
-        "saved_bits_per_scalar": round(8 * file_bytes / scalars, 4),
+        "saved_file_bytes": files,
+        "saved_bits_per_scalar": {name: round(8 * size / scalars, 4) for name, size in files.items()},
         "load_without_calibration_argument_bit_exact": exact,
         "machine": machine(),
         "versions": versions(),

@@ -104,6 +104,6 @@ def test_lossless_codec_fields_take_the_codecs_choices_and_bounds():
 def test_lossless_defaults_and_their_json_form_are_unchanged():
     """Saved caches embed this dict: its keys, order and default values are part of the file format."""
     assert LosslessConfig().to_dict() == {
-        "predictor": "generic", "save_predictor": "context", "probe_layer": 8, "window": "fixed",
+        "predictor": "generic", "save_predictor": "generic", "probe_layer": 8, "window": "fixed",
         "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": None, "decoded_budget": 0.05,
         "coder": "lanes"}

@@ -100,7 +100,7 @@ def test_stream_scale_factors_are_the_correctly_rounded_quarter_octaves():
     code: the factor's rounding interval holds the fourth root of ``2 ** code``."""
     from fractions import Fraction
 
-    from hf_kvcompress.cache.coded import SCALE_MAX, SCALE_MIN, scale_factor
+    from hf_kvcompress.blockcoder import SCALE_MAX, SCALE_MIN, scale_factor
 
     for code in range(SCALE_MIN, SCALE_MAX + 1):
         factor = scale_factor(code)

@@ -22,7 +22,7 @@ from ..layer import CompressedLayer, RawStorage, Storage
 from ..layer.hybrid import CompressedHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
 from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
-from ..predictors.registry import predictor_class
+from ..predictors.registry import reads_calibration
 from .coded import CodedStorage, LosslessContext
 from .lossless import lossless_context, sealed_raw_bytes
 from .persist import load_cache, save_cache
@@ -399,13 +399,6 @@ class CompressedCache(Cache):
 PENDING_NOTE = "auto: found or fitted on first save (generation does not use one)"
 PENDING_ON_REQUEST_NOTE = ("auto: found or fitted only for a save with a predictor that uses one (neither generation "
                            "nor the default save predictor does)")
-
-
-def reads_calibration(name: str) -> bool:
-    """Whether the predictor called ``name`` codes with a calibration when it has one (``context``, ``none``,
-    ``probe``, ``twin``); ``generic``, ``framed`` and ``self`` never read one."""
-    cls = predictor_class(name)
-    return bool(cls.fitted_by_calibration or cls.needs_calibration)
 
 
 def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple[Calibration | None, str]:

@@ -18,9 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..blockcoder import (  # SCALE_*, expected_side, listed_problem, scale_factor: re-exported (cache.persist, tests)
-    SCALE_MAX,  # noqa: F401
-    SCALE_MIN,  # noqa: F401
+from ..blockcoder import (
     CodedStreams,
     DecodeItem,
     EncodeItem,
@@ -28,10 +26,7 @@ from ..blockcoder import (  # SCALE_*, expected_side, listed_problem, scale_fact
     decode_blocks,
     decode_stacked,
     encode_blocks,
-    expected_side,  # noqa: F401
-    listed_problem,  # noqa: F401
     one_thread,
-    scale_factor,  # noqa: F401
     scale_factors,
 )
 from ..codec import (

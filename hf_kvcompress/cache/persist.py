@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
+from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
 from ..calibration import CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
 from ..codec.config import MAX_WINDOW
@@ -45,18 +46,10 @@ from ..layer.hybrid import state_tensors
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
+from ..predictors.registry import reads_calibration
 from ..predictors.runner import decoder_layers
 from ..version import __version__
-from .coded import (
-    SCALE_MAX,
-    SCALE_MIN,
-    CodedBlock,
-    CodedRow,
-    LosslessContext,
-    PredictorMismatchError,
-    expected_side,
-    listed_problem,
-)
+from .coded import CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
 
 if TYPE_CHECKING:
     from .cache import CompressedCache
@@ -299,6 +292,8 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
     _check_model(saved, model)
     if calibration is None:
         calibration = _default_calibration(header, model)
+    elif header["calibration_sha256"] is None and not reads_calibration((config or saved.config).lossless.predictor):
+        calibration = None  # a file coded without one, for a cache whose generation reads none: not needed
     try:
         target = cache_class(config or saved.config, model=model, calibration=calibration)
     except (ValueError, TypeError) as err:  # CalibrationError included: a calibration for another model
@@ -306,14 +301,16 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
     _check_layers(header, target)
     want_cal = header["calibration_sha256"]
     have_cal = target.calibration.meta["tensors_sha256"] if target.calibration is not None else None
-    if want_cal != have_cal:
+    if want_cal is not None and want_cal != have_cal:  # a file coded without one loads into any cache
         raise CacheFileError(
             f"saved with calibration {want_cal or 'none'}, loading with {have_cal or 'none'}; "
             "pass the calibration it was saved with"
         )
     name, k = header["predictor"]["name"], header["predictor"]["probe_layer"]
     try:
-        predictor = make_predictor(name, calibration=target.calibration, model=model, probe_layer=k)
+        # the file's predictor as it coded: with the calibration the file names, or without one
+        predictor = make_predictor(name, calibration=target.calibration if want_cal is not None else None,
+                                   model=model, probe_layer=k)
         predictor.portable = True  # as it was written
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
@@ -588,7 +585,7 @@ def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predict
 
 
 def _check_listed(listed: torch.Tensor | None, where: str, streams: int, elements: int) -> None:
-    """A portable predictor's listed elements (`coded.Settler`): int32 ``[n, 4]``, (stream, element) pairs
+    """A portable predictor's listed elements (`blockcoder.settle_stream`): int32 ``[n, 4]``, (stream, element) pairs
     strictly increasing and in range."""
     if listed is None:
         return

@@ -29,6 +29,13 @@ def predictor_class(name: str) -> type[Predictor]:
     return PREDICTORS[name]
 
 
+def reads_calibration(name: str) -> bool:
+    """Whether the predictor called ``name`` codes with a calibration when it has one (``context``, ``none``,
+    ``probe``, ``twin``); ``generic``, ``framed`` and ``self`` never read one."""
+    cls = predictor_class(name)
+    return bool(cls.fitted_by_calibration or cls.needs_calibration)
+
+
 def make_predictor(
     name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8
 ) -> Predictor:

@@ -20,6 +20,7 @@ from helpers import fresh_tiny_model, random_ids, same_bits, tiny_model
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import LEGACY_MAGIC, CacheFileError, read_header, stream_bytes
 from hf_kvcompress.calibration import Calibration, CalibrationError
+from hf_kvcompress.errors import CorruptStreamError, PredictorMismatchError
 
 MODEL = "llama-gqa"
 CONFIG = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4)
@@ -45,13 +46,22 @@ def original() -> tuple[bytes, list[tuple[torch.Tensor, torch.Tensor]], torch.Te
 
 
 def outcome(data: bytes, tmp_path, *, token_ids: bool = True) -> str:
-    """'refused' (CacheFileError) or 'exact' (same K/V bits, and token ids); anything else fails the test."""
+    """'refused' (CacheFileError) or 'exact' (same K/V bits, and token ids); anything else fails the test.
+    Loaded with ``verify=True`` (adopted blocks decoded in `load`); without it, a file that is refused may load
+    and then fail at the first read, with the codec's error, never with other K/V."""
     path = tmp_path / "case.kvc"
     path.write_bytes(data)
+    model = tiny_model(MODEL, torch.bfloat16)
     try:
-        loaded = CompressedCache.load(path, model=tiny_model(MODEL, torch.bfloat16))
+        loaded = CompressedCache.load(path, model=model, verify=True)
     except CacheFileError:
-        return "refused"
+        try:
+            lazy = CompressedCache.load(path, model=model)
+            for layer in lazy.kv_layers():
+                layer.keys, layer.values  # noqa: B018 - a read decodes the adopted blocks
+        except (CacheFileError, CorruptStreamError, PredictorMismatchError):
+            return "refused"
+        raise AssertionError("refused with verify=True, read without an error otherwise") from None
     _, kv, ids = original()
     layers = loaded.kv_layers()
     assert len(layers) == len(kv), "loaded silently with another number of layers"
@@ -266,7 +276,7 @@ def test_layers_beyond_the_calibration_are_refused(tmp_path):
     k, v = torch.randn(1, 2, 40, 16).bfloat16(), torch.randn(1, 2, 40, 16).bfloat16()
     for layer in range(2):
         cache.update(k, v, layer)
-    header, payload = split(cache.save(tmp_path / "x.kvc").read_bytes())
+    header, payload = split(cache.save(tmp_path / "x.kvc", predictor="context").read_bytes())
     extra = copy.deepcopy(header["layers"][1])
     first = extra["blocks"][0]["rows"][0]["streams"][0][0]
     for block in extra["blocks"]:
@@ -334,7 +344,7 @@ def test_forged_listed_elements_are_refused(tmp_path, monkeypatch):
     k, v = torch.randn(1, 2, 40, 16).bfloat16(), torch.randn(1, 2, 40, 16).bfloat16()
     for layer in range(2):
         cache.update(k, v, layer)
-    header, payload = split(cache.save(tmp_path / "x.kvc").read_bytes())
+    header, payload = split(cache.save(tmp_path / "x.kvc", predictor="context").read_bytes())
     rows = [(e, b, r) for e, entry in enumerate(header["layers"]) for b, block in enumerate(entry["blocks"])
             for r, row in enumerate(block["rows"]) if row["listed"] and row["listed"]["shape"][0] >= 2]
     assert rows

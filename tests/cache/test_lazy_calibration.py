@@ -21,6 +21,8 @@ from hf_kvcompress.calibration import calibration_dir
 from hf_kvcompress_eval.env import walk_held_bytes
 
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16)
+#: files saved with the calibrated `context` predictor unless told otherwise (the default saves with `generic`)
+CONTEXT_SAVE = CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(save_predictor="context"))
 
 
 def lossless(**settings) -> CompressionConfig:
@@ -86,13 +88,13 @@ def test_the_default_cache_looks_nothing_up_at_construction(user_cache, model, l
     for config in (CompressionConfig(mode="lossless"), LOSSLESS):
         cache = CompressedCache(config, model=model)
         assert lookups == [] and cache.calibration is None and cache.calibration_pending
-        assert cache.stats()["calibration"] == PENDING_NOTE
+        assert cache.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
     assert not (user_cache / "calibrations").exists()
     assert "hf_kvcompress:" not in capsys.readouterr().err  # no first-use line, no progress bar
 
     cache = filled(LOSSLESS, model, tokens=70)  # sealed blocks, coded without a calibration
     stats = cache.stats()
-    assert lookups == [] and stats["predictor"] == "generic" and stats["calibration"] == PENDING_NOTE
+    assert lookups == [] and stats["predictor"] == "generic" and stats["calibration"] == PENDING_ON_REQUEST_NOTE
     assert stats["calibration_bytes"] == 0 and stats["held_bytes"] == held_bytes_walked(cache)
 
 
@@ -110,7 +112,8 @@ def test_a_calibrated_generation_predictor_looks_up_at_construction(user_cache, 
 
 
 def test_the_first_save_looks_up_once(user_cache, model, lookups, tmp_path, capsys):
-    cache = filled(LOSSLESS, model)
+    cache = filled(CONTEXT_SAVE, model)
+    assert cache.stats()["calibration"] == PENDING_NOTE and lookups == []
     capsys.readouterr()
     first = cache.save(tmp_path / "first.kvc")  # save_predictor "context": reads a calibration
     folder = calibration_dir(model)
@@ -138,7 +141,7 @@ def test_the_first_save_looks_up_once(user_cache, model, lookups, tmp_path, caps
 def test_a_generic_save_never_looks_up(user_cache, model, lookups, tmp_path):
     cache = filled(LOSSLESS, model)
     path = cache.save(tmp_path / "generic.kvc", predictor="generic")
-    assert lookups == [] and cache.calibration_pending and cache.stats()["calibration"] == PENDING_NOTE
+    assert lookups == [] and cache.calibration_pending and cache.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
     assert read_header(path)["calibration_sha256"] is None
     loaded = CompressedCache.load(path, model=model)  # a file without a calibration: loaded without one
     assert lookups == [] and loaded.calibration is None and not loaded.calibration_pending
@@ -191,5 +194,5 @@ def test_an_interrupted_lookup_stays_pending(user_cache, model, monkeypatch):
     cache = CompressedCache(LOSSLESS, model=model)
     with pytest.raises(KeyboardInterrupt):
         cache.resolve_calibration()
-    assert cache.calibration_pending and cache.calibration is None and cache.stats()["calibration"] == PENDING_NOTE
+    assert cache.calibration_pending and cache.calibration is None and cache.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
     assert cache.resolve_calibration() is not None and len(calls) == 2 and not cache.calibration_pending

@@ -166,19 +166,25 @@ def test_crop_then_continue_is_identical(budget):
     assert held == walked
 
 
-def test_defaults_generate_with_block_statistics_and_save_with_context(tmp_path):
+def test_defaults_generate_and_save_with_block_statistics(tmp_path):
+    """The default file holds the blocks generation codes (loads adopt them, docs/prefix_store.md); a calibrated
+    save is asked for by name."""
     config = CompressionConfig(mode="lossless")
     assert (config.block_tokens, config.residual_tokens) == (128, 0)
-    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "context", "lanes")
+    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "generic", "lanes")
     cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=BLOCK), model=model6(),
                             calibration=calibration6())
     assert cache.lossless.predictor.name == "generic" and cache.lossless.depth == 0
     ids = prefill(cache, 40)
-    path = cache.save(tmp_path / "c.kvc")
-    assert read_header(path)["predictor"]["name"] == "context"
-    loaded = CompressedCache.load(path, model=model6(), calibration=calibration6())
-    for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
-        assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+    path = cache.save(tmp_path / "g.kvc")
+    header = read_header(path)
+    assert header["predictor"]["name"] == "generic" and header["calibration_sha256"] is None
+    calibrated = cache.save(tmp_path / "c.kvc", predictor="context")
+    assert read_header(calibrated)["calibration_sha256"] == calibration6().digest
+    for saved in (path, calibrated):
+        loaded = CompressedCache.load(saved, model=model6(), calibration=calibration6())
+        for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
+            assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
     assert ids.shape == (1, 40)
 
 
