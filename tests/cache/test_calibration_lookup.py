@@ -24,7 +24,8 @@ from hf_kvcompress.calibration import (
 from hf_kvcompress.generation import greedy_generate
 from hf_kvcompress_eval.env import walk_held_bytes
 
-LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16)
+#: saves with the calibrated `context` predictor (the default save codes generation's blocks and reads none)
+LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(save_predictor="context"))
 
 
 @pytest.fixture

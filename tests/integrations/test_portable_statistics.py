@@ -94,7 +94,7 @@ def test_a_file_of_float32_statistics_would_not_survive_the_same_rounding(monkey
         return mean.float(), stds.float(), [coded.np.zeros((0, 3), coded.np.int32)] * mean.shape[0]
 
     monkeypatch.setattr(blockcoder, "settle_stream", plain)
-    path = cache.save(tmp_path / "x.kvc")
+    path = cache.save(tmp_path / "x.kvc", predictor="context")
     _shake(monkeypatch, linear.LinearSession)
     with pytest.raises(CacheFileError, match="does not reproduce here"):
         CompressedCache.load(path, calibration=calibration)
@@ -152,7 +152,7 @@ def test_only_bytes_that_leave_the_process_use_portable_statistics(monkeypatch, 
     assert seen and not any(seen)
     # reading the cache's blocks for the file decodes them with generation's sessions; the file's are portable
     seen.clear()
-    path = cache.save(tmp_path / "x.kvc")
+    path = cache.save(tmp_path / "x.kvc", predictor="context")
     assert True in seen
     seen.clear()
     CompressedCache.load(path, calibration=calibration)
