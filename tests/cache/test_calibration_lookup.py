@@ -4,14 +4,11 @@ no network)."""
 
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
 from helpers import fresh_tiny_model, random_ids
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, DynamicCache
 
-import hf_kvcompress.calibration as calibration_module
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
 from hf_kvcompress.cache.persist import CacheFileError, read_header
 from hf_kvcompress.calibration import (
@@ -26,32 +23,6 @@ from hf_kvcompress_eval.env import walk_held_bytes
 
 #: saves with the calibrated `context` predictor (the default save codes generation's blocks and reads none)
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(save_predictor="context"))
-
-
-@pytest.fixture
-def user_cache(tmp_path, monkeypatch):
-    """A fresh user cache folder (calibrations land in it); first-use fits on 1,024 tokens (the tiny model
-    needs no more, and the code path is the same)."""
-    folder = tmp_path / "user-cache"
-    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(folder))
-    monkeypatch.setattr(calibration_module, "FIRST_USE_TOKENS", 1024)
-    monkeypatch.setattr(calibration_module, "FIRST_USE_CHUNK", 256)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    """A 6-layer tiny Llama saved with a character-level tokenizer, so it can find its own tokenizer."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    chars = ["[UNK]", "[PAD]", *string.printable[:95], "\n"]
-    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
-    folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

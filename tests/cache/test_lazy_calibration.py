@@ -5,15 +5,12 @@ lookups counted where the cache calls them."""
 
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from helpers import random_ids
+from transformers import AutoModelForCausalLM
 
 import hf_kvcompress.cache.cache as cache_module
-import hf_kvcompress.calibration as calibration_module
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
 from hf_kvcompress.cache.cache import PENDING_NOTE, PENDING_ON_REQUEST_NOTE
 from hf_kvcompress.cache.persist import read_header
@@ -27,31 +24,6 @@ CONTEXT_SAVE = CompressionConfig(mode="lossless", block_tokens=16, lossless=Loss
 
 def lossless(**settings) -> CompressionConfig:
     return CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(**settings))
-
-
-@pytest.fixture
-def user_cache(tmp_path, monkeypatch):
-    """A fresh user cache folder; first-use fits on 1,024 tokens (same code path, less time)."""
-    folder = tmp_path / "user-cache"
-    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(folder))
-    monkeypatch.setattr(calibration_module, "FIRST_USE_TOKENS", 1024)
-    monkeypatch.setattr(calibration_module, "FIRST_USE_CHUNK", 256)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    """A 6-layer tiny Llama saved with a character-level tokenizer, so that a first-use fit finds its tokenizer."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    chars = ["[UNK]", "[PAD]", *string.printable[:95], "\n"]
-    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
-    folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

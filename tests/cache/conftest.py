@@ -1,0 +1,38 @@
+"""Fixtures of the calibration tests: a fresh user cache folder and a tiny model that finds its own tokenizer."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from helpers import fresh_tiny_model
+from transformers import PreTrainedTokenizerFast
+
+import hf_kvcompress.calibration as calibration_module
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    """A fresh user cache folder (calibrations land in it); first-use fits on 1,024 tokens (the tiny model
+    needs no more, and the code path is the same)."""
+    folder = tmp_path / "user-cache"
+    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(folder))
+    monkeypatch.setattr(calibration_module, "FIRST_USE_TOKENS", 1024)
+    monkeypatch.setattr(calibration_module, "FIRST_USE_CHUNK", 256)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A 6-layer tiny Llama saved with a character-level tokenizer, so that a first-use fit finds its tokenizer."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    chars = ["[UNK]", "[PAD]", *string.printable[:95], "\n"]
+    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
+    folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
