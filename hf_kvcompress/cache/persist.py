@@ -136,7 +136,17 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     keys0 = None
     for index, layer in held:
         kv = None
-        if isinstance(layer, CompressedLayer) and layer.is_initialized:
+        taken = _generation_blocks(cache, layer, index, chosen, context) if isinstance(layer, CompressedLayer) \
+            else None
+        if taken is not None:  # the cache's own blocks are the file's: their streams, not decoded and coded again
+            keys, values = layer.residual_keys, layer.residual_values
+            keys0 = keys if keys0 is None else keys0
+            entries = [{"start": b.start, "tokens": b.tokens, "rows": [_write_row(row, payload) for row in b.rows]}
+                       for b in taken]
+            kv = {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3],
+                  "sliding_window": None, "start": 0,
+                  "blocks": entries + coded_blocks(index, keys, values, len(taken) * block_tokens)}
+        elif isinstance(layer, CompressedLayer) and layer.is_initialized:
             keys, values = layer.keys, layer.values
             keys0 = keys if keys0 is None else keys0
             first = layer.seen_tokens - keys.shape[2]
@@ -191,6 +201,26 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     if cache.calibration is not None and not uses_calibration(cache):
         cache.calibration.release()  # heads read for this save only: generation does not hold them
     return target
+
+
+def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: int, chosen: Predictor,
+                       context: LosslessContext) -> list[CodedBlock] | None:
+    """``layer``'s sealed blocks when they are what the file would code (the save's predictor is generation's and
+    codes alike on every CPU, the same codec settings and marginals; whole blocks from position 0 of a
+    full-attention layer), else None: the save then codes every token itself."""
+    mine = cache.lossless
+    if mine is None or not chosen.exact_everywhere or mine.predictor.name != chosen.name or not layer.is_initialized:
+        return None
+    if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.blocks:
+        return None
+    block_tokens = cache.config.block_tokens
+    if layer.block_starts != [i * block_tokens for i in range(len(layer.blocks))] or any(
+            not isinstance(b, CodedBlock) or b.tokens != block_tokens or len(b.rows) != layer.rows
+            for b in layer.blocks):
+        return None
+    if context.codec_for(index) != mine.codec_for(index):
+        return None
+    return list(layer.blocks)
 
 
 def _fits_version_3(cache: CompressedCache) -> bool:
