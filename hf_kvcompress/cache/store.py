@@ -46,7 +46,7 @@ from ..predictors import make_predictor
 from ..version import __version__
 from .cache import CompressedCache
 from .coded import CodedBlock, LosslessContext
-from .persist import DTYPES, _check_block, _check_blocks, _dict, _int, _read_row, _write_row
+from .persist import DTYPES, _check_block, _check_blocks, _dict, _int, _layer_device, _read_row, _write_row
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ class PrefixStore:
                 for b in entry["blocks"]:
                     rows = [_read_row(r, chunk["payload"]) for r in b["rows"]]
                     block = CodedBlock(source or context, i, b["start"], b["tokens"], rows, entry["heads"],
-                                       entry["key_dim"], dtype, _device(self.model), value_dim=entry["value_dim"])
+                                       entry["key_dim"], dtype, _layer_device(self.model, i), value_dim=entry["value_dim"])
                     try:
                         _check_block(block, source or context, (source or context).predictor, sides)
                     except CacheFileError as err:
@@ -536,10 +536,6 @@ def _layer_kv(layer: object, first: int, stop: int) -> tuple[torch.Tensor, torch
         raise ValueError(f"PrefixStore.put: a cache layer holds {keys.shape[2]} entries for {layer.get_seq_length()} "
                          "tokens (a lossy or sliding-window cache); the store takes the exact KV of every token")
     return keys[:, :, first:stop].cpu(), values[:, :, first:stop].cpu()
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _pack(header: dict[str, Any], payload: bytearray) -> bytes:
