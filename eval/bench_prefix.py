@@ -83,7 +83,7 @@ def run_prefix(model, tokenizer, prefix: int, args, calibration) -> dict:
         # fill: prefill exactly the prefix (the KV the reference reuses), then store / save it
         filled = CompressedCache(CompressionConfig(mode="lossless"), model=model, calibration=calibration)
         with torch.no_grad():
-            model(input_ids=head, past_key_values=filled, use_cache=True)
+            model(input_ids=head, cache=filled, use_cache=True)
         raw_bytes = filled.stats()["raw_bytes"]
         stores = {"store": {"predictor": "generic"}}
         if calibration is not None:
@@ -105,7 +105,7 @@ def run_prefix(model, tokenizer, prefix: int, args, calibration) -> dict:
 
         def prefill_prefix():
             with torch.no_grad():
-                model(input_ids=head, past_key_values=DynamicCache(config=model.config), use_cache=True)
+                model(input_ids=head, cache=DynamicCache(config=model.config), use_cache=True)
 
         times: dict[str, list[float]] = {"recompute": [], "prefill prefix": []}
         for name in routes:
@@ -125,7 +125,7 @@ def run_prefix(model, tokenizer, prefix: int, args, calibration) -> dict:
 
         reference = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(input_ids=head, past_key_values=reference, use_cache=True)
+            model(input_ids=head, cache=reference, use_cache=True)
         ref = generate(model, ids, mask, copy.deepcopy(reference), CHECK_TOKENS)
         exact = {name: same(ref, generate(model, ids, mask, route["make"](), CHECK_TOKENS))
                  for name, route in routes.items()}
@@ -144,7 +144,7 @@ def run_prefix(model, tokenizer, prefix: int, args, calibration) -> dict:
 
 def generate(model, ids, mask, cache, new_tokens: int):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
                               do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 

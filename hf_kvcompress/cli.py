@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from .cache import CompressedCache
@@ -25,6 +26,7 @@ from .errors import CliError
 from .generation import greedy_generate
 from .models import load_model
 from .predictors.registry import FITTED
+from .version import __version__
 
 #: the evaluation harness: a separate top-level package (kept outside the library, as kvpress does), installed
 #: from the same source tree; `hf-kvcompress eval` imports it on demand
@@ -175,6 +177,9 @@ def cmd_store(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvcompress", description="KV-cache compression for transformers")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks")
+    parser.add_argument("--version", action="version",
+                        version=f"hf-kvcompress {__version__} (transformers {transformers.__version__}, "
+                                f"torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="generate with CompressedCache on the default model and print its stats")

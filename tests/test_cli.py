@@ -83,3 +83,13 @@ def test_demo_runs_on_the_default_model(capsys):
     assert code == 0
     assert "identical_to_DynamicCache: True" in out
     assert "compression_ratio" in out
+
+
+def test_version_names_the_library_and_what_it_runs_on(capsys):
+    from hf_kvcompress import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"hf-kvcompress {__version__} (transformers ") and "torch " in out

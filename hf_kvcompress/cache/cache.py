@@ -467,6 +467,11 @@ class _TokenRecorder:
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool((mask == 0).any()):
             cache.saw_padding = True
         ids = ids.detach().cpu()
+        if cache.token_ids is not None and ids.shape[0] != cache.token_ids.shape[0]:
+            raise ValueError(
+                f"CompressedCache holds {cache.token_ids.shape[0]} batch row(s), this forward passes {ids.shape[0]}: "
+                "a cache serves the batch it was filled with; use a new cache (or cache.reset()) for another batch"
+            )
         cache.token_ids = ids if cache.token_ids is None else torch.cat([cache.token_ids, ids], dim=1)
         return None
 

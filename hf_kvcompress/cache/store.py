@@ -89,7 +89,7 @@ class PrefixStore:
 
     >>> store = PrefixStore(model)
     >>> cache = store.cache_for(ids)   # a CompressedCache holding the longest stored prefix of ids
-    >>> out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    >>> out = model.generate(ids, cache=cache, max_new_tokens=64)
     >>> store.put(out, cache)          # stores the chunks it does not hold yet; returns the tokens stored
 
     Args:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import random_ids, tiny_model
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 
@@ -75,3 +75,17 @@ def test_unsupported_layer_type_is_a_clear_error_at_construction():
     config.layer_types = ["sliding_attention", "indexed_attention"]
     with pytest.raises(ValueError, match=r"layer type 'indexed_attention' \(layer 1 of qwen3\): .*indexer.*DynamicCache"):
         CompressedCache(NONE, model_config=config)
+
+
+def test_a_cache_reused_with_another_batch_size_says_so():
+    """Not a raw torch.cat error from inside the cache: the library's own ValueError, before any layer runs."""
+    model = tiny_model("llama-gqa")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=16), model=model)
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache)
+        with pytest.raises(ValueError, match=r"holds 1 batch row.*passes 2.*new cache"):
+            model(random_ids(2, 5), cache=cache)
+    cache.reset()
+    with torch.no_grad():
+        model(random_ids(2, 5), cache=cache)  # a reset cache takes a new batch
+    assert cache.get_seq_length() == 5

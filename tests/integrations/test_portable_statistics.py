@@ -63,7 +63,7 @@ def test_a_saved_file_decodes_where_the_predictor_rounds_otherwise(monkeypatch, 
     config = CompressionConfig(mode="lossless", block_tokens=64, lossless=LosslessConfig(save_predictor=predictor))
     cache = CompressedCache(config, calibration=calibration)
     with torch.inference_mode():
-        model(random_ids(2, 150, seed=8), past_key_values=cache, use_cache=True)
+        model(random_ids(2, 150, seed=8), cache=cache, use_cache=True)
     path = cache.save(tmp_path / "x.kvc")
     from hf_kvcompress.cache.persist import read_header
 
@@ -87,7 +87,7 @@ def test_a_file_of_float32_statistics_would_not_survive_the_same_rounding(monkey
     _wide_tolerances(monkeypatch)
     cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=64), calibration=calibration)
     with torch.inference_mode():
-        model(random_ids(1, 100, seed=9), past_key_values=cache, use_cache=True)
+        model(random_ids(1, 100, seed=9), cache=cache, use_cache=True)
 
     def plain(mean, std, factors, bounds, dtype, config):
         stds = torch.stack([std[b] * f for b, f in enumerate(factors)])
@@ -129,7 +129,7 @@ def test_a_chunk_decodes_where_the_predictor_rounds_otherwise(monkeypatch, calib
 def _prefill(model):
     cache = CompressedCache(CompressionConfig(mode="none"))
     with torch.inference_mode():
-        model(random_ids(1, 80, seed=10), past_key_values=cache, use_cache=True)
+        model(random_ids(1, 80, seed=10), cache=cache, use_cache=True)
     return cache.layers
 
 
@@ -148,7 +148,7 @@ def test_only_bytes_that_leave_the_process_use_portable_statistics(monkeypatch, 
     config = CompressionConfig(mode="lossless", block_tokens=32, lossless=LosslessConfig(predictor="context"))
     cache = CompressedCache(config, calibration=calibration)
     with torch.inference_mode():
-        model(random_ids(1, 100, seed=12), past_key_values=cache, use_cache=True)
+        model(random_ids(1, 100, seed=12), cache=cache, use_cache=True)
     assert seen and not any(seen)
     # reading the cache's blocks for the file decodes them with generation's sessions; the file's are portable
     seen.clear()

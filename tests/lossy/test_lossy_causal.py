@@ -43,10 +43,10 @@ def _logits(model, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     """Teacher-forced logits ``[b, LENGTH, vocab]``: a prefill of PREFILL tokens, then one token per forward."""
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     out = [model(ids[:, :PREFILL], attention_mask=mask[:, :PREFILL], position_ids=positions[:, :PREFILL],
-                 past_key_values=cache).logits]
+                 cache=cache).logits]
     for t in range(PREFILL, LENGTH):
         out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=positions[:, t : t + 1],
-                         past_key_values=cache).logits)
+                         cache=cache).logits)
     return torch.cat(out, dim=1)
 
 
@@ -101,7 +101,7 @@ def test_explicit_detach_restores_and_the_cache_then_refuses():
     detach(model)
     assert model.config._attn_implementation == "eager"
     with pytest.raises(RuntimeError, match="no longer runs the lossy attention function"):
-        model(ids[:, :1], past_key_values=cache)
+        model(ids[:, :1], cache=cache)
     del cache
     gc.collect()  # releasing a cache of the earlier attachment leaves a new one alone
     fresh = _cache(model, 0.3)
@@ -129,7 +129,7 @@ def test_an_unexpected_attention_call_is_an_error():
     k = cache.layers[0].keys
     cache.layers[0].update(k[..., :1, :], k[..., :1, :])  # an update whose attention never runs
     with pytest.raises(RuntimeError, match="biases and padding mask would be lost"):
-        model(ids[:, :3], past_key_values=DynamicCache())
+        model(ids[:, :3], cache=DynamicCache())
 
 
 def test_a_batch_without_a_model_is_refused():

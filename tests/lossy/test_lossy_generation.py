@@ -94,7 +94,7 @@ def test_query_free_methods_generate_without_a_model(llama, method):
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
     lossy = LossyConfig(method=method, budget=0.4, interval=8, sinks=2, reference_queries=32)
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=8, lossy=lossy))
-    out = llama.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, past_key_values=cache, pad_token_id=0)
+    out = llama.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache, pad_token_id=0)
     assert out.shape == (1, 52)
     check_budget(cache)
     # without the lossy attention function transformers' one mask serves every layer: equal lengths
