@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import importlib.util
 import json
 import logging
 import os
@@ -59,6 +60,13 @@ def check_output_folder(out: Path) -> None:
         writable_folder(out, "output folder")
     except OSError as err:
         raise EvalError(str(err)) from err
+
+
+def check_optional_dependencies() -> None:
+    """Before any slow work: the plots need matplotlib, which only the ``eval`` extra installs."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise EvalError("hf-kvcompress eval plots with matplotlib, which is not installed: "
+                        "pip install -e '.[eval]' (or pip install matplotlib)")
 
 
 @contextlib.contextmanager
@@ -227,6 +235,7 @@ class Progress:
 def run_suite(suite: Suite, out: str | Path, *, progress: bool = True, echo: bool = True) -> dict[str, Any]:
     """Run ``suite``; write ``results.json``, ``report.md`` and the PNGs into ``out``; return the results."""
     out = Path(out)
+    check_optional_dependencies()
     check_output_folder(out)
     started = _dt.datetime.now().astimezone()
     t0 = time.perf_counter()
@@ -304,8 +313,11 @@ def run_suite(suite: Suite, out: str | Path, *, progress: bool = True, echo: boo
                 "section_seconds": sections,
             }
             results["machine"]["load_average_end"] = _loadavg()
-            results["plots"] = write_plots(results, out)
+            results["plots"] = {}
             results["run"]["wall_s"] = time.perf_counter() - t0
+            # the numbers first: a failure while plotting leaves them on disk
+            (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+            results["plots"] = write_plots(results, out)
             (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
             (out / "report.md").write_text(markdown(results))
         finally:

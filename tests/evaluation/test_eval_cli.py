@@ -93,6 +93,18 @@ def test_unwritable_output_folder(capsys, tmp_path):
     assert_one_line_error(code, err, "cannot write to output folder")
 
 
+def test_missing_matplotlib_is_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    """Without the eval extra the run stops at once, saying what to install (it used to run the whole suite and
+    die while plotting, with no results.json)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    code, _, err = run_eval(capsys, "--suite", "quick", "--out", str(tmp_path / "results"))
+    assert_one_line_error(code, err, "pip install -e '.[eval]'")
+    assert not (tmp_path / "results").exists()
+
+
 def test_unknown_model(capsys, tmp_path):
     code, _, err = run_eval(capsys, "--suite", "quick", "--model", str(tmp_path / "no-such-model"),
                             "--out", str(tmp_path / "out"))
