@@ -23,7 +23,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "results.json, report.md and PNG plots into the results folder.",
     )
     parser.add_argument("--suite", default="quick", help="quick, full, or a path to a suite .toml file")
-    parser.add_argument("--out", default=None, help="results folder (default: results/eval/<suite name>)")
+    parser.add_argument("--out", default=None, help="results folder (default: eval-results/<suite name>, untracked)")
     parser.add_argument("--model", default=None, help="model of the run: hub id or local folder (overrides the suite)")
     parser.add_argument("--dataset", default=None,
                         help="text of the run: hub dataset or local .txt/.json/.jsonl files (overrides the suite)")
@@ -58,7 +58,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise CliError(f"--only takes sections among {list(SECTIONS)}, got {args.only!r}")
         for name in SECTIONS:
             getattr(suite, name).enabled = getattr(suite, name).enabled and name in chosen
-    out = Path(args.out) if args.out else Path("results") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", suite.name)
+    # by default outside the tracked results/ (the published runs write there with --out results/eval/<suite>)
+    out = Path(args.out) if args.out else Path("eval-results") / re.sub(r"[^A-Za-z0-9_.-]+", "_", suite.name)
     try:
         results = run_suite(suite, out, progress=args.progress)
     except EvalError as err:
