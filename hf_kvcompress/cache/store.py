@@ -223,12 +223,13 @@ class PrefixStore:
         self._check_kv(cache)
         written = 0
         paths = []
+        whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layers read once per put, not once per chunk
         for index, key in enumerate(self.keys(row[: min(held, len(row))])):
             path = self._path(key)
             paths.append(path)
             if path.exists():
                 continue
-            blob = self._encode_chunk(cache, index, key, row)
+            blob = self._encode_chunk(cache, index, key, row, whole)
             try:
                 _write_atomic(path, blob)
             except OSError as err:  # a full disk or a concurrent clear(): the store is a cache, generation goes on
@@ -244,10 +245,7 @@ class PrefixStore:
     def _check_kv(self, cache: Cache) -> None:
         """The cache's K/V must be this model's: its dtype, KV heads and head size (a cache of another model or
         dtype would be stored under this model's keys)."""
-        dtype = self._identity_dtype()
-        config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype, heads, dim = self._kv_shape()
         for i, layer in enumerate(cache.layers):
             if not getattr(layer, "is_initialized", False):
                 continue
@@ -304,14 +302,15 @@ class PrefixStore:
         return folder.glob(f"*{SUFFIX}") if folder.is_dir() else iter(())
 
     def _raw_chunk_bytes(self) -> int:
+        dtype, heads, dim = self._kv_shape()
+        return 2 * len(_layer_types(self.model)) * heads * dim * self.chunk_tokens * dtype.itemsize
+
+    def _kv_shape(self) -> tuple[torch.dtype, int, int]:
+        """The model's K/V dtype, KV heads and head size (from its weights' dtype and its config)."""
         config = self.model.config.get_text_config(decoder=True)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        itemsize = self._identity_dtype().itemsize
-        return 2 * config.num_hidden_layers * heads * dim * self.chunk_tokens * itemsize
-
-    def _identity_dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return next(self.model.parameters()).dtype, heads, dim
 
     def _context(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessContext:
         """A block coder of the store's settings over ``blocks`` (the layer-below lookup of `context`)."""
@@ -323,9 +322,11 @@ class PrefixStore:
         return LosslessContext(predictor, settings.codec_config(), lambda layer, start: blocks.get((layer, start)),
                                marginals, settings.workers)
 
-    def _encode_chunk(self, cache: Cache, index: int, key: bytes, row: np.ndarray) -> bytes:
+    def _encode_chunk(self, cache: Cache, index: int, key: bytes, row: np.ndarray,
+                      whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bytes:
         """One chunk's file: every layer's blocks of tokens ``index * chunk_tokens ..``, taken from ``cache`` where
-        it holds them coded as the store codes (no re-encoding), else coded from its keys and values."""
+        it holds them coded as the store codes (no re-encoding), else coded from its keys and values (``whole``:
+        each layer's, read on first need)."""
         first = index * self.chunk_tokens
         stop = first + self.chunk_tokens
         block_tokens = self.config.block_tokens
@@ -336,7 +337,9 @@ class PrefixStore:
         for layer_idx, layer in enumerate(cache.layers):
             taken = self._held_blocks(cache, layer, first, stop)
             if taken is None:
-                keys, values = _layer_kv(layer, first, stop)
+                if layer_idx not in whole:
+                    whole[layer_idx] = _layer_kv(layer, stop)
+                keys, values = (t[:, :, first:stop] for t in whole[layer_idx])
                 context = context or self._context(blocks)
                 taken = []
                 for at in range(first, stop, block_tokens):
@@ -527,15 +530,15 @@ def _layer_types(model: torch.nn.Module) -> list[str]:
     return get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
 
 
-def _layer_kv(layer: object, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``first..stop`` of a cache layer's keys and values (one row), on the host."""
+def _layer_kv(layer: object, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache layer's keys and values (one row, at least ``stop`` tokens), on the host."""
     keys, values = layer.keys, layer.values
     if keys is None or keys.shape[0] != 1 or keys.shape[2] < stop:
         raise ValueError("PrefixStore.put: the cache holds fewer tokens (or more rows) than asked for")
     if keys.shape[2] != layer.get_seq_length():  # checked before the first chunk is written
         raise ValueError(f"PrefixStore.put: a cache layer holds {keys.shape[2]} entries for {layer.get_seq_length()} "
                          "tokens (a lossy or sliding-window cache); the store takes the exact KV of every token")
-    return keys[:, :, first:stop].cpu(), values[:, :, first:stop].cpu()
+    return keys.cpu(), values.cpu()
 
 
 def _pack(header: dict[str, Any], payload: bytearray) -> bytes:
