@@ -384,12 +384,10 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
                 if held is None:
                     target.layers.append(target._new_layer(layer))
                     held = target.layers[layer]
-                first = blocks[(layer, kv["blocks"][0]["start"])]
-                empty_k = torch.empty((len(first.rows), first.heads, 0, first.dim), dtype=first.dtype)
-                empty_v = torch.empty((len(first.rows), first.heads, 0, first.value_dim), dtype=first.dtype)
-                keys = torch.cat([empty_k, *keys], dim=2).to(device)
-                values = torch.cat([empty_v, *values], dim=2).to(device)
-                held.adopt(adopted, keys, values)
+                if keys:
+                    held.adopt(adopted, torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device))
+                else:
+                    held.adopt(adopted)
                 if entry["state"] is not None:
                     _restore_state(held, entry["state"], saved.payload, device)
                 continue

@@ -461,9 +461,7 @@ class PrefixStore:
             layer = cache.layers[i]
             first = blocks[0]
             if source is None:
-                empty_k = torch.empty((1, first.heads, 0, first.dim), dtype=dtype, device=first.device)
-                empty_v = torch.empty((1, first.heads, 0, first.value_dim), dtype=dtype, device=first.device)
-                layer.adopt(blocks, empty_k, empty_v)
+                layer.adopt(blocks)
             else:
                 decoded = [source.decoded(block) for block in blocks]
                 keys = torch.cat([d.keys for d in decoded], dim=2).to(first.device)

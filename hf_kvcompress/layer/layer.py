@@ -196,13 +196,19 @@ class CompressedLayer(CacheLayerMixin):
         self._seal_full_blocks()
         self._drop_out_of_window()
 
-    def adopt(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def adopt(self, blocks: list[Block], keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
         """Hold ``blocks`` as this layer's sealed blocks, taken as they are (a loaded file or a stored prefix whose
         blocks are already coded the way this layer's storage codes them: not decoded and coded again), then
-        ``keys`` / ``values`` (``[batch, kv_heads, tokens, dim]``, possibly 0 tokens) as the newest tokens. A
-        full-attention layer only, each block ``block_tokens`` long from position 0, as updates seal them."""
+        ``keys`` / ``values`` (``[batch, kv_heads, tokens, dim]``; None: no newer tokens) as the newest tokens. A
+        full-attention layer only, each block ``block_tokens`` long from position 0, as updates seal them; the
+        blocks say their rows, heads, widths, dtype and device (`CodedBlock`)."""
         if self.sliding_window is not None or not self.seals:
             raise ValueError(f"layer {self.layer_idx}: adopt() is for full-attention layers that seal blocks")
+        if keys is None or values is None:
+            first = blocks[0]
+            shape = (len(first.rows), first.heads, 0)
+            keys = torch.empty((*shape, first.dim), dtype=first.dtype, device=first.device)
+            values = torch.empty((*shape, first.value_dim), dtype=first.dtype, device=first.device)
         if any(block.tokens != self.block_tokens for block in blocks):
             raise ValueError(f"layer {self.layer_idx}: adopted blocks must hold {self.block_tokens} tokens each, got "
                              f"{[block.tokens for block in blocks]}")
