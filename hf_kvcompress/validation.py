@@ -1,14 +1,17 @@
 """Field checks for every config of the package: `CompressionConfig` and its parts, the codec's `CodecConfig` and
-the evaluation harness's suite files. One wording ("<where> must ..., got ...") and one exception policy.
+the evaluation harness's suite files. One wording ("<where> must ..., got ...") and one exception policy; and
+`JsonConfig`, the dict/JSON round trip the config dataclasses share.
 
 It imports only `errors` (a leaf), so the model-independent codec can use it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Any, NoReturn
+from dataclasses import fields
+from typing import Any, ClassVar, NoReturn
 
 from .errors import ConfigTypeError
 
@@ -54,3 +57,38 @@ def check_choice(where: str, value: Any, choices: Iterable[Any]) -> None:
     options = list(choices)
     if (isinstance(value, bool) and not any(isinstance(c, bool) for c in options)) or value not in options:
         fail(where, f"must be one of {options}, got {value!r}")
+
+
+def check_fraction(where: str, value: Any, *, count_hint: str) -> None:
+    """A fraction in (0, 1] given as a float; an int is refused (pointing to ``count_hint``, formatted with the
+    value) because ``1`` reads as "everything" to some and "one token" to others (earlier versions read an int
+    budget as tokens)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        fail(where, f"is a fraction of the full cache, a float in (0, 1], got the int {value}; for a count of "
+                           f"token-equivalents per layer use {count_hint.format(value)}"
+                           + (" (for the whole cache write 1.0)" if value == 1 else ""))
+    check_number(where, value, low=0.0, high=1.0, low_open=True)
+
+
+class JsonConfig:
+    """Shared dict/JSON round trip for the config dataclasses (unknown keys are an error, not ignored)."""
+
+    _nested: ClassVar[dict[str, type]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
+        # init-only shortcuts (e.g. CompressionConfig.budget) are accepted too; to_dict never writes them
+        known = {f.name for f in fields(cls)} | set(getattr(cls, "_shortcuts", ()))  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        kwargs = dict(data)
+        for name, sub in cls._nested.items():
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = sub.from_dict(kwargs[name])
+        return cls(**kwargs)

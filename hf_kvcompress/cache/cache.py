@@ -204,6 +204,15 @@ class CompressedCache(Cache):
             )
         return found
 
+    def build_layers(self, kinds: list[tuple[str, dict] | None]) -> None:
+        """Give a cache built without a model its layers, one per model layer: ``(layer type, kwargs)`` as
+        transformers names them, or None for a layer that caches nothing (`load`: the file says what each is)."""
+        if self.layers:
+            raise ValueError("CompressedCache.build_layers: this cache has its layers already")
+        self.layers.extend(DummyLayer() if kind is None else self._new_layer(index, *kind)
+                           for index, kind in enumerate(kinds))
+        self._layer_count = len(kinds)
+
     @property
     def kv_layer_count(self) -> int | None:
         """Layers of the model this cache serves (None while created lazily, without a model config)."""

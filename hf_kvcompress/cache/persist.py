@@ -28,14 +28,14 @@ import struct
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
-from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
-from ..calibration import CalibrationError, calibration_dir, find_calibration
+from ..calibration import Calibration, CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
 from ..codec.config import MAX_WINDOW
 from ..config import CompressionConfig
@@ -51,8 +51,26 @@ from ..predictors.runner import decoder_layers
 from ..version import __version__
 from .coded import CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
 
-if TYPE_CHECKING:
-    from .cache import CompressedCache
+
+class CompressedCache(Protocol):
+    """What save and load use of a `cache.CompressedCache` (a protocol, so that this module, which the cache's
+    ``save`` / ``load`` call, does not import the cache)."""
+
+    config: CompressionConfig
+    calibration: Calibration | None
+    model: torch.nn.Module | None
+    model_config: Any
+    layers: list[Any]
+    lossless: LosslessContext | None
+    token_ids: torch.Tensor | None
+    saw_padding: bool
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def kv_layers(self) -> list[CompressedLayer]: ...
+
+    def build_layers(self, kinds: list[tuple[str, dict] | None]) -> None: ...
 
 MAGIC = b"\x89HFKVC\r\n"
 LEGACY_MAGIC = b"HFKVCACH"  # format version 1: SHA-256 over the payload only
@@ -517,11 +535,12 @@ def _layered_target(target: CompressedCache, entries: list[dict[str, Any]], coun
     """Check (model attached) or make (no model: layers from the file) ``target``'s layers for a version 4 file:
     each entry's kind, window and shape where the cache has a layer of its own."""
     if not target.layers:  # built without a model: the file says what each layer is
-        kinds = {entry["layer"]: entry for entry in entries}
+        by_index = {entry["layer"]: entry for entry in entries}
+        kinds: list[tuple[str, dict] | None] = []
         for index in range(count):
-            entry = kinds.get(index)
+            entry = by_index.get(index)
             if entry is None:
-                target.layers.append(DummyLayer())
+                kinds.append(None)
                 continue
             kv, state = entry["kv"], entry["state"]
             window = kv["sliding_window"] if kv is not None else None
@@ -531,9 +550,8 @@ def _layered_target(target: CompressedCache, entries: list[dict[str, Any]], coun
                 kind = "hybrid_sliding" if window else "hybrid"
             else:
                 kind = "sliding_attention" if window else "full_attention"
-            kwargs = {"sliding_window": window, "number_of_states": len(state["previous"]) if state else 1}
-            target.layers.append(target._new_layer(index, kind, kwargs))
-        target._layer_count = count
+            kinds.append((kind, {"sliding_window": window, "number_of_states": len(state["previous"]) if state else 1}))
+        target.build_layers(kinds)
     held = {entry["layer"] for entry in entries}
     for index, layer in enumerate(target.layers):
         holds = isinstance(layer, (CompressedLayer, LinearAttentionCacheLayerMixin))

@@ -23,15 +23,12 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-if TYPE_CHECKING:
-    from .layer import LossyLayer
 
 ATTENTION_NAME = "hf_kvcompress_lossy"
 INNER_ATTRIBUTE = "_hf_kvcompress_inner_attention"
@@ -39,23 +36,44 @@ INNER_ATTRIBUTE = "_hf_kvcompress_inner_attention"
 USERS_ATTRIBUTE = "_hf_kvcompress_lossy_users"
 SUPPORTED_INNER = ("sdpa", "eager")
 
+
+
+class ActiveLayer(Protocol):
+    """What this attention function asks of the cache layer whose update precedes it (`LossyLayer`): a protocol,
+    so that this module does not import the layer that imports it."""
+
+    layer_idx: int
+    rows: int
+    #: keys the last update prepared for attention (-1 before the first)
+    expected_kv: int
+
+    def expects(self, query: torch.Tensor, key: torch.Tensor) -> bool: ...
+
+    def check_reads(self, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
+    def attention_mask(self, query: torch.Tensor, kv_length: int, mask: torch.Tensor | None, *,
+                       additive: bool = False) -> torch.Tensor | None: ...
+
+    def observe(self, query: torch.Tensor, scaling: float | None) -> None: ...
+
+
 _local = threading.local()
 _registered = False
 
 
-def _active() -> dict[int, LossyLayer]:
+def _active() -> dict[int, ActiveLayer]:
     if not hasattr(_local, "layers"):
         _local.layers = {}
     return _local.layers
 
 
-def set_active(layer_idx: int, layer: LossyLayer) -> None:
+def set_active(layer_idx: int, layer: ActiveLayer) -> None:
     """Called by `LossyLayer.update`: the next attention call of ``layer_idx`` in this thread belongs to ``layer``
     (held weakly: a registration whose attention never ran must not keep a released cache alive)."""
     _active()[layer_idx] = weakref.ref(layer)
 
 
-def take_active(layer_idx: int) -> LossyLayer | None:
+def take_active(layer_idx: int) -> ActiveLayer | None:
     ref = _active().pop(layer_idx, None)
     return None if ref is None else ref()
 
@@ -187,7 +205,7 @@ def lossy_attention(
     if not layer.expects(query, key):
         raise RuntimeError(
             f"lossy attention, layer {layer.layer_idx}: got {key.shape[-2]} keys for {query.shape[0]} rows, but the "
-            f"cache's last update prepared {layer._expected_kv} keys for {layer.rows} rows (an update whose attention "
+            f"cache's last update prepared {layer.expected_kv} keys for {layer.rows} rows (an update whose attention "
             "never ran, or two caches interleaved on one model); its biases and padding mask would be lost"
         )
     layer.check_reads(key, value)

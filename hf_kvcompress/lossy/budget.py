@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate, pairwise
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +12,7 @@ from .blocks import kept_block
 from .packed import MIXED_TIERS, vector_bytes
 from .region import Region, dead_bias_or_none
 from .scores import top_entries
-
-if TYPE_CHECKING:
-    from ..config import LossyConfig
+from .settings import LossyConfig
 
 
 def token_bytes(kv_heads: int, head_dim: int, element_size: int, value_dim: int | None = None) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,9 +33,7 @@ from .budget import budget_bytes, full_budget, token_bytes
 from .methods import METHODS
 from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
 from .region import FitContext, Region, gather_entries
-
-if TYPE_CHECKING:
-    from ..config import LossyConfig
+from .settings import LossyConfig
 
 NEG_INF = float("-inf")
 
@@ -85,7 +83,7 @@ class LossyLayer(CompressedLayer):
         self.summary_seconds: list[float] = []
         self.scaling: float | None = None
         self._new_valid: torch.Tensor | None = None
-        self._expected_kv = -1
+        self.expected_kv = -1
 
     def __repr__(self) -> str:
         return (
@@ -119,7 +117,7 @@ class LossyLayer(CompressedLayer):
             self.residual_valid = torch.cat([self.residual_valid, ones], dim=-1)
         self.since_summary += count
         self._new_valid = None
-        self._expected_kv = keys.shape[-2]
+        self.expected_kv = keys.shape[-2]
         if (
             self.compresses
             and self.held_bytes() > self.budget_bytes()
@@ -146,7 +144,7 @@ class LossyLayer(CompressedLayer):
     def expects(self, query: torch.Tensor, key: torch.Tensor) -> bool:
         """Whether an attention call with these shapes is the one this layer's last ``update`` prepared (guards
         against a stale registration, e.g. an ``update`` whose attention never ran)."""
-        return key.shape[-2] == self._expected_kv and query.shape[0] == self.rows
+        return key.shape[-2] == self.expected_kv and query.shape[0] == self.rows
 
     def check_reads(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Refuse a query-scored method (before its first summary) where attention reads other keys or values than

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .products import linear, linear_each
-
-if TYPE_CHECKING:
-    from ..config import LossyConfig
+from .settings import LossyConfig
 
 LOG2E = 1.0 / math.log(2.0)
 

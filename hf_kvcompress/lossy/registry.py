@@ -3,21 +3,19 @@
 A method is one module in ``hf_kvcompress/lossy/methods/`` (one small file per method, as in kvpress,
 https://github.com/NVIDIA/kvpress) whose ``compress`` function is decorated with `register`, naming its source
 and its traits; ``methods/__init__.py`` imports the modules, and that import line is the list of methods. This
-module imports nothing of the package, so `hf_kvcompress.config` reads it without an import cycle.
+module imports nothing of the package, so `settings` (LossyConfig) reads it without an import cycle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..layer.storage import Block
-    from .region import FitContext, Region
-
-#: ``compress(region, budget, context)``: the blocks that replace ``region`` within ``budget`` bytes per batch row
-Compress = Callable[["Region", int, "FitContext"], "list[Block]"]
+#: ``compress(region, budget, context)``: the blocks (`layer.storage.Block`) that replace ``region``
+#: (`region.Region`) within ``budget`` bytes per batch row, fitted with ``context`` (`region.FitContext`). Typed
+#: loosely because this module imports nothing of the package: `settings` (LossyConfig) reads it.
+Compress = Callable[[Any, int, Any], list]
 
 #: ``LossyConfig.entry_format`` values: the cache dtype as it is, 8-bit codes with a float16 scale per vector,
 #: 4-bit codes with a float16 scale and offset per vector, or 4-bit with the most important entries in 8 bits
