@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import CodecConfig, CorruptStreamError, decode, decode_batch, encode, encode_batch
+from .codec import CodecConfig, CorruptStreamError, coder_of, decode, decode_batch, encode, encode_batch
 from .codec.params import settle
 from .codec.symbols import format_of
 from .predictors.base import Predictor, PredictorSession, stream_order
@@ -319,7 +319,7 @@ def _groups(streams: list[_Stream]) -> list[list[_Stream]]:
 def _encode(out: list[CodedStreams], streams: list[_Stream], threads: int) -> None:
     for group in _groups(streams):
         config = group[0].config
-        if config.coder != "lanes":  # per stream, with the [width, tokens] shapes the decoder fingerprints
+        if not coder_of(config).batched:  # per stream, with the [width, tokens] shapes the decoder fingerprints
             blobs = [encode(s.data, s.mean, s.std.expand(s.shape), config) for s in group]
         else:
             blobs = encode_batch(torch.stack([s.data for s in group]), _stacked([s.mean for s in group]),
@@ -332,7 +332,7 @@ def _decode(out: list[tuple[torch.Tensor, torch.Tensor]], streams: list[_Stream]
     for group in _groups(streams):
         first = group[0]
         blobs = [s.data for s in group]
-        if first.config.coder != "lanes":
+        if not coder_of(first.config).batched:
             xs = _decode_each(blobs, [s.mean for s in group], [s.std.expand(s.shape) for s in group], first.config,
                               threads)
             for x in xs:
@@ -368,7 +368,7 @@ def decode_stacked(blobs: list[bytes], means, stds, config: CodecConfig, *, shap
             mean = torch.stack([means[i] for i in members]).flatten(0, -3)
             std = torch.stack([stds[i] for i in members]).flatten(0, -3)
         group = [blobs[i * per_block + j] for i in members for j in range(per_block)]
-        if config.coder == "lanes":
+        if coder_of(config).batched:
             out = torch.empty((len(group), *shape), dtype=dtype, device=device)
             x = decode_batch(group, mean, std, config, out=out, threads=threads,
                              verify=[verify[i] for i in members for _ in range(per_block)])
@@ -384,8 +384,9 @@ def decode_stacked(blobs: list[bytes], means, stds, config: CodecConfig, *, shap
 
 def _decode_each(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
                  threads: int) -> list[torch.Tensor]:
-    """The ``ans`` coder's streams, one call each (its ``workers`` decode windows in forked processes). It
-    fingerprints mean and std as given: they come in the shapes the encoder had (``[width, tokens]`` views)."""
+    """Streams of a coder that is not `batched` (``ans``), one call each (its ``workers`` decode windows in
+    forked processes). It fingerprints mean and std as given: they come in the shapes the encoder had
+    (``[width, tokens]`` views)."""
     return [decode(b, m, s, config=config, workers=threads) for b, m, s in zip(blobs, means, stds)]
 
 

@@ -141,8 +141,8 @@ def baseline_rows(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], methods: Sequ
 
 def parse_window(spec: str):
     if spec.startswith("fixed-"):
-        return CodecConfig(window="fixed", fixed_window=int(spec.split("-")[1]))
-    return CodecConfig(window=spec)
+        return CodecConfig(coder="ans", window="fixed", fixed_window=int(spec.split("-")[1]))
+    return CodecConfig(coder="ans", window=spec)  # the adaptive window schedulers are the ``ans`` coder's
 
 
 def window_rows(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], schedulers: Sequence[str],

@@ -34,10 +34,11 @@ from ..codec import (
     CorruptStreamError,
     Marginal,
     ParameterMismatchError,
+    PendingDecode,
+    coder_of,
     decode_batch,
     start_decode_batch,
 )
-from ..codec.lanes import DecodeJob
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
 from ..predictors.base import KINDS, BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
@@ -77,7 +78,7 @@ class _Ahead:
     indices: list[int]
     blocks: list[CodedBlock]
     out: torch.Tensor
-    job: DecodeJob
+    job: PendingDecode
 
     def fits(self, blocks: list[Block], context: LosslessContext) -> bool:
         """Whether ``blocks`` (a layer's list at its read) still hold these blocks at these places, none of
@@ -306,7 +307,7 @@ class LosslessContext:
         with one_thread():
             predicted = self._predict_together(chosen)
         config = self.codec_for(layer)
-        if predicted is None or predicted[0] is not None or config.coder != "lanes":
+        if predicted is None or predicted[0] is not None or not coder_of(config).batched:
             return
         means, stds = predicted[1]["kv"]
         blobs, verify = _batch_streams(chosen)
@@ -352,7 +353,7 @@ class LosslessContext:
             return None
         sessions, parts = predicted
         config = self.codec_for(first.layer)
-        if into is not None and sessions is None and config.coder == "lanes":  # (`into` is None for split blocks)
+        if into is not None and sessions is None and coder_of(config).batched:  # (`into` is None for split blocks)
             return self._decode_in_place(blocks, *parts["kv"], config, into)
         device = first.device if self.depth == 0 else torch.device("cpu")
         count, batch, heads, tokens = len(blocks), len(first.rows), first.heads, first.tokens

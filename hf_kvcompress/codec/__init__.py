@@ -1,32 +1,53 @@
 """Model-independent lossless codec for float tensors given a predicted mean and spread.
 
 ``encode(x, mean, std)`` codes every element under a bin-integrated Gaussian mixture (integer tables chosen
-from (mean, std) with exact integer arithmetic) with constriction's ANS coder, in independently decodable
-windows; ``decode`` returns a bit-identical tensor. ``CodecConfig(coder="lanes")`` selects the compiled
-interleaved-rANS format instead, with `encode_batch` / `decode_batch` coding many streams per call. See
-docs/codec.md for the formats and the arithmetic.
+from (mean, std) with exact integer arithmetic); ``decode`` returns a bit-identical tensor. Two coders
+implement it (`interface.Coder`, registered in `coders`): ``lanes`` (the default; compiled interleaved rANS,
+`encode_batch` / `decode_batch` code many streams per call) and ``ans`` (constriction's ANS coder over
+independently decodable adaptive windows): ``CodecConfig(coder=...)``. See docs/codec.md for the formats and
+the arithmetic.
 """
 
 from __future__ import annotations
 
-from .api import decode, decode_batch, decode_range, encode, encode_batch, start_decode_batch, stream_info
+from .api import (
+    coder_of,
+    coder_of_stream,
+    decode,
+    decode_batch,
+    decode_range,
+    encode,
+    encode_batch,
+    encode_with_stats,
+    start_decode_batch,
+    stream_info,
+)
+from .coders import CODERS
 from .config import CodecConfig
 from .errors import CorruptStreamError, ParameterMismatchError
-from .stats import CodecStats, encode_with_stats
+from .interface import CodecStats, Coder, PendingDecode
+from .lanes_coder import jit, lanes  # modules other code patches as codec.jit / codec.lanes
 from .tables import Marginal, set_table_cache
 
 __all__ = [
+    "CODERS",
     "CodecConfig",
     "CodecStats",
+    "Coder",
     "CorruptStreamError",
     "Marginal",
     "ParameterMismatchError",
+    "PendingDecode",
+    "coder_of",
+    "coder_of_stream",
     "decode",
     "decode_batch",
     "decode_range",
     "encode",
     "encode_batch",
     "encode_with_stats",
+    "jit",
+    "lanes",
     "set_table_cache",
     "start_decode_batch",
     "stream_info",

@@ -1,406 +1,44 @@
-"""The codec's entry points and the ``ans`` coder's encode and decode flows: tensor -> symbols per window ->
-stream, and stream -> verified header -> windows (serial, threads, processes, or the device) -> tensor.
-``coder="lanes"`` streams go to `lanes`. Re-exported by the package (`hf_kvcompress.codec`)."""
+"""The codec's entry points: thin dispatchers to the coder a config names (`coders.CODERS`; to decode, the
+coder whose magic bytes a stream starts with). Re-exported by the package (`hf_kvcompress.codec`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..kernels import dispatch
-from . import lanes
-from .coder import decode_chunk, encode_chunk, fork_available, models_for, run_jobs, run_jobs_forked
-from .config import (
-    CodecConfig,
-    check_config,
-    check_has_data,
-    check_stat,
-    check_x,
-    fingerprint,
-    fingerprint8,
-)
-from .device import DeviceSource, decode_on_device, device_of
-from .errors import CorruptStreamError, ParameterMismatchError
-from .format import (
-    MAX_NDIM,
-    VERSION,
-    Header,
-    entry_dtype,
-    is_compact,
-    read_compact,
-    read_stream,
-    write_compact,
-    write_stream,
-)
-from .params import ParamSource
-from .symbols import bits_to_tensor, join_bits, split_bits, tensor_bits
-from .tables import Marginal, get_tables
-from .windows import (
-    CHUNK,
-    CausalScheduler,
-    chunks_of,
-    data_crc,
-    global_spread,
-    planned_lengths,
-    source_residual_codes,
-    window_crc,
-    window_crcs_of,
-    window_seed,
-    window_sigma_bits,
-    window_sigma_codes,
-)
+from .coders import CODERS
+from .config import CodecConfig, check_config
+from .errors import CorruptStreamError
+from .interface import CodecStats, Coder, PendingDecode, check_parallel, unknown_stream
+from .tables import Marginal
 
 
-@dataclass
-class EncodeTrace:
-    """What `encode_with_stats` needs from an encode."""
-
-    lengths: np.ndarray
-    model_bits: np.ndarray | None
-    sigma_codes: np.ndarray | None
-    res_codes: np.ndarray | None
-    g: int
-    header_bytes: int
-    table_bytes: int
-    payload_sizes: np.ndarray
+def coder_of(config: CodecConfig | None) -> Coder:
+    """The coder ``config`` names (None: `CodecConfig()`'s, the default)."""
+    return CODERS[check_config(config).coder]
 
 
-def _wants_device(*tensors) -> bool:
-    return dispatch.device_path(*(t for t in tensors if isinstance(t, torch.Tensor)))
-
-
-def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, EncodeTrace]:
-    """Check the arguments, plan windows, code chunk by chunk, assemble the stream."""
-    cfg = check_config(config)
-    x, fmt = check_x(x)
-    shape = tuple(int(d) for d in x.shape)
-    if len(shape) > MAX_NDIM:
-        raise ValueError(f"codec: x has {len(shape)} dims; streams hold at most {MAX_NDIM}")
-    mean32 = check_stat(mean, "mean", shape, False)
-    std32 = check_stat(std, "std", shape, True)
-    bits = tensor_bits(x)
-    n = bits.size
-    keys, raw = split_bits(bits, fmt)
-    src = ParamSource(shape, mean32, std32, fmt, cfg.mean_steps)
-    on_device = _wants_device(x, mean, std)
-    if on_device:  # the per-element model through the kernels, on the inputs' device (same bytes)
-        src = DeviceSource(src, shape, x, mean, std, mean32, std32, cfg, device_of(x, mean, std))
-    models = models_for(fmt, cfg)
-    need_res = cfg.window in ("metadata", "causal") or std32 is None or want_costs
-    res = None
-    if need_res:
-        res = np.empty(n, dtype=np.int32)
-        for a in range(0, n, 1 << 20):
-            b = min(n, a + (1 << 20))
-            res[a:b] = source_residual_codes(bits[a:b], src, a, b)
-    g = global_spread(cfg, src, res)
-    lengths = planned_lengths(cfg, n, src, g, res)
-    sigma = window_sigma_codes(res, lengths) if std32 is None else None
-    tiers = [cfg.tier_of_length(int(w)) for w in lengths]
-    payloads: list[bytes] = []
-    costs = []
-    for w0, w1, a, b in chunks_of(lengths):
-        sig = None if sigma is None else window_sigma_bits(sigma[w0:w1], lengths[w0:w1])
-        pre = None
-        if on_device:
-            p, valid, sym = src.symbols(a, b, sig)
-            pre = (valid, sym)
-        else:
-            p = src.params(a, b, sig)
-        pl, c = encode_chunk(keys[a:b], None if raw is None else raw[a:b], p, lengths[w0:w1], models,
-                             tiers[w0:w1], want_costs, pre)
-        payloads.extend(pl)
-        if c is not None:
-            costs.append(c)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    entries = np.zeros(lengths.size, dtype=entry_dtype(cfg.window, std32 is not None))
-    entries["nbytes"] = [len(p) for p in payloads]
-    stream_crc = data_crc(bits, fmt)
-    entries["crc"] = [window_crc(p, bits[a:b], fmt, window_seed(VERSION, stream_crc, w))
-                      for w, (p, a, b) in enumerate(zip(payloads, starts.tolist(), (starts + lengths).tolist()))]
-    if cfg.window == "metadata":
-        entries["len1"] = lengths - 1
-    if sigma is not None:
-        entries["sigma"] = sigma
-    compact = cfg.header == "compact"
-    fp = fingerprint8 if compact else fingerprint
-    header = Header(
-        fmt, shape, n, mean32 is not None, std32 is not None, cfg, int(lengths.size), g, stream_crc,
-        bytes.fromhex(get_tables().sha256), bytes.fromhex(cfg.marginal_or_default.sha256),
-        fp(mean32, b"mean"), fp(std32, b"std"), compact,
-    )
-    blob = (write_compact if compact else write_stream)(header, entries, payloads)
-    payload_sizes = entries["nbytes"].astype(np.int64)
-    table_bytes = entries.nbytes + 4
-    trace = EncodeTrace(lengths, np.concatenate(costs) if costs else None, sigma, res, g,
-                        len(blob) - int(payload_sizes.sum()) - table_bytes, table_bytes, payload_sizes)
-    return blob, trace
-
-
-class Decoder:
-    """A parsed, verified stream plus the inputs needed to decode any of its windows."""
-
-    def __init__(self, blob, mean, std, marginal: Marginal | None, config: CodecConfig | None = None) -> None:
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
-        marginal = _check_marginal_config(marginal, config)
-        if is_compact(blob):
-            h, entries, offsets, buf = read_compact(blob, config)
-        else:
-            # self-describing: its own config governs; a given config only supplies the marginal, so full
-            # streams written before a caller switched settings still decode
-            h, entries, offsets, buf = read_stream(blob, marginal)
-        self.h, self.entries, self.offsets, self.buf = h, entries, offsets, buf
-        self.fmt = h.fmt
-        mean32 = self._stat(mean, "mean", h.has_mean, h.mean_fp)
-        std32 = self._stat(std, "std", h.has_std, h.std_fp)
-        tables = get_tables()
-        if h.tables_sha256 != bytes.fromhex(tables.sha256):
-            raise CorruptStreamError(
-                f"stream was written with codec tables {h.tables_sha256.hex()[:16]}..., this build has "
-                f"{tables.sha256[:16]}... (incompatible codec version or platform)"
-            )
-        if h.marginal_sha256 != bytes.fromhex(h.config.marginal_or_default.sha256):
-            raise CorruptStreamError("stream was written with a different default marginal p_hat")
-        self.src = ParamSource(h.shape, mean32, std32, h.fmt, h.config.mean_steps)
-        self.src_mean32, self.src_std32 = mean32, std32  # validated float32 copies (the device path's inputs)
-        self.models = models_for(h.fmt, h.config)
-        self.cfg = h.config
-        self.lengths: np.ndarray | None = None if self.cfg.window == "causal" else self._lengths()
-        if self.lengths is not None and (int(self.lengths.sum()) != h.numel or self.lengths.size != h.n_windows):
-            raise CorruptStreamError("corrupt codec stream: window table does not match the window plan")
-        self.timings: list | None = None
-
-    def _stat(self, value, name, present: bool, fp: bytes):
-        if value is None and present:
-            raise CorruptStreamError(f"stream was encoded with a {name}; pass the same {name} to decode")
-        if value is not None and not present:
-            raise CorruptStreamError(f"stream was encoded without a {name}; pass {name}=None to decode")
-        if value is None:
-            return None
-        if not isinstance(value, (torch.Tensor, np.ndarray, int, float)) or isinstance(value, bool):
-            raise TypeError(f"codec: {name} must be a torch.Tensor or a number, got {type(value).__name__}")
-        if isinstance(value, torch.Tensor):
-            check_has_data(value, name)  # a clear error, not a fingerprint mismatch
-        try:
-            arr = check_stat(value, name, self.h.shape, name == "std")
-        except ValueError:
-            arr = None
-        fingerprint_of = fingerprint8 if self.h.compact else fingerprint
-        if arr is None or fingerprint_of(arr, name.encode()) != fp:
-            raise ParameterMismatchError(
-                f"the {name} passed to decode differs from the one used to encode (fingerprint mismatch); "
-                f"decoding would produce garbage"
-            )
-        return arr
-
-    def _lengths(self) -> np.ndarray:
-        cfg, h = self.cfg, self.h
-        if cfg.window == "metadata":
-            return self.entries["len1"].astype(np.int64) + 1
-        return planned_lengths(cfg, h.numel, self.src, h.g_spread, None)
-
-    def _sigma_bits(self, w0: int, w1: int, lengths: np.ndarray) -> np.ndarray | None:
-        if self.h.has_std:
-            return None
-        return window_sigma_bits(self.entries["sigma"][w0:w1].astype(np.int64), lengths)
-
-    def decode_windows(self, w0: int, w1: int, a: int, lengths: np.ndarray) -> np.ndarray:
-        """Bits (int64) of windows w0..w1-1, which start at element a, each checked against its CRC."""
-        buf, offsets = self.buf, self.offsets
-        b = a + int(lengths.sum())
-        p = self.src.params(a, b, self._sigma_bits(w0, w1, lengths))
-        tiers = [self.cfg.tier_of_length(int(x)) for x in lengths]
-        keys, raw = decode_chunk(buf, offsets[w0 : w1 + 1], p, lengths, self.models, tiers, self.timings)
-        bits = join_bits(keys, raw, self.fmt)
-        crcs = window_crcs_of(buf, offsets[w0 : w1 + 1], bits, lengths, self.fmt, self.h.version, self.h.data_crc, w0)
-        bad = np.flatnonzero(crcs != self.entries["crc"][w0:w1])
-        if bad.size:
-            raise CorruptStreamError(f"corrupt codec stream: checksum mismatch in window {w0 + int(bad[0])}")
-        return bits
-
-    def out_dtype(self):
-        return np.uint32 if self.fmt.dtype == torch.float32 else np.uint16
-
-    def decode_all(self, threads: int = 1, workers: int = 1) -> np.ndarray:
-        n = self.h.numel
-        if self.lengths is None:
-            return self.decode_causal(n)
-        lengths = self.lengths
-        jobs = chunks_of(lengths)
-
-        def run(out: np.ndarray, i: int) -> None:
-            w0, w1, a, b = jobs[i]
-            out[a:b] = self.decode_windows(w0, w1, a, lengths[w0:w1])
-
-        sizes = [b - a for _, _, a, b in jobs]
-        if workers > 1 and fork_available() and len(jobs) > 1:
-            return run_jobs_forked(run, sizes, workers, n, self.out_dtype())
-        out = np.empty(n, dtype=self.out_dtype())
-        run_jobs(lambda i: run(out, i), sizes, max(threads, workers))  # no fork here: threads instead
-        return out
-
-    def decode_causal(self, stop: int) -> np.ndarray:
-        """Causal mode: each boundary needs the values before it. Decode a batch of windows whose lengths
-        assume the scheduler state stays put, keep the prefix that replaying the scheduler confirms, and
-        fall back to one window when a guess was wrong. The batch doubles after a fully confirmed batch
-        and drops to one window after a miss, so unstable regions cost about one extra window each."""
-        h = self.h
-        out = np.empty(h.numel, dtype=self.out_dtype())
-        sched = CausalScheduler(h.numel, self.cfg, h.g_spread)
-        w = 0
-        batch = 8
-        while sched.pos < stop:
-            spec = sched.speculate(batch, CHUNK)[: h.n_windows - w]
-            if not spec:
-                raise CorruptStreamError("corrupt codec stream: causal window plan does not match the table")
-            a = sched.pos
-            try:
-                bits = self.decode_windows(w, w + len(spec), a, np.array(spec, dtype=np.int64))
-            except CorruptStreamError:
-                if len(spec) == 1:
-                    raise
-                spec = spec[:1]  # a wrong guess for a later window, or real corruption: go one by one
-                bits = self.decode_windows(w, w + 1, a, np.array(spec, dtype=np.int64))
-                batch = 1
-            codes = source_residual_codes(bits, self.src, a, a + len(bits))
-            off = 0
-            for length in spec:
-                if sched.next_length() != length:
-                    batch = 1
-                    break
-                out[a + off : a + off + length] = bits[off : off + length]
-                sched.observe(codes[off : off + length])
-                off += length
-                w += 1
-            else:
-                batch = min(64, 2 * batch)
-        if stop == h.numel and w != h.n_windows:
-            raise CorruptStreamError("corrupt codec stream: more windows in the table than in the plan")
-        return out[:stop]
-
-    def decode_range(self, start: int, stop: int) -> np.ndarray:
-        if self.h.version < 2:
-            # version-1 window CRCs are not bound to their stream: only the data CRC over everything catches
-            # a window spliced in from another stream, so check it (decoding every window)
-            bits = self.decode_all()
-            if data_crc(bits, self.fmt) != self.h.data_crc:
-                raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
-            return bits[start:stop]
-        if self.lengths is None:
-            return self.decode_causal(stop)[start:stop]
-        cum = np.concatenate([[0], np.cumsum(self.lengths)])
-        w0 = int(np.searchsorted(cum, start, side="right")) - 1
-        w1 = int(np.searchsorted(cum, stop, side="left"))
-        if stop == start:
-            return np.zeros(0, dtype=self.out_dtype())
-        a = int(cum[w0])
-        bits = self.decode_windows(w0, w1, a, self.lengths[w0:w1])
-        return bits[start - a : stop - a].astype(self.out_dtype())
-
-    def tensor(self, bits: np.ndarray, shape) -> torch.Tensor:
-        return bits_to_tensor(bits, self.fmt, shape)
-
-
-def stream_info_impl(blob, marginal, config: CodecConfig | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+def coder_of_stream(blob) -> Coder:
+    """The coder that wrote ``blob`` (by its magic bytes); `CorruptStreamError` if none did."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
-    marginal = _check_marginal_config(marginal, config)
-    h = read_compact(blob, config)[0] if is_compact(blob) else read_stream(blob, marginal)[0]
-    return h.fmt.dtype, h.shape
+    for coder in CODERS.values():
+        if coder.owns(blob):
+            return coder
+    raise unknown_stream(blob)
 
 
-def _check_marginal_config(marginal, config) -> Marginal | None:
-    """The marginal to parse a full stream with: ``marginal=`` or the one in ``config=`` (not two)."""
-    if marginal is not None and not isinstance(marginal, Marginal):
-        raise TypeError(f"codec: marginal must be a Marginal or None, got {type(marginal).__name__}")
-    if config is None:
-        return marginal
-    if not isinstance(config, CodecConfig):
-        raise TypeError(f"codec: config must be a CodecConfig or None, got {type(config).__name__}")
-    if marginal is not None and marginal != config.marginal:
-        raise ValueError("codec: marginal= differs from config.marginal; pass the marginal in one place")
-    return config.marginal
-
-
-def _check_parallel(threads: int, workers: int) -> None:
-    for name, v in (("threads", threads), ("workers", workers)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"codec: {name} must be an int >= 1, got {v!r}")
-
-
-def decode_impl(blob, mean, std, marginal, threads: int, workers: int, timings: list | None = None,
-                config: CodecConfig | None = None):
-    _check_parallel(threads, workers)
-    d = Decoder(blob, mean, std, marginal, config)
-    d.timings = timings
-    device = _device_for(d, mean, std)
-    if device is not None:
-        return _decode_on_device(d, mean, std, device)
-    bits = d.decode_all(threads, workers)
-    if data_crc(bits, d.fmt) != d.h.data_crc:
-        raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
-    out = d.tensor(bits, d.h.shape)
-    cuda = [t for t in (mean, std) if isinstance(t, torch.Tensor) and t.is_cuda]
-    return out.to(cuda[0].device) if cuda else out
-
-
-def _device_for(d: Decoder, mean, std):
-    """The device to decode on (CUDA inputs with Triton, or forced kernels), else None: the host path."""
-    if d.lengths is None or d.timings is not None:  # causal boundaries are serial; monitoring times the CPU
-        return None
-    return triton_device(mean, std)
-
-
-def triton_device(*values) -> torch.device | None:
-    """The device an entropy decode runs on as Triton kernels: the CUDA device of any tensor among
-    ``values`` (mean, std, out) when `dispatch` says Triton for it, the CPU when the kernels are forced to
-    Triton (the interpreter tests); None for the host decoders. Without Triton a CUDA caller is decoded on
-    the host and gets its result on its device: the device's torch reference would step every symbol from
-    Python."""
-    tensors = [t for t in values if isinstance(t, torch.Tensor)]
-    if not dispatch.device_path(*tensors):
-        return None
-    cuda = [t for t in tensors if t.is_cuda]
-    if not dispatch.use_triton(*(cuda or tensors)):
-        return None
-    return device_of(*tensors)
-
-
-def _decode_on_device(d: Decoder, mean, std, device) -> torch.Tensor:
-    bits_t = decode_on_device(d, mean, std, device)
-    mask = 0xFFFFFFFF if d.fmt.dtype == torch.float32 else 0xFFFF
-    bits = bits_t.cpu().numpy().astype(np.int64) & mask  # checksums on the host (see device.py)
-    crcs = window_crcs_of(d.buf, d.offsets, bits, d.lengths, d.fmt, d.h.version, d.h.data_crc)
-    bad = np.flatnonzero(crcs != d.entries["crc"])
-    if bad.size:
-        raise CorruptStreamError(f"corrupt codec stream: checksum mismatch in window {int(bad[0])}")
-    if data_crc(bits, d.fmt) != d.h.data_crc:
-        raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
-    return bits_t.view(d.fmt.dtype).reshape(d.h.shape)
-
-
-def decode_range_impl(blob, start: int, stop: int, mean, std, marginal,
-                      config: CodecConfig | None = None) -> torch.Tensor:
-    d = Decoder(blob, mean, std, marginal, config)
-    n = d.h.numel
-    for name, v in (("start", start), ("stop", stop)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"codec: {name} must be an int, got {type(v).__name__}")
-    if not 0 <= start <= stop <= n:
-        raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
-    bits = d.decode_range(start, stop)
-    if start == 0 and stop == n and data_crc(bits, d.fmt) != d.h.data_crc:
-        raise CorruptStreamError("corrupt codec stream: checksum of the decoded data does not match")
-    return d.tensor(bits, (stop - start,))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Entry points
+def _batch_coder(blobs, cfg: CodecConfig) -> Coder:
+    """``cfg``'s coder, after checking that the first of ``blobs`` is one of its streams (a clear error for
+    another coder's streams; each coder checks every stream)."""
+    coder = CODERS[cfg.coder]
+    first = blobs[0] if isinstance(blobs, (list, tuple)) and blobs else None
+    if isinstance(first, (bytes, bytearray, memoryview)) and not coder.owns(first):
+        other = next((c.name for c in CODERS.values() if c.owns(first)), None)
+        raise CorruptStreamError(f"codec.decode_batch: stream 0 is {'not a codec stream' if other is None else f'a {other!r} stream'}, "
+                                 f"but the config says coder={cfg.coder!r}; pass the encoder's config")
+    return coder
 
 
 def encode(
@@ -410,11 +48,9 @@ def encode(
     config: CodecConfig | None = None,
 ) -> bytes:
     """Losslessly code ``x`` (bfloat16, float16 or float32, any shape) given a predicted ``mean`` and
-    spread ``std``, each broadcastable to ``x`` (or None: mean 0 / a per-window spread sent as side info)."""
+    spread ``std``, each broadcastable to ``x`` (or None: mean 0 / a spread sent as side info)."""
     cfg = check_config(config)
-    if cfg.coder == "lanes":
-        return lanes.encode_one(x, mean, std, cfg)
-    return encode_impl(x, mean, std, cfg)[0]
+    return CODERS[cfg.coder].encode(x, mean, std, cfg)
 
 
 def encode_batch(
@@ -424,16 +60,15 @@ def encode_batch(
     config: CodecConfig | None = None,
     threads: int | None = None,
 ) -> list[bytes]:
-    """Code ``x`` of shape ``[N, ...]`` as N independent streams (``x[i]`` each) in one compiled call
-    (``threads`` > 1: one per thread, the streams split between them).
+    """Code ``x`` of shape ``[N, ...]`` as N independent streams (``x[i]`` each): one compiled call for a
+    batched coder (``lanes``; ``threads`` > 1: one per thread, the streams split between them), stream by
+    stream otherwise (``ans``).
 
     ``mean`` / ``std`` broadcast to ``x`` (e.g. ``[N, 1, D]`` per stream and channel, ``[1, 1, D]`` shared);
     stream ``i`` is byte-identical to ``encode(x[i], mean[i], std[i], config)`` (with ``mean[0]`` for a
-    shared leading dim). Needs ``config.coder == "lanes"``."""
+    shared leading dim)."""
     cfg = check_config(config)
-    if cfg.coder != "lanes":
-        raise ValueError(f"codec.encode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
-    return lanes.encode_batch_impl(x, mean, std, cfg, threads=threads)
+    return CODERS[cfg.coder].encode_batch(x, mean, std, cfg, threads=threads)
 
 
 def decode_batch(
@@ -445,33 +80,27 @@ def decode_batch(
     threads: int | None = None,
     verify: bool | Sequence[bool] = True,
 ) -> torch.Tensor:
-    """Inverse of `encode_batch`: ``[N, ...]`` from N lanes streams of one shape and dtype, decoded in one
-    compiled call (GIL released; ``threads`` > 1 splits the streams over that many threads), into ``out``
-    when given: a tensor of that dtype and shape, or ``[*lead, *shape]`` with the N streams in row-major order of
-    ``lead``, on any device, with any strides that do not overlap (a CPU view is written in place: a cache
-    decodes its blocks straight into the tensors attention reads). ``mean`` / ``std`` as for
-    `encode_batch`, checked per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for
-    any stream that cannot decode exactly.
+    """Inverse of `encode_batch`: ``[N, ...]`` from N streams of one shape and dtype, into ``out`` when given:
+    a tensor of that dtype and shape, or ``[*lead, *shape]`` with the N streams in row-major order of ``lead``,
+    on any device, with any strides that do not overlap (``lanes`` writes a CPU view in place: a cache decodes
+    its blocks straight into the tensors attention reads). ``mean`` / ``std`` as for `encode_batch`, checked
+    per stream by fingerprint (`ParameterMismatchError`); `CorruptStreamError` for any stream that cannot
+    decode exactly.
 
+    ``lanes``: one compiled call (GIL released; ``threads`` > 1 splits the streams over that many threads).
     ``verify`` (True, or one bool per stream): whether to check each stream's hash of its words and decoded
     values. Pass False only for streams this process has already decoded with the check and held since as
     immutable ``bytes`` (a cache decoding its own blocks every step); the structural checks (every word
-    consumed, every lane back at its initial state, values inside the dtype) run for every stream.
-
-    Where it runs (`triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
+    consumed, every lane back at its initial state, values inside the dtype) run for every stream. Where it
+    runs (`config.triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
     available, the per-element model and the entropy decoding run there (`device_triton.decode_batch_triton`)
     and the result lands on that device; otherwise the compiled host decoder runs and the result is moved to
-    the CUDA device if one was given. Both give the same bits (docs/codec.md 12.1)."""
-    cfg = check_config(config)
-    if cfg.coder != "lanes":
-        raise ValueError(f"codec.decode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
-    device = triton_device(mean, std, out)
-    if device is not None:
-        lanes._check_threads(threads)
-        from . import device_triton  # optional dependency, imported when a kernel runs as Triton
+    the CUDA device if one was given. Both give the same bits (docs/codec.md 12.1).
 
-        return device_triton.decode_batch_triton(blobs, mean, std, cfg, device=device, out=out, verify=verify)
-    return lanes.decode_batch_impl(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
+    ``ans``: stream by stream, each verified whatever ``verify`` says (``threads``: forked workers over one
+    stream's windows, as `decode`'s ``workers``)."""
+    cfg = check_config(config)
+    return _batch_coder(blobs, cfg).decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
 
 
 def start_decode_batch(
@@ -483,18 +112,15 @@ def start_decode_batch(
     threads: int = 1,
     verify: bool | Sequence[bool] = True,
     chunks: int = 8,
-) -> lanes.DecodeJob | None:
+) -> PendingDecode | None:
     """`decode_batch` begun in the background: the streams are parsed and checked here (the same errors),
     then ``threads`` background threads decode them in ``chunks`` pieces while the caller goes on; the returned
-    `lanes.DecodeJob`'s ``finish()`` decodes what is left on the calling thread and returns what
-    `decode_batch` would. None where `decode_batch` would decode on a device (Triton): call it instead."""
+    job's ``finish()`` decodes what is left on the calling thread and returns what `decode_batch` would. None
+    where the coder has no background form (``ans``) or `decode_batch` would decode on a device (Triton): call
+    `decode_batch` instead."""
     cfg = check_config(config)
-    if cfg.coder != "lanes":
-        raise ValueError(f"codec.start_decode_batch needs CodecConfig(coder='lanes'), got coder={cfg.coder!r}")
-    if triton_device(mean, std, out) is not None:
-        return None
-    lanes._check_threads(threads)
-    return lanes.DecodeJob(blobs, mean, std, cfg, out, verify, chunks).start(threads)
+    return _batch_coder(blobs, cfg).start_decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify,
+                                                chunks=chunks)
 
 
 def decode(
@@ -507,19 +133,18 @@ def decode(
     threads: int = 1,
     workers: int = 1,
 ) -> torch.Tensor:
-    """Inverse of `encode`: the same mean/std (checked by fingerprint) give back ``x`` bit for bit.
+    """Inverse of `encode`: the same mean/std (checked by fingerprint) give back ``x`` bit for bit. The coder
+    is the one whose magic bytes ``blob`` starts with.
 
-    ``config``: the encoder's `CodecConfig`; required for ``header="compact"`` streams (checked by digest);
-    full streams carry their own and only take the marginal from it. ``marginal``: the p_hat the
-    stream was encoded with, if not the default (or pass it inside ``config``). ``workers > 1`` decodes
-    windows in forked processes (scales: constriction holds the GIL), ``threads > 1`` on threads (overlaps
-    only numpy work). Raises `CorruptStreamError` for anything that cannot decode exactly. Lanes streams
-    (``coder="lanes"``) are recognised by their magic bytes and need ``config=``.
+    ``config``: the encoder's `CodecConfig`. ``ans``: required for ``header="compact"`` streams (checked by
+    digest); full streams carry their own and only take the marginal from it. ``lanes``: checked by digest;
+    None checks against `CodecConfig()`. ``marginal``: the p_hat the stream was encoded with, if not the
+    default (or pass it inside ``config``). ``ans`` only: ``workers > 1`` decodes windows in forked processes
+    (scales: constriction holds the GIL), ``threads > 1`` on threads (overlaps only numpy work). Raises
+    `CorruptStreamError` for anything that cannot decode exactly.
     """
-    if _is_lanes(blob):
-        _check_parallel(threads, workers)
-        return lanes.decode_one(blob, mean, std, _lanes_config(config, marginal))
-    return decode_impl(blob, mean, std, marginal, threads, workers, config=config)
+    check_parallel(threads, workers)
+    return coder_of_stream(blob).decode(blob, mean, std, config, marginal, threads=threads, workers=workers)
 
 
 def decode_range(
@@ -532,37 +157,33 @@ def decode_range(
     config: CodecConfig | None = None,
     marginal: Marginal | None = None,
 ) -> torch.Tensor:
-    """Elements ``start:stop`` of the flattened tensor (1-D), decoding only the windows they lie in
-    (causal mode: all windows up to ``stop``, since boundaries are found serially). ``config`` and
-    ``marginal`` as for `decode`."""
-    if _is_lanes(blob):
-        return lanes.decode_range_one(blob, start, stop, mean, std, _lanes_config(config, marginal))
-    return decode_range_impl(blob, start, stop, mean, std, marginal, config)
-
-
-def _is_lanes(blob: object) -> bool:
-    return isinstance(blob, (bytes, bytearray, memoryview)) and lanes.is_lanes(blob)
-
-
-def _lanes_config(config: CodecConfig | None, marginal: Marginal | None) -> CodecConfig | None:
-    """The config to check a lanes stream's digest against (``marginal=`` may supply the p_hat)."""
-    if marginal is not None and not isinstance(marginal, Marginal):
-        raise TypeError(f"codec: marginal must be a Marginal or None, got {type(marginal).__name__}")
-    if config is None or marginal is None:
-        return config
-    if not isinstance(config, CodecConfig):
-        raise TypeError(f"codec: config must be a CodecConfig or None, got {type(config).__name__}")
-    if config.marginal is not None and marginal != config.marginal:
-        raise ValueError("codec: marginal= differs from config.marginal; pass the marginal in one place")
-    return dataclasses.replace(config, marginal=marginal)
+    """Elements ``start:stop`` of the flattened tensor (1-D). ``ans`` decodes only the windows they lie in
+    (causal mode: all windows up to ``stop``, since boundaries are found serially); ``lanes`` streams are one
+    window, decoded whole. ``config`` and ``marginal`` as for `decode`."""
+    return coder_of_stream(blob).decode_range(blob, start, stop, mean, std, config, marginal)
 
 
 def stream_info(
     blob: bytes, *, config: CodecConfig | None = None, marginal: Marginal | None = None
 ) -> tuple[torch.dtype, tuple[int, ...]]:
-    """The dtype and shape ``blob`` decodes to, from its checked header and window table (the payload is
-    not decoded): lets a container check a stream against what it expects before allocating for it.
-    ``config`` and ``marginal`` as for `decode`; raises `CorruptStreamError` like `decode`."""
-    if _is_lanes(blob):
-        return lanes.stream_info_one(blob, _lanes_config(config, marginal))
-    return stream_info_impl(blob, marginal, config)
+    """The dtype and shape ``blob`` decodes to, from its checked header (the payload is not decoded): lets a
+    container check a stream against what it expects before allocating for it. ``config`` and ``marginal``
+    as for `decode`; raises `CorruptStreamError` like `decode`."""
+    return coder_of_stream(blob).stream_info(blob, config, marginal)
+
+
+def encode_with_stats(
+    x: torch.Tensor,
+    mean: torch.Tensor | float | None = None,
+    std: torch.Tensor | float | None = None,
+    config: CodecConfig | None = None,
+    *,
+    decode: bool = True,
+    exact: bool = True,
+) -> tuple[bytes, CodecStats]:
+    """`encode` plus a `CodecStats`: sizes, rate, window histogram, timings. ``decode=True`` also decodes once
+    (checking the round trip). ``ans`` adds ideal code lengths (``model_bits``; ``exact=True``: the
+    exact-mixture ideal, float64, slower than coding), escapes, windows timed by size and locality; ``lanes``
+    reports its stream as one window and leaves ``model_bits`` / ``escapes`` None."""
+    cfg = check_config(config)
+    return CODERS[cfg.coder].encode_with_stats(x, mean, std, cfg, decode=decode, exact=exact)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -16,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ..kernels import dispatch
 from ..validation import check_int, check_number
 from .symbols import Format, format_of
 from .tables import Marginal
@@ -24,7 +26,18 @@ MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
 WINDOW_MODES = ("fixed", "metadata", "predicted", "causal")
 MEAN_STEPS = (8, 4, 2)
 HEADERS = ("full", "compact")
-CODERS = ("ans", "lanes")
+DEFAULT_CODER = "lanes"  # compiled, measured ~4x faster than ``ans`` at the same rate (docs/codec.md 12)
+LEGACY_CODER = "ans"  # the coder of a serialised config that names none (`to_dict` leaves ``ans`` out)
+
+# name -> coder: the registry (`coders.CODERS`), installed here when the codec package loads (`install_coders`);
+# `CodecConfig` validates its ``coder`` and asks that coder whether it takes the rest (`Coder.check_config`)
+_coders: Mapping[str, Any] = {}
+
+
+def install_coders(coders: Mapping[str, Any]) -> None:
+    """Make ``coders`` (name -> `interface.Coder`) the ones `CodecConfig` accepts."""
+    global _coders
+    _coders = coders
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -76,10 +89,12 @@ class CodecConfig:
         header: stream header layout: ``"full"`` (self-describing: config JSON, hashes; decodes without
             the config) or ``"compact"`` (a short digest of tables, marginal and config; ``decode`` then
             needs ``config=`` and checks the digest). Ignored by ``coder="lanes"``, which has its own layout.
-        coder: ``"ans"`` (constriction, windows grouped by table id; the layouts above) or ``"lanes"``
-            (compiled interleaved rANS over the whole stream as one window, ~24-byte header;
-            `encode_batch` / `decode_batch`; ``decode`` needs ``config=``; only ``window="fixed"``, and
-            ``fixed_window`` has no effect). docs/codec.md section 12.
+        coder: a registered coder (`coders.CODERS`): ``"lanes"`` (the default: compiled interleaved rANS over
+            the whole stream as one window, ~24-byte header; its streams do not carry the config, ``decode``
+            checks them against ``config=`` or the default `CodecConfig()`; only ``window="fixed"``, and
+            ``fixed_window`` has no effect; docs/codec.md section 12) or ``"ans"`` (constriction, windows
+            grouped by table id, every window mode; the layouts above). Every other field keeps its default
+            whatever the coder, so ``CodecConfig(coder="ans")`` is the ``ans`` coder's original default.
     """
 
     window: str = "fixed"
@@ -98,7 +113,7 @@ class CodecConfig:
     marginal: Marginal | None = None
     mean_steps: int = 8
     header: str = "full"
-    coder: str = "ans"
+    coder: str = DEFAULT_CODER
 
     _NOT_IN_DICT: ClassVar[tuple[str, ...]] = ("marginal",)
 
@@ -143,12 +158,10 @@ class CodecConfig:
             raise ValueError(f"CodecConfig.mean_steps must be one of {list(MEAN_STEPS)}, got {self.mean_steps!r}")
         if self.header not in HEADERS:
             raise ValueError(f"CodecConfig.header must be one of {list(HEADERS)}, got {self.header!r}")
-        if self.coder not in CODERS:
-            raise ValueError(f"CodecConfig.coder must be one of {list(CODERS)}, got {self.coder!r}")
-        if self.coder == "lanes" and self.window != "fixed":
-            raise ValueError(
-                f"CodecConfig(coder='lanes') codes each stream as one window: window must be 'fixed', got {self.window!r}"
-            )
+        coder = _coders.get(self.coder) if isinstance(self.coder, str) else None
+        if coder is None:
+            raise ValueError(f"CodecConfig.coder must be one of {sorted(_coders)}, got {self.coder!r}")
+        coder.check_config(self)  # what this coder takes of the rest (window modes)
         if self.marginal is not None and not isinstance(self.marginal, Marginal):
             raise TypeError(f"CodecConfig.marginal must be a Marginal or None, got {type(self.marginal).__name__}")
 
@@ -175,11 +188,12 @@ class CodecConfig:
             out[f.name] = list(v) if isinstance(v, tuple) else v
         out["marginal_sha256"] = None if self.marginal is None else self.marginal.sha256
         # the layout is not a coding choice, and the default mean_steps is left out, so that streams of the
-        # default config keep the exact bytes of earlier versions (likewise the default coder)
+        # default config keep the exact bytes of earlier versions (likewise ``ans``, the coder of the first
+        # format: `from_dict` reads a missing coder as it)
         del out["header"]
         if self.mean_steps == 8:
             del out["mean_steps"]
-        if self.coder == "ans":
+        if self.coder == LEGACY_CODER:
             del out["coder"]
         return out
 
@@ -193,6 +207,7 @@ class CodecConfig:
         if unknown:
             raise ValueError(f"CodecConfig: unknown field(s) {unknown}")
         kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k != "marginal_sha256"}
+        kwargs.setdefault("coder", LEGACY_CODER)  # `to_dict` leaves it out
         want = data.get("marginal_sha256")
         if want is not None and (marginal is None or marginal.sha256 != want):
             have = None if marginal is None else marginal.sha256
@@ -287,3 +302,18 @@ def device_of(*tensors) -> torch.device:
         if isinstance(t, torch.Tensor) and t.is_cuda:
             return t.device
     return torch.device("cpu")
+
+
+def triton_device(*values) -> torch.device | None:
+    """The device an entropy decode runs on as Triton kernels: the CUDA device of any tensor among
+    ``values`` (mean, std, out) when `dispatch` says Triton for it, the CPU when the kernels are forced to
+    Triton (the interpreter tests); None for the host decoders. Without Triton a CUDA caller is decoded on
+    the host and gets its result on its device: the device's torch reference would step every symbol from
+    Python."""
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    if not dispatch.device_path(*tensors):
+        return None
+    cuda = [t for t in tensors if t.is_cuda]
+    if not dispatch.use_triton(*(cuda or tensors)):
+        return None
+    return device_of(*tensors)

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import jit
 from . import tables as T
 from .config import CodecConfig
 from .device_tables import tables_for
-from .lanes import (
+from .lanes_coder import jit
+from .lanes_coder.lanes import (
     Batch,
     _escape_freq,
     _pidx,

@@ -506,3 +506,34 @@ def settle(mean: np.ndarray, std: np.ndarray, mean_tol: np.ndarray | None, std_t
                   fmt is FP16, _radius64(), t_lut(mean_steps), out_m, out_s, ambiguous)
     return (out_m.view(np.float32).reshape(mean.shape), out_s.view(np.float32).reshape(std.shape),
             np.flatnonzero(ambiguous))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Residual log codes (the spread side information of both coders when std is None; the ans windows' scheduler)
+
+GAUSS_BIAS = 8
+
+
+def residual_codes(x_f32: np.ndarray, mean_f32: np.ndarray) -> np.ndarray:
+    """lc(|x - mean|) with explicit flush-to-zero semantics so that any IEEE float32 unit (with or without
+    FTZ/DAZ) gives the same codes: subnormal inputs and results count as zero; non-finite x -> code 2040."""
+    x = _ftz(np.ascontiguousarray(x_f32, dtype=np.float32))
+    m = _ftz(np.ascontiguousarray(mean_f32, dtype=np.float32))
+    with np.errstate(all="ignore"):
+        r = x - m
+    codes = log_codes(r.view(np.uint32))
+    return np.where(np.isfinite(x), codes, 2040).astype(np.int32)
+
+
+def _ftz(a: np.ndarray) -> np.ndarray:
+    bits = a.view(np.uint32)
+    return np.where((bits & 0x7F800000) == 0, np.float32(0), a)
+
+
+def bits_to_f32(bits: np.ndarray, fmt: Format) -> np.ndarray:
+    """Full bit patterns -> float32 values (exact conversions)."""
+    if fmt is FP16:
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    if fmt.raw_bits:  # float32
+        return bits.astype(np.uint32).view(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -146,3 +146,13 @@ def unpack_raw(buf: memoryview | bytes, n: int, fmt: Format) -> np.ndarray:
     word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
     vals = (word[:, None] >> (np.arange(8, dtype=np.uint32) * 3)) & 7
     return vals.reshape(-1)[:n].astype(np.int64)
+
+
+def varint_bytes(v: int) -> bytes:
+    """``v`` as unsigned LEB128 (the varints of the compact and lanes headers)."""
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)

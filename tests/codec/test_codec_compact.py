@@ -24,7 +24,7 @@ from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal
 from hf_kvcompress.codec.params import element_params, element_params_reference
 from hf_kvcompress.codec.symbols import BF16, FP16, FP32
 
-COMPACT = CodecConfig(header="compact", fixed_window=65536)
+COMPACT = CodecConfig(coder="ans", header="compact", fixed_window=65536)
 
 
 def _per_element(shape=(64, 256), seed=0, dtype=torch.bfloat16):
@@ -40,7 +40,7 @@ def _per_element(shape=(64, 256), seed=0, dtype=torch.bfloat16):
 @pytest.mark.parametrize("window", ["fixed", "metadata", "predicted", "causal"])
 def test_compact_round_trip(dtype, window):
     x, mean, std = realistic((1, 2, 40, 64), seed=1, dtype=dtype)
-    cfg = CodecConfig(header="compact", window=window, short_tokens=0, tier_windows=(64, 256, 1024), probe=64)
+    cfg = CodecConfig(coder="ans", header="compact", window=window, short_tokens=0, tier_windows=(64, 256, 1024), probe=64)
     for m, s in ((mean, std), (None, None), (mean, None)):
         blob = codec.encode(x, m, s, cfg)
         assert_bit_exact(codec.decode(blob, m, s, config=cfg), x)
@@ -51,9 +51,9 @@ def test_compact_round_trip(dtype, window):
 @pytest.mark.parametrize("windows", [1, 2, 4])
 def test_compact_header_is_small(windows):
     x, mean, std = _per_element()
-    cfg = CodecConfig(header="compact", fixed_window=-(-x.numel() // windows))
+    cfg = CodecConfig(coder="ans", header="compact", fixed_window=-(-x.numel() // windows))
     _, st_compact = codec.encode_with_stats(x, mean, std, cfg)
-    _, st_full = codec.encode_with_stats(x, mean, std, CodecConfig(fixed_window=cfg.fixed_window))
+    _, st_full = codec.encode_with_stats(x, mean, std, CodecConfig(coder="ans", fixed_window=cfg.fixed_window))
     assert st_compact.n_windows == windows
     assert st_compact.header_bytes <= 48  # + 8 bytes per window + 4 CRC bytes
     assert st_compact.header_bytes + st_compact.table_bytes <= 64 + 8 * windows
@@ -66,10 +66,10 @@ def test_compact_needs_the_config():
     blob = codec.encode(x, mean, std, COMPACT)
     with pytest.raises(CorruptStreamError, match="config"):
         codec.decode(blob, mean, std)
-    others = [CodecConfig(header="compact", fixed_window=4096), CodecConfig(header="compact", mean_steps=4,
+    others = [CodecConfig(coder="ans", header="compact", fixed_window=4096), CodecConfig(coder="ans", header="compact", mean_steps=4,
                                                                            fixed_window=65536),
-              CodecConfig(header="compact", fixed_window=65536, escape=(256, 128, 32)),
-              CodecConfig(header="compact", fixed_window=65536, marginal=Marginal.from_samples(x))]
+              CodecConfig(coder="ans", header="compact", fixed_window=65536, escape=(256, 128, 32)),
+              CodecConfig(coder="ans", header="compact", fixed_window=65536, marginal=Marginal.from_samples(x))]
     for other in others:
         with pytest.raises(CorruptStreamError, match="digest mismatch"):
             codec.decode(blob, mean, std, config=other)
@@ -83,12 +83,12 @@ def test_full_stream_governs_its_own_config():
     """Full streams are self-describing: a config passed to decode only supplies the marginal, so a caller
     that switched settings (e.g. to compact) still reads what it stored before."""
     x, mean, std = _per_element((16, 64))
-    cfg = CodecConfig(mean_steps=4)
+    cfg = CodecConfig(coder="ans", mean_steps=4)
     blob = codec.encode(x, mean, std, cfg)
     assert_bit_exact(codec.decode(blob, mean, std), x)
     assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
-    assert_bit_exact(codec.decode(blob, mean, std, config=CodecConfig(header="compact", fixed_window=65536)), x)
-    with_marginal = CodecConfig(marginal=Marginal.from_samples(x))
+    assert_bit_exact(codec.decode(blob, mean, std, config=CodecConfig(coder="ans", header="compact", fixed_window=65536)), x)
+    with_marginal = CodecConfig(coder="ans", marginal=Marginal.from_samples(x))
     blob = codec.encode(x, mean, std, with_marginal)
     assert_bit_exact(codec.decode(blob, mean, std, config=with_marginal), x)
     with pytest.raises(CorruptStreamError, match="marginal"):
@@ -99,7 +99,7 @@ def test_full_stream_governs_its_own_config():
 
 def test_compact_with_marginal_in_config():
     x, mean, std = _per_element((16, 64))
-    cfg = CodecConfig(header="compact", marginal=Marginal.from_samples(x))
+    cfg = CodecConfig(coder="ans", header="compact", marginal=Marginal.from_samples(x))
     blob = codec.encode(x, mean, std, cfg)
     assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
 
@@ -109,7 +109,7 @@ def test_default_stream_bytes_are_stable():
     format version 2 differs from version 1 only in its version field and window CRC seeds: written back
     as version 1, a stream has the digest of one written before all three (and still decodes)."""
     x, mean, std = realistic((1, 2, 64, 64), seed=11)
-    blob = codec.encode(x, mean, std)
+    blob = codec.encode(x, mean, std, CodecConfig(coder="ans"))
     assert hashlib.sha256(blob).hexdigest() == STABLE_SHA256
     old = as_version1(blob, x, mean, std, None)
     assert hashlib.sha256(old).hexdigest() == STABLE_SHA256_V1
@@ -124,10 +124,10 @@ STABLE_SHA256_V1 = "c3189767e84fa44561e312b5ffeffad9fc1774a175c8210164c376bd68a2
 @pytest.mark.parametrize("steps", [8, 4, 2])
 def test_mean_steps_round_trip_and_cost(steps):
     x, mean, std = _per_element(seed=2)
-    cfg = CodecConfig(header="compact", fixed_window=65536, mean_steps=steps)
+    cfg = CodecConfig(coder="ans", header="compact", fixed_window=65536, mean_steps=steps)
     blob, st = codec.encode_with_stats(x, mean, std, cfg)
     assert_bit_exact(codec.decode(blob, mean, std, config=cfg), x)
-    base = codec.encode_with_stats(x, mean, std, CodecConfig(header="compact", fixed_window=65536))[1]
+    base = codec.encode_with_stats(x, mean, std, CodecConfig(coder="ans", header="compact", fixed_window=65536))[1]
     extra = (st.model_bits - base.model_bits) / x.numel()
     assert 0 <= extra < {8: 1e-9, 4: 0.006, 2: 0.02}[steps]
 
@@ -135,9 +135,9 @@ def test_mean_steps_round_trip_and_cost(steps):
 def test_mean_steps_validated():
     for bad in (3, 16, 0, True, "4"):
         with pytest.raises(ValueError, match="mean_steps"):
-            CodecConfig(mean_steps=bad)
+            CodecConfig(coder="ans", mean_steps=bad)
     with pytest.raises(ValueError, match="header"):
-        CodecConfig(header="tiny")
+        CodecConfig(coder="ans", header="tiny")
 
 
 # ------------------------------------------------------------------ fast element_params == reference

@@ -13,13 +13,13 @@ from codec_testutil import realistic, reseal
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal
 from hf_kvcompress.codec import tables as codec_model
-from hf_kvcompress.codec.format import _PREFIX, MAGIC, VERSION
+from hf_kvcompress.codec.ans_coder.layout import _PREFIX, MAGIC, VERSION
 
 
 @pytest.fixture(scope="module")
 def stream():
     x, offset, scale = realistic((1, 2, 64, 64))
-    return x, offset, scale, codec.encode(x, offset, scale)
+    return x, offset, scale, codec.encode(x, offset, scale, CodecConfig(coder="ans"))
 
 
 def test_corrupt_stream_error_is_value_error():
@@ -81,25 +81,25 @@ def test_bad_config_type_and_values():
     with pytest.raises(TypeError, match="CodecConfig"):
         codec.encode(x, config={"window": "fixed"})
     with pytest.raises(ValueError, match="window"):
-        CodecConfig(window="sliding")
+        CodecConfig(coder="ans", window="sliding")
     with pytest.raises(ValueError, match="fixed_window"):
-        CodecConfig(fixed_window=0)
+        CodecConfig(coder="ans", fixed_window=0)
     with pytest.raises(ValueError, match="fixed_window"):
-        CodecConfig(fixed_window=70000)
+        CodecConfig(coder="ans", fixed_window=70000)
     with pytest.raises(TypeError, match="fixed_window"):
-        CodecConfig(fixed_window=64.0)
+        CodecConfig(coder="ans", fixed_window=64.0)
     with pytest.raises(ValueError, match="multiple of min_window"):
-        CodecConfig(tier_windows=(100, 1024, 4096))
+        CodecConfig(coder="ans", tier_windows=(100, 1024, 4096))
     with pytest.raises(ValueError, match="non-decreasing"):
-        CodecConfig(tier_windows=(1024, 256, 4096))
+        CodecConfig(coder="ans", tier_windows=(1024, 256, 4096))
     with pytest.raises(ValueError, match="thresholds"):
-        CodecConfig(thresholds=(0.5, 0.1))
+        CodecConfig(coder="ans", thresholds=(0.5, 0.1))
     with pytest.raises(ValueError, match="escape"):
-        CodecConfig(escape=(0, 1, 1))
+        CodecConfig(coder="ans", escape=(0, 1, 1))
     with pytest.raises(ValueError, match="sigma_global"):
-        CodecConfig(sigma_global=-1.0)
+        CodecConfig(coder="ans", sigma_global=-1.0)
     with pytest.raises(TypeError, match="marginal"):
-        CodecConfig(marginal="default")
+        CodecConfig(coder="ans", marginal="default")
     with pytest.raises(ValueError, match="unknown field"):
         CodecConfig.from_dict({"window": "fixed", "colour": 3})
     with pytest.raises(TypeError, match="dict"):
@@ -109,10 +109,10 @@ def test_bad_config_type_and_values():
 def test_config_round_trips_json():
     import json
 
-    cfg = CodecConfig(window="causal", tier_windows=(128, 512, 2048), escape=(9, 8, 7), sigma_global=0.25)
+    cfg = CodecConfig(coder="ans", window="causal", tier_windows=(128, 512, 2048), escape=(9, 8, 7), sigma_global=0.25)
     assert CodecConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     m = Marginal.from_samples(torch.randn(1000).to(torch.bfloat16))
-    cfg = CodecConfig(marginal=m)
+    cfg = CodecConfig(coder="ans", marginal=m)
     assert CodecConfig.from_dict(json.loads(json.dumps(cfg.to_dict())), marginal=m) == cfg
     with pytest.raises(ValueError, match="marginal"):
         CodecConfig.from_dict(cfg.to_dict())
@@ -168,7 +168,7 @@ def test_mean_std_mismatch_is_caught_by_fingerprint(stream):
         codec.decode(blob, None, scale)
     with pytest.raises(CorruptStreamError, match="encoded with a std"):
         codec.decode(blob, offset, None)
-    plain = codec.encode(x)
+    plain = codec.encode(x, config=CodecConfig(coder="ans"))
     with pytest.raises(CorruptStreamError, match="without a mean"):
         codec.decode(plain, offset)
     with pytest.raises(CorruptStreamError, match="fingerprint"):
@@ -178,7 +178,7 @@ def test_mean_std_mismatch_is_caught_by_fingerprint(stream):
 def test_marginal_mismatch():
     x = torch.randn(512).to(torch.bfloat16)
     m = Marginal.from_samples(x)
-    blob = codec.encode(x, config=CodecConfig(marginal=m))
+    blob = codec.encode(x, config=CodecConfig(coder="ans", marginal=m))
     with pytest.raises(CorruptStreamError, match="marginal"):
         codec.decode(blob)
     other = Marginal.from_samples(torch.randn(100).to(torch.bfloat16))
@@ -193,7 +193,7 @@ def test_table_hash_mismatch(stream, monkeypatch):
     _x, offset, scale, blob = stream
     real = codec_model.get_tables()
     fake = codec_model.Tables(**{**real.__dict__, "sha256": "00" * 32})
-    monkeypatch.setattr("hf_kvcompress.codec.api.get_tables", lambda: fake)
+    monkeypatch.setattr("hf_kvcompress.codec.ans_coder.streams.get_tables", lambda: fake)
     with pytest.raises(CorruptStreamError, match="tables"):
         codec.decode(blob, offset, scale)
 

@@ -17,8 +17,8 @@ from codec_testutil import as_version1, assert_bit_exact, realistic, rebuild, re
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
-from hf_kvcompress.codec.api import Decoder
-from hf_kvcompress.codec.format import _BODY, _PREFIX, MAGIC, write_compact, write_stream
+from hf_kvcompress.codec.ans_coder.layout import _BODY, _PREFIX, MAGIC, write_compact, write_stream
+from hf_kvcompress.codec.ans_coder.streams import Decoder
 
 
 def _streams():
@@ -27,17 +27,17 @@ def _streams():
     x16, o16, _s16 = realistic((1, 1, 40, 64), seed=5, dtype=torch.float16)
     small = dict(short_tokens=0, tier_windows=(64, 256, 1024), probe=64)
     return [
-        ("bf16-fixed-stats", x, offset, scale, CodecConfig(fixed_window=512)),
-        ("bf16-fixed-none", x, None, None, CodecConfig(fixed_window=1024)),
-        ("bf16-metadata", x, offset, scale, CodecConfig(window="metadata", **small)),
-        ("bf16-predicted", x, offset, scale, CodecConfig(window="predicted", **small)),
-        ("bf16-causal-none", x, None, None, CodecConfig(window="causal", **small)),
-        ("f32-fixed", x32, o32, s32, CodecConfig(fixed_window=256)),
-        ("f16-metadata-meanonly", x16, o16, None, CodecConfig(window="metadata", **small)),
-        ("bf16-compact-stats", x, offset, scale, CodecConfig(header="compact", fixed_window=65536, mean_steps=4)),
-        ("bf16-compact-none-2win", x, None, None, CodecConfig(header="compact", fixed_window=3072)),
-        ("f32-compact-metadata", x32, o32, s32, CodecConfig(header="compact", window="metadata", **small)),
-        ("f16-compact-causal", x16, o16, None, CodecConfig(header="compact", window="causal", **small)),
+        ("bf16-fixed-stats", x, offset, scale, CodecConfig(coder="ans", fixed_window=512)),
+        ("bf16-fixed-none", x, None, None, CodecConfig(coder="ans", fixed_window=1024)),
+        ("bf16-metadata", x, offset, scale, CodecConfig(coder="ans", window="metadata", **small)),
+        ("bf16-predicted", x, offset, scale, CodecConfig(coder="ans", window="predicted", **small)),
+        ("bf16-causal-none", x, None, None, CodecConfig(coder="ans", window="causal", **small)),
+        ("f32-fixed", x32, o32, s32, CodecConfig(coder="ans", fixed_window=256)),
+        ("f16-metadata-meanonly", x16, o16, None, CodecConfig(coder="ans", window="metadata", **small)),
+        ("bf16-compact-stats", x, offset, scale, CodecConfig(coder="ans", header="compact", fixed_window=65536, mean_steps=4)),
+        ("bf16-compact-none-2win", x, None, None, CodecConfig(coder="ans", header="compact", fixed_window=3072)),
+        ("f32-compact-metadata", x32, o32, s32, CodecConfig(coder="ans", header="compact", window="metadata", **small)),
+        ("f16-compact-causal", x16, o16, None, CodecConfig(coder="ans", header="compact", window="causal", **small)),
         ("bf16-lanes-stats", x, offset, scale, CodecConfig(coder="lanes")),
         ("bf16-lanes-none", x, None, None, CodecConfig(coder="lanes", mean_steps=4)),
         ("f32-lanes", x32, o32, s32, CodecConfig(coder="lanes")),
@@ -121,7 +121,7 @@ def test_fuzz_random_inputs_never_crash():
             blob = b"\x89Kc\x01" + blob
         elif prefix == 3:  # lanes magic, then garbage
             blob = b"\x89KL" + blob
-        cfg = CodecConfig(coder="lanes") if prefix == 3 else CodecConfig(header="compact")
+        cfg = CodecConfig(coder="lanes") if prefix == 3 else CodecConfig(coder="ans", header="compact")
         with pytest.raises(CorruptStreamError):
             codec.decode(blob, config=cfg if rng.random() < 0.8 else None)
 
@@ -146,7 +146,7 @@ def _with_config_json(blob: bytes, cfg_json: bytes) -> bytes:
                                       b"[]", b"null", b'{"window":{"window":{}}}', b"\xff"])
 def test_resealed_config_json_is_refused(cfg_json):
     x, offset, scale = realistic((1, 1, 16, 64), seed=8)
-    blob = codec.encode(x, offset, scale, CodecConfig(fixed_window=512))
+    blob = codec.encode(x, offset, scale, CodecConfig(coder="ans", fixed_window=512))
     with pytest.raises(CorruptStreamError, match="config"):
         codec.decode(_with_config_json(blob, cfg_json), offset, scale)
 
@@ -225,13 +225,17 @@ def test_window_splices_are_refused_by_decode_range(name, x, mean, std, cfg, ver
             assert_bit_exact(codec.decode_range(forged, start, n, mean, std, config=config), x.reshape(-1)[start:])
 
 
-def test_meta_tensors_are_a_clear_error():
+@pytest.mark.parametrize("coder", sorted(codec.CODERS))
+def test_meta_tensors_are_a_clear_error(coder):
+    cfg = CodecConfig(coder=coder)
     x = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ValueError, match="meta device"):
-        codec.encode(x)
+        codec.encode(x, config=cfg)
+    with pytest.raises(ValueError, match="meta device"):
+        codec.encode_batch(x[None], config=cfg)
     real = torch.randn(4, 8).bfloat16()
     with pytest.raises(ValueError, match="meta device"):
-        codec.encode(real, torch.empty(4, 8, device="meta"), 1.0)
-    blob = codec.encode(real, torch.zeros(4, 8), 1.0)
+        codec.encode(real, torch.empty(4, 8, device="meta"), 1.0, cfg)
+    blob = codec.encode(real, torch.zeros(4, 8), 1.0, cfg)
     with pytest.raises(ValueError, match="meta device"):
-        codec.decode(blob, torch.empty(4, 8, device="meta"), 1.0)
+        codec.decode(blob, torch.empty(4, 8, device="meta"), 1.0, config=cfg)

@@ -9,13 +9,13 @@ from codec_testutil import assert_bit_exact, realistic
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
-from hf_kvcompress.codec.coder import fork_available, split_balanced
+from hf_kvcompress.codec.ans_coder.entropy import fork_available, split_balanced
 
 
 @pytest.fixture(scope="module")
 def big():
     x, offset, scale = realistic((2, 3, 1024, 64), seed=9)
-    return x, offset, scale, codec.encode(x, offset, scale, CodecConfig(fixed_window=1024))
+    return x, offset, scale, codec.encode(x, offset, scale, CodecConfig(coder="ans", fixed_window=1024))
 
 
 @pytest.mark.parametrize("kw", [{"threads": 2}, {"threads": 3}, {"workers": 2}, {"workers": 3}])
@@ -45,7 +45,7 @@ def test_split_balanced():
 
 def test_causal_streams_decode_serially_with_workers():
     x, offset, scale = realistic((1, 2, 300, 64), seed=4)
-    blob = codec.encode(x, offset, scale, CodecConfig(window="causal", short_tokens=0))
+    blob = codec.encode(x, offset, scale, CodecConfig(coder="ans", window="causal", short_tokens=0))
     assert_bit_exact(codec.decode(blob, offset, scale, workers=2), x)
     assert_bit_exact(codec.decode_range(blob, 100, 5000, offset, scale), x.reshape(-1)[100:5000])
     assert codec.decode(blob, offset, scale, threads=2).dtype == torch.bfloat16

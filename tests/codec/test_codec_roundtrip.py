@@ -29,7 +29,7 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 def configs(draw) -> CodecConfig:
     w_min = draw(st.sampled_from([1, 8, 64]))
     k = draw(st.sampled_from([1, 2, 4]))
-    return CodecConfig(
+    return CodecConfig(coder="ans",
         window=draw(st.sampled_from(MODES)),
         fixed_window=draw(st.sampled_from([1, 3, 64, 1000])),
         min_window=w_min,
@@ -99,7 +99,7 @@ def test_every_pattern_round_trips(dtype, mode):
     """All 2^16 patterns (bf16, fp16) or a wide sample of float32 patterns, with and without stats."""
     pats = pattern_sample(dtype)
     x = from_patterns(pats, dtype).reshape(-1, 64) if pats.size % 64 == 0 else from_patterns(pats, dtype)
-    cfg = CodecConfig(window=mode, short_tokens=0)
+    cfg = CodecConfig(coder="ans", window=mode, short_tokens=0)
     for mean, std in ((None, None), (torch.tensor(0.3), torch.tensor(2.0)), (1e4, 0.0), (-2.5, 1e-3)):
         blob = codec.encode(x, mean, std, cfg)
         assert_bit_exact(codec.decode(blob, mean, std), x)
@@ -109,25 +109,27 @@ def test_every_pattern_round_trips(dtype, mode):
 def test_realistic_all_modes_and_stat_shapes(dtype):
     x, offset, scale = realistic((2, 3, 200, 64), dtype=dtype)
     for mode in MODES:
-        cfg = CodecConfig(window=mode, short_tokens=0)
+        cfg = CodecConfig(coder="ans", window=mode, short_tokens=0)
         for mean, std in ((offset, scale), (None, scale), (offset, None), (None, None), (x.float(), scale)):
             blob = codec.encode(x, mean, std, cfg)
             assert_bit_exact(codec.decode(blob, mean, std), x)
 
 
-def test_empty_and_scalar():
+@pytest.mark.parametrize("coder", sorted(codec.CODERS))
+def test_empty_and_scalar(coder):
+    cfg = CodecConfig(coder=coder)
     for dtype in DTYPES:
         for shape in ((0,), (3, 0, 2), ()):
             x = torch.zeros(shape, dtype=dtype)
-            assert_bit_exact(codec.decode(codec.encode(x)), x)
-            assert_bit_exact(codec.decode(codec.encode(x, 0.0, 1.0), 0.0, 1.0), x)
+            assert_bit_exact(codec.decode(codec.encode(x, config=cfg), config=cfg), x)
+            assert_bit_exact(codec.decode(codec.encode(x, 0.0, 1.0, cfg), 0.0, 1.0, config=cfg), x)
 
 
 def test_non_contiguous_and_mean_dtypes():
     x = torch.randn(64, 48).to(torch.bfloat16).t()  # non-contiguous
     mean = torch.zeros(48, 1, dtype=torch.float64)
     std = torch.ones(1, 64, dtype=torch.bfloat16)
-    blob = codec.encode(x, mean, std)
+    blob = codec.encode(x, mean, std, CodecConfig(coder="ans"))
     assert_bit_exact(codec.decode(blob, mean, std), x.contiguous())
     # the same values in another dtype are the same mean (fingerprints use the float32 values)
     assert_bit_exact(codec.decode(blob, mean.float(), std.float()), x.contiguous())

@@ -15,7 +15,7 @@ from hf_kvcompress.codec import CodecConfig
 @pytest.mark.parametrize("mode", ["fixed", "metadata", "predicted", "causal"])
 def test_stats_are_consistent(mode):
     x, offset, scale = realistic((1, 3, 256, 64), seed=1)
-    cfg = CodecConfig(window=mode, short_tokens=0)
+    cfg = CodecConfig(coder="ans", window=mode, short_tokens=0)
     blob, st = codec.encode_with_stats(x, offset, scale, cfg)
     assert blob == codec.encode(x, offset, scale, cfg)  # deterministic, and stats do not change the stream
     assert st.total_bytes == len(blob) == st.header_bytes + st.table_bytes + st.payload_bytes
@@ -35,12 +35,13 @@ def test_stats_are_consistent(mode):
 
 def test_stats_without_mean_and_std():
     x, _, _ = realistic((1, 2, 128, 64), seed=2, dtype=torch.float32)
-    _blob, st = codec.encode_with_stats(x, None, None, CodecConfig(fixed_window=1024))
+    _blob, st = codec.encode_with_stats(x, None, None, CodecConfig(coder="ans", fixed_window=1024))
     assert st.locality is not None and st.locality["predictor"] == "previous block"
     assert st.model_bits / st.n_elements > 16  # float32: 16 raw bits + the coded top half
     assert 8 * st.payload_bytes <= 1.01 * st.model_bits + 32 * st.n_windows
 
 
-def test_stats_empty():
-    blob, st = codec.encode_with_stats(torch.zeros(0, dtype=torch.bfloat16))
+@pytest.mark.parametrize("coder", sorted(codec.CODERS))
+def test_stats_empty(coder):
+    blob, st = codec.encode_with_stats(torch.zeros(0, dtype=torch.bfloat16), config=CodecConfig(coder=coder))
     assert st.n_elements == 0 and st.n_windows == 0 and st.total_bytes == len(blob)

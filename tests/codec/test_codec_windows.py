@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_kvcompress.codec.config import CodecConfig, eighth_octaves
-from hf_kvcompress.codec.windows import (
+from hf_kvcompress.codec.ans_coder.windows import (
     CausalScheduler,
     _hysteresis,
     adaptive_lengths,
     fixed_lengths,
     residual_codes,
 )
+from hf_kvcompress.codec.config import CodecConfig, eighth_octaves
 
 
 def test_eighth_octaves_exact():
@@ -28,7 +28,7 @@ def test_hysteresis():
 @pytest.mark.parametrize("seed", range(20))
 def test_adaptive_plans_are_valid(seed):
     rng = np.random.default_rng(seed)
-    cfg = CodecConfig(window="metadata", short_tokens=0)
+    cfg = CodecConfig(coder="ans", window="metadata", short_tokens=0)
     n = int(rng.integers(1, 200000))
     g = 1000
     nb = -(-n // cfg.probe)
@@ -42,7 +42,7 @@ def test_adaptive_plans_are_valid(seed):
 
 
 def test_tiers_follow_spread():
-    cfg = CodecConfig(window="metadata", short_tokens=0)
+    cfg = CodecConfig(coder="ans", window="metadata", short_tokens=0)
     g = 1000
     for spread, expect in ((g - 40, 4096), (g - 15, 512), (g - 25, 1024), (g + 5, 256)):
         lengths = adaptive_lengths(np.full(384, spread), 384 * 128, cfg, g)
@@ -50,7 +50,7 @@ def test_tiers_follow_spread():
 
 
 def test_short_inputs_use_the_fixed_medium_window():
-    cfg = CodecConfig(window="metadata", short_tokens=512, token_elements=64, short_window=1024)
+    cfg = CodecConfig(coder="ans", window="metadata", short_tokens=512, token_elements=64, short_window=1024)
     lengths = adaptive_lengths(np.zeros(100, dtype=np.int64), 20000, cfg, 1000)
     assert np.array_equal(lengths, fixed_lengths(20000, 1024))
     sched = CausalScheduler(20000, cfg, 1000)
@@ -58,7 +58,7 @@ def test_short_inputs_use_the_fixed_medium_window():
 
 
 def test_causal_scheduler_only_looks_back():
-    cfg = CodecConfig(window="causal", short_tokens=0)
+    cfg = CodecConfig(coder="ans", window="causal", short_tokens=0)
     rng = np.random.default_rng(0)
     codes = rng.integers(900, 1010, 300000).astype(np.int32)
     plan = []

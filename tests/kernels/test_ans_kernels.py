@@ -9,11 +9,11 @@ import torch
 from kernel_testutil import BACKENDS
 
 from hf_kvcompress import codec, kernels
-from hf_kvcompress.codec import device
-from hf_kvcompress.codec.api import Decoder
-from hf_kvcompress.codec.coder import models_for
+from hf_kvcompress.codec.ans_coder import device
+from hf_kvcompress.codec.ans_coder.device import decode_on_device
+from hf_kvcompress.codec.ans_coder.entropy import models_for
+from hf_kvcompress.codec.ans_coder.streams import Decoder
 from hf_kvcompress.codec.config import CodecConfig
-from hf_kvcompress.codec.device import decode_on_device
 from hf_kvcompress.codec.symbols import BF16, FP16, split_bits, tensor_bits
 
 
@@ -24,7 +24,7 @@ def _windows(fmt, lengths, seed):
 
     rng = np.random.default_rng(seed)
     tables = device.tables_for(fmt, "cpu")
-    models = models_for(fmt, CodecConfig())
+    models = models_for(fmt, CodecConfig(coder="ans"))
     every = [*models.groups, *models.flags]
     out = []
     for n in lengths:
@@ -84,7 +84,7 @@ def test_decode_windows_reproduces_the_codec_layout(backend):
     mean, std = torch.randn(3, 50, generator=g), torch.rand(3, 50, generator=g) + 0.1
     x = (mean + std * torch.randn(3, 50, generator=g)).bfloat16()
     x.view(-1)[[3, 77]] = torch.tensor([float("nan"), 1e30]).bfloat16()  # two escapes
-    cfg = CodecConfig(fixed_window=64)
+    cfg = CodecConfig(coder="ans", fixed_window=64)
     blob = codec.encode(x, mean, std, cfg)
     d = Decoder(blob, mean, std, None)
     with kernels.forced(backend):

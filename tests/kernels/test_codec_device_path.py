@@ -32,10 +32,10 @@ def _bits(t):
 @pytest.mark.parametrize(
     ("cfg", "stats"),
     [
-        (CodecConfig(fixed_window=64), "both"),
-        (CodecConfig(header="compact", fixed_window=128, mean_steps=4), "both"),
-        (CodecConfig(window="metadata", **SMALL), "none"),
-        (CodecConfig(header="compact", window="predicted", **SMALL), "channel"),
+        (CodecConfig(coder="ans", fixed_window=64), "both"),
+        (CodecConfig(coder="ans", header="compact", fixed_window=128, mean_steps=4), "both"),
+        (CodecConfig(coder="ans", window="metadata", **SMALL), "none"),
+        (CodecConfig(coder="ans", header="compact", window="predicted", **SMALL), "channel"),
     ],
     ids=["fixed", "compact", "metadata-nostats", "predicted-channel"],
 )
@@ -56,7 +56,7 @@ def test_same_bytes_and_values_through_the_kernels(dtype, cfg, stats):
 @needs_triton
 def test_corrupt_streams_raise_on_the_kernel_path():
     x, mean, std = _data(torch.bfloat16, seed=1)
-    cfg = CodecConfig(header="compact", fixed_window=64)
+    cfg = CodecConfig(coder="ans", header="compact", fixed_window=64)
     blob = codec.encode(x, mean, std, cfg)
     rng = np.random.default_rng(0)
     outcomes = set()
@@ -80,7 +80,7 @@ def test_device_source_with_the_torch_reference(monkeypatch):
     import hf_kvcompress.kernels.dispatch as dispatch
 
     x, mean, std = _data(torch.bfloat16, seed=2)
-    cfg = CodecConfig(header="compact", fixed_window=128)
+    cfg = CodecConfig(coder="ans", header="compact", fixed_window=128)
     host = codec.encode(x, mean, std, cfg)
     monkeypatch.setattr(dispatch, "device_path", lambda *tensors: True)
     with kernels.forced("torch"):
@@ -93,7 +93,7 @@ def test_device_source_with_the_torch_reference(monkeypatch):
 def test_empty_and_tiny_tensors_through_the_kernels(shape):
     x = torch.randn(shape).bfloat16()
     mean, std = torch.zeros(shape), torch.ones(shape)
-    for cfg in (CodecConfig(), CodecConfig(header="compact")):
+    for cfg in (CodecConfig(coder="ans"), CodecConfig(coder="ans", header="compact")):
         host = codec.encode(x, mean, std, cfg)
         with kernels.forced("triton"):
             assert codec.encode(x, mean, std, cfg) == host

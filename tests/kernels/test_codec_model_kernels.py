@@ -9,8 +9,8 @@ import torch
 from kernel_testutil import BACKENDS
 
 from hf_kvcompress import kernels
-from hf_kvcompress.codec import device
-from hf_kvcompress.codec.coder import symbols
+from hf_kvcompress.codec.ans_coder import device
+from hf_kvcompress.codec.ans_coder.entropy import symbols
 from hf_kvcompress.codec.params import element_params_reference
 from hf_kvcompress.codec.symbols import FORMATS, split_bits, tensor_bits
 from hf_kvcompress.codec.tables import ESCAPE_GROUP, get_tables

@@ -17,14 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import dispatch
-from .coder import key_of, symbol_of
-from .config import CodecConfig, device_of
-from .device_tables import FLAG_GROUP, DeviceTables, tables_for
-from .errors import CorruptStreamError
-from .params import Params, ParamSource, element_params_xp
-from .symbols import Format, format_of, raw_padded_nbytes, unpack_raw
-from .tables import ESCAPE_GROUP, PRECISION
+from ...kernels import dispatch
+from ..config import CodecConfig, device_of
+from ..device_tables import FLAG_GROUP, DeviceTables, tables_for
+from ..errors import CorruptStreamError
+from ..params import Params, ParamSource, element_params_xp
+from ..symbols import Format, format_of, raw_padded_nbytes, unpack_raw
+from ..tables import ESCAPE_GROUP, PRECISION
+from .entropy import key_of, symbol_of
 from .windows import window_sigma_bits
 
 __all__ = ["DeviceSource", "decode_bits", "decode_on_device", "decode_windows", "device_of", "element_params",
@@ -175,7 +175,7 @@ def _triton(*tensors: torch.Tensor):
     else None (the torch reference)."""
     if not dispatch.use_triton(*tensors):
         return None
-    from . import device_triton  # optional dependency
+    from .. import device_triton  # optional dependency
 
     return device_triton
 

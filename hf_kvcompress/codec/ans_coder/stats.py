@@ -1,98 +1,43 @@
-"""`encode_with_stats`: sizes, window and locality monitoring, and ideal code lengths to check the coder
-against (docs/codec.md section 8)."""
+"""The ``ans`` coder's `encode_with_stats`: sizes, window and locality monitoring, and ideal code lengths to
+check the coder against (docs/codec.md section 8)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from .api import EncodeTrace, decode_impl, encode_impl
-from .coder import models_for, symbols
-from .config import CodecConfig, check_stat, check_x
-from .params import ParamSource, sigma_bits_of_code
-from .symbols import FP16, Format, key_to_pattern, split_bits, tensor_bits
-from .tables import TOTAL, W_MAIN, W_WIDE, WIDE_FACTOR
-from .windows import GAUSS_BIAS, Thresholds, block_spread, chunks_of, predicted_spread, window_sigma_bits
+from ..config import CodecConfig, check_stat, check_x
+from ..interface import CodecStats, bits_of
+from ..params import GAUSS_BIAS, ParamSource, sigma_bits_of_code
+from ..symbols import FP16, Format, key_to_pattern, split_bits, tensor_bits
+from ..tables import TOTAL, W_MAIN, W_WIDE, WIDE_FACTOR
+from .entropy import models_for, symbols
+from .streams import EncodeTrace, decode_impl, encode_impl
+from .windows import Thresholds, block_spread, chunks_of, predicted_spread, window_sigma_bits
 
 # the three-component mixture of speculative KV coding, with the weights of docs/codec.md section 3
 # (https://fergusfinn.com/blog/kv-entropy-coder/): the escape path in place of the tier weights
 BLOG_WEIGHTS = (W_MAIN, W_WIDE, 0.02)
 
 
-@dataclass
-class CodecStats:
-    """Sizes, ideal code lengths and window monitoring of one `encode`.
-
-    ``model_bits``: -sum log2 q under the codec's own integer tables (what an ideal coder would emit);
-    ``exact_bits``: the same under the exact, unquantised mixture 0.95 N(m, s^2) + 0.03 N(m, 9 s^2) +
-    0.02 p_hat with each element's own (mean, std); ``exact_codec_bits``: that mixture with the codec's
-    weights (escape probability by window tier), so ``model_bits - exact_codec_bits`` is what the table
-    approximations (quantised std, t and offset, finite alphabets, ulp-uniform N bins) give up.
-    """
-
-    n_elements: int
-    n_windows: int
-    total_bytes: int
-    header_bytes: int
-    table_bytes: int
-    payload_bytes: int
-    encode_seconds: float
-    model_bits: float
-    escapes: int
-    window_hist: dict[int, int]
-    tier_hist: dict[int, int]
-    window_bits_mean: float
-    window_bits_var: float
-    decode_seconds: float | None = None
-    decode_seconds_by_window: dict[int, float] = field(default_factory=dict)
-    exact_bits: float | None = None
-    exact_codec_bits: float | None = None
-    locality: dict | None = None
-
-    @property
-    def bits_per_scalar(self) -> float:
-        return 8.0 * self.total_bytes / max(1, self.n_elements)
-
-    @property
-    def model_bits_per_scalar(self) -> float:
-        return self.model_bits / max(1, self.n_elements)
-
-    @property
-    def coding_overhead(self) -> float:
-        """Payload bits over the ideal model bits, minus 1 (the coder's own loss, headers excluded)."""
-        return 8.0 * self.payload_bytes / max(self.model_bits, 1e-9) - 1.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(bits_per_scalar=self.bits_per_scalar, model_bits_per_scalar=self.model_bits_per_scalar,
-                 coding_overhead=self.coding_overhead)
-        d["window_hist"] = {str(k): v for k, v in self.window_hist.items()}
-        d["tier_hist"] = {str(k): v for k, v in self.tier_hist.items()}
-        d["decode_seconds_by_window"] = {str(k): v for k, v in self.decode_seconds_by_window.items()}
-        return d
-
-
 def encode_with_stats(
     x: torch.Tensor,
-    mean: torch.Tensor | float | None = None,
-    std: torch.Tensor | float | None = None,
-    config: CodecConfig | None = None,
+    mean: torch.Tensor | float | None,
+    std: torch.Tensor | float | None,
+    config: CodecConfig,
     *,
     decode: bool = True,
     exact: bool = True,
 ) -> tuple[bytes, CodecStats]:
     """`encode` plus a `CodecStats`. ``decode=True`` also decodes once (checking the round trip) to time
     windows by size; ``exact=True`` computes the exact-mixture ideal (float64, slower than coding).
-    ``coder="ans"`` only (the lanes coder has one window per stream; eval/bench_codec.py measures it)."""
-    if isinstance(config, CodecConfig) and config.coder != "ans":
-        raise ValueError(f"codec.encode_with_stats supports coder='ans' only, got coder={config.coder!r}")
+    ``config``: an ``ans`` config (`AnsCoder.encode_with_stats`)."""
     t0 = time.perf_counter()
     blob, tr = encode_impl(x, mean, std, config, want_costs=True)
     enc_s = time.perf_counter() - t0
-    cfg = config or CodecConfig()
+    cfg = config
     lengths = tr.lengths
     n = int(lengths.sum())
     per_window_bits = 8.0 * tr.payload_sizes / np.maximum(lengths, 1)
@@ -117,7 +62,7 @@ def encode_with_stats(
         t0 = time.perf_counter()
         y = decode_impl(blob, mean, std, None, 1, 1, timings, config=cfg)
         st.decode_seconds = time.perf_counter() - t0
-        if not torch.equal(_bits_view(y), _bits_view(x.reshape(y.shape))):
+        if not torch.equal(bits_of(y), bits_of(x.reshape(y.shape))):
             raise AssertionError("codec round trip failed")  # decode verifies checksums; belt and braces
         by: dict[int, float] = {}
         for length, sec in timings:
@@ -130,10 +75,6 @@ def encode_with_stats(
         tiers_e = np.repeat([cfg.escape[cfg.tier_of_length(int(w))] for w in lengths], lengths) / 65536.0
         st.exact_bits, st.exact_codec_bits = exact_mixture_bits(bits, fmt, src, tr, cfg, tiers_e)
     return blob, st
-
-
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
 def _source(x, mean, std, mean_steps: int = 8) -> tuple[ParamSource, Format, np.ndarray]:

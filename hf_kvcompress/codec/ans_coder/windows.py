@@ -24,29 +24,20 @@ import zlib
 import numpy as np
 import torch
 
-from .config import CodecConfig, eighth_octaves
-from .params import SIGMA_CODE_MAX, SIGMA_CODE_MIN, ParamSource, log_codes, sigma_bits_of_code
-from .symbols import FP16, Format
+from ..config import CodecConfig, eighth_octaves
+from ..params import (
+    GAUSS_BIAS,
+    SIGMA_CODE_MAX,
+    SIGMA_CODE_MIN,
+    ParamSource,
+    bits_to_f32,
+    log_codes,
+    residual_codes,
+    sigma_bits_of_code,
+)
+from ..symbols import Format
 
-GAUSS_BIAS = 8
 FIRST_TIER = 1  # the causal scheduler starts at medium granularity
-
-
-def residual_codes(x_f32: np.ndarray, mean_f32: np.ndarray) -> np.ndarray:
-    """lc(|x - mean|) with explicit flush-to-zero semantics so that any IEEE float32 unit (with or without
-    FTZ/DAZ) gives the same codes: subnormal inputs and results count as zero; non-finite x -> code 2040."""
-    x = _ftz(np.ascontiguousarray(x_f32, dtype=np.float32))
-    m = _ftz(np.ascontiguousarray(mean_f32, dtype=np.float32))
-    with np.errstate(all="ignore"):
-        r = x - m
-    codes = log_codes(r.view(np.uint32))
-    return np.where(np.isfinite(x), codes, 2040).astype(np.int32)
-
-
-def _ftz(a: np.ndarray) -> np.ndarray:
-    bits = a.view(np.uint32)
-    return np.where((bits & 0x7F800000) == 0, np.float32(0), a)
-
 
 def block_spread(codes: np.ndarray, probe: int, bias: int) -> np.ndarray:
     """Integer mean code per probe block (last block may be partial) + bias; int64."""
@@ -197,15 +188,6 @@ class CausalScheduler:
 # Plans, side information and checksums
 
 CHUNK = 1 << 15  # elements per processing chunk: keeps numpy temporaries in cache
-
-
-def bits_to_f32(bits: np.ndarray, fmt: Format) -> np.ndarray:
-    """Full bit patterns -> float32 values (exact conversions)."""
-    if fmt is FP16:
-        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
-    if fmt.raw_bits:  # float32
-        return bits.astype(np.uint32).view(np.float32)
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def source_residual_codes(bits: np.ndarray, src: ParamSource, a: int, b: int) -> np.ndarray:

@@ -32,14 +32,22 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..config import CodecConfig, check_config, check_has_data, check_stat, device_of
+from ..errors import CorruptStreamError, ParameterMismatchError
+from ..interface import check_out, copy_into, describe
+from ..params import (
+    GAUSS_BIAS,
+    SIGMA_CODE_MAX,
+    SIGMA_CODE_MIN,
+    bits_to_f32,
+    params_kernel,
+    residual_codes,
+    sigma_bits_of_code,
+    t_lut,
+)
+from ..symbols import FORMATS_BY_CODE, FP16, Format, format_of, pack_raw, raw_padded_nbytes, varint_bytes
+from ..tables import Marginal, get_tables
 from . import jit
-from .config import CodecConfig, check_config, check_stat, device_of
-from .errors import CorruptStreamError, ParameterMismatchError
-from .format import varint_bytes
-from .params import SIGMA_CODE_MAX, SIGMA_CODE_MIN, params_kernel, sigma_bits_of_code, t_lut
-from .symbols import FORMATS_BY_CODE, FP16, Format, format_of, pack_raw, raw_padded_nbytes
-from .tables import Marginal, get_tables
-from .windows import GAUSS_BIAS, bits_to_f32, residual_codes
 
 MAGIC = b"\x89KL"
 MAX_NDIM = 32
@@ -306,9 +314,10 @@ def parse_header(buf: bytes, verify: bool = True) -> Parsed:
 
 
 def encode_batch_impl(x: torch.Tensor, mean, std, cfg: CodecConfig, threads: int | None = None) -> list[bytes]:
-    threads = _check_threads(threads)
+    threads = check_threads(threads)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"codec: x must be a torch.Tensor, got {type(x).__name__}")
+    check_has_data(x, "x")
     fmt = format_of(x.dtype)
     if x.dim() < 1:
         raise ValueError("codec.encode_batch: x needs a leading stream dimension [N, ...]")
@@ -381,7 +390,7 @@ def _executor(n: int, name: str = "kvc-lanes") -> ThreadPoolExecutor:
         return pool
 
 
-def _check_threads(threads: int | None) -> int:
+def check_threads(threads: int | None) -> int:
     if threads is None:
         return 1
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -473,6 +482,9 @@ def prepare_decode(blobs, mean, std, cfg: CodecConfig, threads: int, params: boo
     cap = 32 * (int(wbytes.min()) // 4 + 1) / -math.log2(1.0 - min(cfg.escape) / 65536.0)
     if m > 2 * cap:
         raise _corrupt(f"{m} elements cannot fit in {int(wbytes.min())} bytes of words (truncated shape field?)")
+    for name, v in (("mean", mean), ("std", std)):
+        if isinstance(v, torch.Tensor):
+            check_has_data(v, name)  # a clear error, not a fingerprint mismatch
     try:
         mean32 = _check_batch_stat(mean, "mean", xshape, False)
         std32 = _check_batch_stat(std, "std", xshape, True)
@@ -576,13 +588,13 @@ def verify_mask(verify, n_streams: int) -> np.ndarray:
     mask = np.asarray(verify)
     if mask.dtype != np.bool_ or mask.shape != (n_streams,):
         raise ValueError(f"codec.decode_batch: verify must be a bool or {n_streams} bools (one per stream), got "
-                         f"{_describe(verify)}")
+                         f"{describe(verify)}")
     return mask.astype(np.uint8)
 
 
 def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
                       threads: int | None = None, verify=True) -> torch.Tensor:
-    threads = _check_threads(threads)
+    threads = check_threads(threads)
     job = DecodeJob(blobs, mean, std, cfg, out, verify, threads)
     _run(jit.decode_streams, job.args, job.streams, threads)
     return job.result(mean, std)
@@ -668,34 +680,6 @@ class DecodeJob:
         return self.args[0].nbytes + extra
 
 
-def check_out(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...]) -> None:
-    """``decode_batch``'s ``out``: None, or a tensor of the streams' dtype, of shape ``xshape`` (``[N, *shape]``)
-    or ``[*lead, *shape]`` with the ``lead`` dims holding the N streams in row-major order; any device, any
-    strides whose elements do not overlap."""
-    if out is None:
-        return
-    n_streams, shape = xshape[0], xshape[1:]
-    lead = out.dim() - len(shape) if isinstance(out, torch.Tensor) else 0
-    if (not isinstance(out, torch.Tensor) or out.dtype != fmt.dtype or lead < 1
-            or tuple(out.shape[lead:]) != shape or math.prod(out.shape[:lead]) != n_streams):
-        raise ValueError(f"codec.decode_batch: out must be a {fmt.dtype} tensor of shape {xshape} (or [*lead, "
-                         f"*{shape}] with {n_streams} streams in lead), got {_describe(out)}")
-    if _overlaps(out):
-        raise ValueError("codec.decode_batch: out's elements overlap (a broadcast or expanded view); pass a tensor "
-                         "that gives every element its own memory")
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` might share memory: its dims of size > 1, by stride, must each step over
-    everything the smaller ones span (a sufficient test; views cut from one tensor pass it)."""
-    span = 0
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride <= span:
-            return True
-        span += (size - 1) * stride
-    return False
-
-
 def out_layout(out: torch.Tensor, shape: tuple[int, ...]):
     """Where the decode kernel writes a CPU ``out`` checked by `check_out`: (a flat writable bit view of the memory
     it spans, each stream's first element in it, run, stride between runs, stride in a run), element ``i`` of a
@@ -723,17 +707,6 @@ def out_layout(out: torch.Tensor, shape: tuple[int, ...]):
     wide = out.dtype == torch.float32
     bits = flat.view(torch.int32 if wide else torch.int16).numpy().view(np.uint32 if wide else np.uint16)
     return bits, base.reshape(-1), max(1, run), between, within
-
-
-def copy_into(out: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """``out`` (shape as `check_out` allows) filled with the ``[N, *shape]`` ``decoded``."""
-    return out.copy_(decoded.view(out.shape))
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
 
 
 def bits_view(t: torch.Tensor, n_streams: int, m: int) -> np.ndarray:
@@ -790,6 +763,8 @@ def _one_stats(blob, mean, std, config: CodecConfig | None):
             raise CorruptStreamError(f"stream was encoded with a {name}; pass the same {name} to decode")
         if v is not None and not present:
             raise CorruptStreamError(f"stream was encoded without a {name}; pass {name}=None to decode")
+        if isinstance(v, torch.Tensor):
+            check_has_data(v, name)  # a clear error, not a fingerprint mismatch
         try:
             arr = check_stat(v, name, h.shape, name == "std")
         except ValueError:

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MAX_WINDOW, WINDOW_MODES, CodecConfig
-from .errors import CorruptStreamError
-from .symbols import FORMATS_BY_CODE, Format
-from .tables import Marginal, get_tables
+from ..config import MAX_WINDOW, WINDOW_MODES, CodecConfig
+from ..errors import CorruptStreamError
+from ..symbols import FORMATS_BY_CODE, Format, varint_bytes
+from ..tables import Marginal, get_tables
 
 MAGIC = b"\x89KVCdc\r\n"
 VERSION = 2  # 2: window CRCs bound to their stream and index (windows.window_seed)
@@ -235,15 +235,6 @@ def config_digest(cfg: CodecConfig) -> bytes:
 
 def is_compact(blob) -> bool:
     return bytes(blob[:3]) == COMPACT_MAGIC
-
-
-def varint_bytes(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
 
 
 def _zigzag(v: int) -> int:

@@ -28,11 +28,11 @@ from multiprocessing import shared_memory
 import constriction
 import numpy as np
 
-from .config import CodecConfig
-from .errors import CorruptStreamError
-from .params import Params
-from .symbols import Format, pack_raw, raw_padded_nbytes, unpack_raw
-from .tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, Tables, get_tables
+from ..config import CodecConfig
+from ..errors import CorruptStreamError
+from ..params import Params
+from ..symbols import Format, pack_raw, raw_padded_nbytes, unpack_raw
+from ..tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, Tables, get_tables
 
 _Categorical = constriction.stream.model.Categorical
 _AnsCoder = constriction.stream.stack.AnsCoder

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from .tables import PRECISION
+from ..tables import PRECISION
 
 PREC = PRECISION  # 24: the tables' frequencies sum to 2^24
 MASK = (1 << PREC) - 1

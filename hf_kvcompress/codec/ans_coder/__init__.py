@@ -1,0 +1,1 @@
+"""The ``ans`` coder: adaptive windows coded with constriction's ANS coder (`ans.AnsCoder`)."""

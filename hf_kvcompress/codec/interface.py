@@ -1,0 +1,273 @@
+"""The coder interface: what every coder of the codec implements (`Coder`), with what its calls share (the
+result of `encode_with_stats`, a decode begun in the background, the ``out=`` tensor of a batch decode).
+
+A coder turns a batch of tensors with their predicted mean and spread into one byte stream each and back, bit
+for bit. The coders are registered by name in `coders` (`CodecConfig.coder` names one); the entry points in
+`api` look the coder up (by config to encode, by a stream's magic bytes to decode) and call it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+
+from .config import CodecConfig
+from .errors import CorruptStreamError
+from .symbols import Format, format_of
+from .tables import Marginal
+
+
+@dataclass
+class CodecStats:
+    """Sizes, ideal code lengths and window monitoring of one `encode` (`encode_with_stats`).
+
+    ``model_bits``: -sum log2 q under the codec's own integer tables (what an ideal coder would emit);
+    ``exact_bits``: the same under the exact, unquantised mixture 0.95 N(m, s^2) + 0.03 N(m, 9 s^2) +
+    0.02 p_hat with each element's own (mean, std); ``exact_codec_bits``: that mixture with the codec's
+    weights (escape probability by window tier), so ``model_bits - exact_codec_bits`` is what the table
+    approximations (quantised std, t and offset, finite alphabets, ulp-uniform N bins) give up. A coder
+    that does not measure ideal code lengths (``lanes``) leaves ``model_bits`` and ``escapes`` None.
+    """
+
+    n_elements: int
+    n_windows: int
+    total_bytes: int
+    header_bytes: int
+    table_bytes: int
+    payload_bytes: int
+    encode_seconds: float
+    model_bits: float | None
+    escapes: int | None
+    window_hist: dict[int, int]
+    tier_hist: dict[int, int]
+    window_bits_mean: float
+    window_bits_var: float
+    decode_seconds: float | None = None
+    decode_seconds_by_window: dict[int, float] = field(default_factory=dict)
+    exact_bits: float | None = None
+    exact_codec_bits: float | None = None
+    locality: dict | None = None
+    coder: str = "ans"
+
+    @property
+    def bits_per_scalar(self) -> float:
+        return 8.0 * self.total_bytes / max(1, self.n_elements)
+
+    @property
+    def model_bits_per_scalar(self) -> float | None:
+        return None if self.model_bits is None else self.model_bits / max(1, self.n_elements)
+
+    @property
+    def coding_overhead(self) -> float | None:
+        """Payload bits over the ideal model bits, minus 1 (the coder's own loss, headers excluded)."""
+        return None if self.model_bits is None else 8.0 * self.payload_bytes / max(self.model_bits, 1e-9) - 1.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(bits_per_scalar=self.bits_per_scalar, model_bits_per_scalar=self.model_bits_per_scalar,
+                 coding_overhead=self.coding_overhead)
+        d["window_hist"] = {str(k): v for k, v in self.window_hist.items()}
+        d["tier_hist"] = {str(k): v for k, v in self.tier_hist.items()}
+        d["decode_seconds_by_window"] = {str(k): v for k, v in self.decode_seconds_by_window.items()}
+        return d
+
+
+class PendingDecode(Protocol):
+    """A batch decode begun in the background (`Coder.start_decode_batch`)."""
+
+    def finish(self) -> torch.Tensor:
+        """Decode what is left on the calling thread, wait for the rest: what `decode_batch` returns."""
+
+    def cancel(self) -> None:
+        """Start nothing more, wait for what runs (its errors are dropped)."""
+
+    def nbytes(self) -> int:
+        """Bytes held beside ``out``."""
+
+
+class Coder(ABC):
+    """One coder: a stream format with its encoder and decoder. Subclass, set the class attributes, implement
+    the abstract methods, and add one line to the registry (`coders.CODERS`).
+
+    Attributes:
+        name: its `CodecConfig.coder` value.
+        magic: the first bytes of each of its streams (how `decode` and `stream_info` tell coders apart).
+        windows: the `CodecConfig.window` modes it codes (`check_config`).
+        batched: whether a batch is one call with compact (broadcast) statistics, fingerprinted per stream as
+            the batch gives them. False: each stream is coded on its own and fingerprints mean / std in the
+            shapes it was handed, so callers that must keep such streams' bytes (saved files) code them one
+            by one with those shapes (`encode` / `decode`).
+    """
+
+    name: str
+    magic: tuple[bytes, ...]
+    windows: tuple[str, ...] = ("fixed",)
+    batched: bool = False
+
+    def check_config(self, cfg: CodecConfig) -> None:
+        """Raise ValueError if this coder cannot code with ``cfg`` (called by `CodecConfig` when constructed)."""
+        if cfg.window not in self.windows:
+            raise ValueError(f"CodecConfig(coder={self.name!r}) codes windows {list(self.windows)}: window must be one "
+                             f"of them, got {cfg.window!r}")
+
+    def owns(self, blob) -> bool:
+        """Whether ``blob`` starts with one of this coder's magic byte strings."""
+        return any(bytes(blob[: len(m)]) == m for m in self.magic)
+
+    # -- batches: the calls every coder implements
+
+    @abstractmethod
+    def encode_batch(self, x: torch.Tensor, mean, std, cfg: CodecConfig, threads: int | None = None) -> list[bytes]:
+        """``x`` of shape ``[N, ...]`` as N streams; ``mean`` / ``std`` broadcast to ``x`` (a leading dim of 1 is
+        shared); stream ``i`` is ``encode(x[i], mean[i], std[i])``."""
+
+    @abstractmethod
+    def decode_batch(self, blobs: Sequence[bytes], mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
+                     threads: int | None = None, verify: bool | Sequence[bool] = True) -> torch.Tensor:
+        """Inverse of `encode_batch`: ``[N, ...]`` (into ``out`` when given, `check_out`)."""
+
+    def start_decode_batch(self, blobs: Sequence[bytes], mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
+                           threads: int = 1, verify: bool | Sequence[bool] = True,
+                           chunks: int = 8) -> PendingDecode | None:
+        """`decode_batch` begun in the background, or None where this coder has no such form (or would decode
+        on a device): the caller then calls `decode_batch`. Errors in the arguments or headers raise here."""
+        return None
+
+    # -- single streams
+
+    def encode(self, x: torch.Tensor, mean, std, cfg: CodecConfig) -> bytes:
+        """One stream of ``x`` (any shape)."""
+        check_tensor(x)
+        return self.encode_batch(x[None], _one(mean), _one(std), cfg)[0]
+
+    @abstractmethod
+    def decode(self, blob, mean, std, config: CodecConfig | None, marginal: Marginal | None = None,
+               threads: int = 1, workers: int = 1) -> torch.Tensor:
+        """Inverse of `encode`; ``config`` None: the stream's own (if it carries one) or `CodecConfig()`;
+        ``marginal``: the p_hat if not the config's."""
+
+    def decode_range(self, blob, start: int, stop: int, mean, std, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> torch.Tensor:
+        """Flat elements ``start:stop``; by default the whole stream is decoded and cut."""
+        n = math.prod(self.stream_info(blob, config, marginal)[1])
+        check_range(start, stop, n)
+        return self.decode(blob, mean, std, config, marginal).reshape(-1)[start:stop].clone()
+
+    @abstractmethod
+    def stream_info(self, blob, config: CodecConfig | None,
+                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) from the checked header (the payload is not decoded)."""
+
+    def encode_with_stats(self, x: torch.Tensor, mean, std, cfg: CodecConfig, *, decode: bool = True,
+                          exact: bool = True) -> tuple[bytes, CodecStats]:
+        """`encode` plus sizes and timings, the stream as one window (``exact`` is for coders that compute
+        ideal code lengths)."""
+        t0 = time.perf_counter()
+        blob = self.encode(x, mean, std, cfg)
+        seconds = time.perf_counter() - t0
+        n = x.numel()
+        payload = self.payload_bytes(blob, n, format_of(x.dtype))
+        windows = 1 if n else 0
+        st = CodecStats(
+            n_elements=n, n_windows=windows, total_bytes=len(blob), header_bytes=len(blob) - payload, table_bytes=0,
+            payload_bytes=payload, encode_seconds=seconds, model_bits=None, escapes=None,
+            window_hist={n: 1} if n else {}, tier_hist={cfg.tier_of_length(n): 1} if n else {},
+            window_bits_mean=8.0 * payload / n if n else 0.0, window_bits_var=0.0, coder=self.name,
+        )
+        if decode:
+            t0 = time.perf_counter()
+            y = self.decode(blob, mean, std, cfg)
+            st.decode_seconds = time.perf_counter() - t0
+            if not torch.equal(bits_of(y), bits_of(x.reshape(y.shape))):
+                raise AssertionError("codec round trip failed")
+            st.decode_seconds_by_window = {n: st.decode_seconds} if n else {}
+        return blob, st
+
+    def payload_bytes(self, blob: bytes, n: int, fmt: Format) -> int:
+        """Bytes of ``blob`` after its header (`encode_with_stats`); by default all of it."""
+        return len(blob)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the coders' calls share
+
+
+def check_tensor(x: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"codec: x must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _one(stat):
+    """A stream's mean / std as a batch of one (numbers and None as they are)."""
+    return stat[None] if isinstance(stat, torch.Tensor) else stat
+
+
+def check_parallel(threads: int, workers: int) -> None:
+    """`decode`'s ``threads`` and ``workers``: ints >= 1."""
+    for name, v in (("threads", threads), ("workers", workers)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"codec: {name} must be an int >= 1, got {v!r}")
+
+
+def check_range(start: int, stop: int, n: int) -> None:
+    for name, v in (("start", start), ("stop", stop)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"codec: {name} must be an int, got {type(v).__name__}")
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def unknown_stream(blob) -> CorruptStreamError:
+    head = bytes(blob[:8])
+    return CorruptStreamError(f"not a codec stream: unknown magic bytes {head!r} (or a stream cut short)")
+
+
+def check_out(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...]) -> None:
+    """``decode_batch``'s ``out``: None, or a tensor of the streams' dtype, of shape ``xshape`` (``[N, *shape]``)
+    or ``[*lead, *shape]`` with the ``lead`` dims holding the N streams in row-major order; any device, any
+    strides whose elements do not overlap."""
+    if out is None:
+        return
+    n_streams, shape = xshape[0], xshape[1:]
+    lead = out.dim() - len(shape) if isinstance(out, torch.Tensor) else 0
+    if (not isinstance(out, torch.Tensor) or out.dtype != fmt.dtype or lead < 1
+            or tuple(out.shape[lead:]) != shape or math.prod(out.shape[:lead]) != n_streams):
+        raise ValueError(f"codec.decode_batch: out must be a {fmt.dtype} tensor of shape {xshape} (or [*lead, "
+                         f"*{shape}] with {n_streams} streams in lead), got {describe(out)}")
+    if _overlaps(out):
+        raise ValueError("codec.decode_batch: out's elements overlap (a broadcast or expanded view); pass a tensor "
+                         "that gives every element its own memory")
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` might share memory: its dims of size > 1, by stride, must each step over
+    everything the smaller ones span (a sufficient test; views cut from one tensor pass it)."""
+    span = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def copy_into(out: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``out`` (shape as `check_out` allows) filled with the ``[N, *shape]`` ``decoded``."""
+    return out.copy_(decoded.view(out.shape))
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+

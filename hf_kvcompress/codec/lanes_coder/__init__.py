@@ -1,0 +1,1 @@
+"""The ``lanes`` coder: compiled interleaved rANS, one window per stream (`interleaved.LanesCoder`)."""
