@@ -1,8 +1,8 @@
 """General-purpose lossless baselines for float tensors: raw, zstd, zipnn and the ideal exponent-Huffman bound.
 
-Shared by the evaluation harness and ``eval/bench_codec.py``. ``baselines(tensors)`` is the whole-tensor table
-of the codec benchmark; `baseline_bits` codes each tensor separately (the harness: one tensor per layer and
-K/V) and keeps the per-tensor sizes.
+Shared by the evaluation harness and ``hf-kvcompress bench codec`` (bench/codec.py). ``baselines(tensors)`` is
+the whole-tensor table of the codec benchmark; `baseline_bits` codes each tensor separately (the harness: one
+tensor per layer and K/V) and keeps the per-tensor sizes.
 """
 
 from __future__ import annotations

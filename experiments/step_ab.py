@@ -1,6 +1,6 @@
 """Decode-step time of lossless caches against DynamicCache, measured in one process with the steps alternating.
 
-`eval/bench_generate.py` runs each configuration's steps back to back; on a shared or drifting machine (this
+`hf-kvcompress bench generate` runs each configuration's steps back to back; on a shared or drifting machine (this
 project's 2-vCPU VM moves by 1.5x within minutes) a ratio from such a run can be off by that much. Here every
 cache is built from the same prefill, and step ``i`` runs on every cache before step ``i + 1`` runs on any, so
 the drift hits all of them alike. Prints the median wall seconds per step, the ratio to DynamicCache's, the
@@ -11,7 +11,7 @@ DynamicCache's (docs/lossless.md, "Codec threads").
 beside this one under another name (the package imports itself only relatively, so a renamed copy is a
 second, independent package): a before/after comparison of a change in one process (docs/codec.md 12.5).
 
-    python eval/step_ab.py [--context 2048] [--steps 9] [--threads 1] [--workers 1,2] [--budget 0.05]
+    python experiments/step_ab.py [--context 2048] [--steps 9] [--threads 1] [--workers 1,2] [--budget 0.05]
                            [--predictor generic] [--against 7b3c3f3]
 """
 

@@ -1,22 +1,31 @@
-"""Benchmark the lossless codec on a real SmolLM2-135M bf16 KV cache.
+"""Benchmark the lossless codec on a real SmolLM2-135M bf16 KV cache (one codec benchmark: what were
+eval/bench_codec.py and eval/bench_lanes.py).
 
 Prefills >= 2048 tokens of held-out Shakespeare, takes the DynamicCache (30 layers x K/V x 3 heads x T x 64,
-bf16) and codes it as two tensors (all K, all V). Prints and saves (JSON + PNG under --out):
+bf16) and codes it as two tensors (all K, all V). Sections (``--sections``, comma-separated, default all):
 
-1. rate and speed of raw, zstd -3 / -19, zipnn, the ideal exponent-Huffman bound (DFloat11 style), this
+1. ``rate``: rate and speed of raw, zstd -3 / -19, zipnn, the ideal exponent-Huffman bound (DFloat11 style), this
    codec with ``mean=None`` and with a per-channel mean/std (per layer, K/V, head, channel, fitted on
    calibration text that does not overlap the coded text), with the ideal ``-sum log2 q`` beside the real
    stream size;
-2. adaptive windows (metadata / predicted / causal) against fixed 64 / 256 / 1024 / 4096: rate, decode
-   throughput with 1 and 2 workers, window histogram, per-window bitrate spread, decode time per window
+2. ``windows``: adaptive windows (metadata / predicted / causal) against fixed 64 / 256 / 1024 / 4096: rate,
+   decode throughput with 1 and 2 workers, window histogram, per-window bitrate spread, decode time per window
    size, locality-prediction accuracy;
-3. realistic streams: what the lossless cache really codes, i.e. one stream per (batch row, K/V, head,
-   256-token block), channel-major ``[64, 256]``, with per-element mean and std from the calibrated
+3. ``realistic``: what the lossless cache really codes, i.e. one stream per (batch row, K/V, head,
+   ``--block-tokens`` block), channel-major ``[64, 256]``, with per-element mean and std from the calibrated
    ``context`` predictor (captured from ``CompressedCache.save(..., predictor="context")``): rate (real and
-   ideal), header bytes per stream, encode / decode M scalars/s on one thread for several codec settings.
+   ideal), header bytes per stream, encode / decode M scalars/s on one thread for several codec settings;
+4. ``lanes``: throughput and rate of the lanes codec (`CodecConfig(coder="lanes")`) against ``ans`` streams on
+   one cache block: 2 (K/V) x 3 heads x 256 tokens x 64 dims, bf16, coded as N = 6 streams of [256, 64]
+   (``--batch`` multiplies N), KV-like synthetic values (``--real``: a SmolLM2 layer's K/V, ``--layer``), with
+   per-channel (``channel``) and per-element (``element``) statistics: bits/scalar of both, encode and decode
+   M scalars/s on 1 and 2 threads (best of ``--lanes-repeats``), the 1-thread decode also in thread CPU time.
 
-Usage: ``python eval/bench_codec.py [--out results/codec] [--tokens 2048] [--sections all|realistic]``.
-Takes ~10 minutes on 2 cores (``--sections realistic``: ~2 minutes).
+Writes bench_codec.json, bench_codec.txt (the tables) and, with sections 1 and 2, bench_codec.png.
+
+    hf-kvcompress bench codec [--out results/codec] [--tokens 2048] [--sections rate,windows,realistic,lanes]
+
+Takes ~10 minutes on 2 cores (``--sections realistic``: ~2 minutes; ``lanes``: seconds).
 """
 
 from __future__ import annotations
@@ -36,27 +45,17 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-import hf_kvcompress.blockcoder as blockcoder
-from hf_kvcompress import CompressedCache, CompressionConfig, codec
-from hf_kvcompress.calibration import Calibration, calibration_dir
+from hf_kvcompress import CompressedCache, CompressionConfig, blockcoder, codec
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress.data import token_ids
-from hf_kvcompress.models import load_model
-from hf_kvcompress_eval.baselines import baselines, timed
+
+from ..baselines import baselines, timed
+from .common import Workload, out_folder, workload
 
 FIXED_SIZES = (64, 256, 1024, 4096)
 ADAPTIVE_MODES = ("metadata", "predicted", "causal")
 
 
 # ------------------------------------------------------------------ model, text, KV
-
-
-def load_model_and_ids(n_tokens: int, calib_tokens: int):
-    """SmolLM2 (bf16) and token ids of evaluation and (disjoint) calibration text."""
-    model, tok = load_model()
-    ids = token_ids(tok, n_tokens, split="evaluation")
-    calib = token_ids(tok, calib_tokens, split="calibration")
-    return model, ids, calib
 
 
 @torch.no_grad()
@@ -195,29 +194,38 @@ REALISTIC_CONFIGS = (
 )
 
 
-def capture_streams(tokens: int, offset: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def capture_streams(work: Workload, tokens: int, block_tokens: int = 256,
+                    offset: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every (x, mean, std) the lossless cache hands the codec when it stores ``tokens`` tokens of held-out
-    text with the calibrated context predictor (256-token blocks; x channel-major [64, 256] bf16)."""
-    model, tok = load_model()
-    cal = Calibration.load(calibration_dir(model), model)
-    ids = token_ids(tok, tokens, split="evaluation", offset=offset)
-    cache = CompressedCache(CompressionConfig(mode="none", block_tokens=256, residual_tokens=0), model=model,
-                            calibration=cal)
+    text with the calibrated context predictor (``block_tokens`` blocks; x channel-major [64, 256] bf16).
+    The streams are caught on their way into the codec: `blockcoder` calls `encode` (ans) or `encode_batch`
+    (lanes), which are wrapped for the save."""
+    model = work.model
+    cal = work.default_calibration(("context",))
+    ids = work.ids(tokens, split="evaluation", offset=offset)
+    cache = CompressedCache(CompressionConfig(mode="none", block_tokens=block_tokens, residual_tokens=0),
+                            model=model, calibration=cal)
     with torch.inference_mode():
         model(ids, cache=cache)
     captured = []
-    original = blockcoder.encode
+    encode, encode_batch = blockcoder.encode, blockcoder.encode_batch
 
     def spy(x, mean=None, std=None, config=None):
-        captured.append((x.clone(), mean.float().clone(), std.float().clone()))
-        return original(x, mean, std, config)
+        captured.append((x.clone(), mean.float().clone(), std.float().expand(x.shape).clone()))
+        return encode(x, mean, std, config)
 
-    blockcoder.encode = spy
+    def spy_batch(x, mean, std, config=None, **kwargs):
+        for i in range(x.shape[0]):
+            captured.append((x[i].clone(), mean[i].float().expand(x[i].shape).clone(),
+                             std[i].float().expand(x[i].shape).clone()))
+        return encode_batch(x, mean, std, config, **kwargs)
+
+    blockcoder.encode, blockcoder.encode_batch = spy, spy_batch
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cache.save(Path(tmp) / "cache", predictor="context")
     finally:
-        blockcoder.encode = original
+        blockcoder.encode, blockcoder.encode_batch = encode, encode_batch
     return captured
 
 
@@ -244,19 +252,20 @@ def realistic_speeds(streams, configs: list[CodecConfig], repeats: int) -> list[
     return [(a, b) for a, b in best]
 
 
-def realistic_section(tokens: int, streams_file: str | None = None, repeats: int = 3) -> tuple[list[dict], str]:
+def realistic_section(work: Workload, tokens: int, block_tokens: int, offset: int, streams_file: str | None = None,
+                      repeats: int = 3) -> tuple[list[dict], str]:
     """Section 3. ``streams_file``: load captured streams from there if it exists, else capture and save."""
     if streams_file and Path(streams_file).exists():
         streams = torch.load(streams_file)
     else:
-        streams = capture_streams(tokens)
+        streams = capture_streams(work, tokens, block_tokens, offset)
         if streams_file:
             torch.save(streams, streams_file)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        codec.encode(*streams[0])  # build the tables outside the timings
-        configs = [CodecConfig(**kw) for _, kw in REALISTIC_CONFIGS]
+        configs = [CodecConfig(coder="ans", **kw) for _, kw in REALISTIC_CONFIGS]
+        codec.encode(*streams[0], configs[0])  # build the tables outside the timings
         rows = [realistic_rates(streams, name, cfg) for (name, _), cfg in zip(REALISTIC_CONFIGS, configs)]
         n = sum(x.numel() for x, _, _ in streams)
         for r, (enc, dec) in zip(rows, realistic_speeds(streams, configs, repeats)):
@@ -327,45 +336,172 @@ def plot(path: Path, base_rows: list[dict], codec_rows: list[dict], window_rows:
     fig.savefig(path, dpi=120)
 
 
+LANES = CodecConfig(coder="lanes")
+ANS = CodecConfig(coder="ans", header="compact", fixed_window=65536)
+
+
+def synthetic_block(batch: int, seed: int = 0):
+    """x [N, 256, 64] bf16 and its generating per-element mean / std (KV-like spreads)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 6 * batch
+    scale = torch.rand(n, 1, 64, generator=g) * 2 + 0.05
+    scale[..., :3] *= 20  # outlier channels, as in real K
+    offset = torch.randn(n, 1, 64, generator=g) * 2
+    drift = torch.randn(n, 256, 64, generator=g).cumsum(1) * 0.05 * scale  # slow per-token drift
+    mean = offset + drift
+    spread = scale * (0.3 + 0.2 * torch.rand(n, 256, 64, generator=g))
+    x = (mean + spread * torch.randn(n, 256, 64, generator=g)).to(torch.bfloat16)
+    return x, mean, spread
+
+
+def real_block(work: Workload, batch: int, layer: int):
+    model = work.model
+    ids = work.ids(256 * batch, split="evaluation")
+    with torch.no_grad():
+        out = model(ids.reshape(batch, 256), use_cache=True)
+    kv = out.past_key_values
+    k, v = kv.layers[layer].keys, kv.layers[layer].values  # [B, H, T, D]
+    x = torch.stack([k, v], 1).reshape(-1, k.shape[2], k.shape[3]).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    xf = x.float()
+    spread = xf.std(1, keepdim=True) * 0.25 + 1e-3
+    mean = xf + torch.randn(x.shape, generator=g) * spread
+    return x, mean, spread.expand_as(xf).contiguous()
+
+
+def best(fn, repeats: int, clock=time.perf_counter) -> float:
+    out = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return min(out)
+
+
+def lanes_row(x: torch.Tensor, mean, std, repeats: int) -> dict:
+    n = x.numel()
+    blobs = codec.encode_batch(x, mean, std, LANES)
+    y = codec.decode_batch(blobs, mean, std, LANES)
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+    row: dict = {"lanes_bits": 8 * sum(map(len, blobs)) / n}
+
+    def pick(s, i: int):
+        return s[i] if isinstance(s, torch.Tensor) and s.shape[0] == x.shape[0] else s
+
+    ans = [codec.encode(x[i], pick(mean, i), pick(std, i), ANS) for i in range(x.shape[0])]
+    row["ans_bits"] = 8 * sum(map(len, ans)) / n
+    out = torch.empty_like(x)
+    for th in (1, 2):
+        row[f"enc_{th}"] = n / best(lambda th=th: codec.encode_batch(x, mean, std, LANES, threads=th), repeats) / 1e6
+        row[f"dec_{th}"] = n / best(lambda th=th: codec.decode_batch(blobs, mean, std, LANES, out=out, threads=th),
+                                    repeats) / 1e6
+    row["dec_1_cpu"] = n / best(lambda: codec.decode_batch(blobs, mean, std, LANES, out=out), repeats,
+                                time.thread_time) / 1e6
+    row["ans_dec_1"] = n / best(
+        lambda: [codec.decode(b, pick(mean, i), pick(std, i), config=ANS) for i, b in enumerate(ans)],
+        max(1, repeats // 2)) / 1e6
+    return row
+
+
+def lanes_section(work: Workload | None, batch: int, layer: int, repeats: int) -> tuple[dict, str]:
+    """Section 4: the lanes coder against ``ans`` on one cache block (``work``: real K/V, else synthetic)."""
+    x, mean_e, std_e = real_block(work, batch, layer) if work is not None else synthetic_block(batch)
+    xf = x.float()
+    mean_c, std_c = xf.mean(1, keepdim=True), xf.std(1, keepdim=True)
+    src = f"{work.name} layer {layer}" if work is not None else "synthetic KV-like"
+    lines = [f"\n== lanes against ans: block {tuple(x.shape)} bf16 ({src}), {x.numel()} scalars; "
+             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f} ==",
+             f"{'stats':8} {'lanes b/s':>9} {'ans b/s':>8} {'delta':>7} | {'enc 1t':>7} {'enc 2t':>7} | "
+             f"{'dec 1t':>7} {'dec 2t':>7} {'dec 1t cpu':>10} | {'ans dec 1t':>10}   (M scalars/s)"]
+    codec.decode_batch(codec.encode_batch(x[:1], 0.0, 1.0, LANES), 0.0, 1.0, LANES)  # compile / load the cache
+    rows = {}
+    with np.errstate(all="ignore"):
+        for name, m, s in (("channel", mean_c, std_c), ("element", mean_e, std_e)):
+            r = rows[name] = lanes_row(x, m, s, repeats)
+            lines.append(f"{name:8} {r['lanes_bits']:9.4f} {r['ans_bits']:8.4f} {r['lanes_bits'] - r['ans_bits']:+7.4f} | "
+                         f"{r['enc_1']:7.1f} {r['enc_2']:7.1f} | {r['dec_1']:7.1f} {r['dec_2']:7.1f} "
+                         f"{r['dec_1_cpu']:10.1f} | {r['ans_dec_1']:10.2f}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return {"source": src, "shape": list(x.shape), "rows": rows}, text
+
+
 # ------------------------------------------------------------------ main
 
+SECTIONS = ("rate", "windows", "realistic", "lanes")
+#: smoke: where in the random token ids the realistic section's text starts (4096 with text)
+SMOKE_OFFSET = 0
+SMOKE = {"tokens": 64, "calib_tokens": 64, "realistic_tokens": 64, "block_tokens": 16, "repeats": 1,
+         "lanes_repeats": 1, "layer": 1}
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/codec", help="results folder (JSON + PNG)")
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="prefill length of the coded cache")
     ap.add_argument("--calib-tokens", type=int, default=2048, help="tokens of calibration text for mean/std")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
-    ap.add_argument("--sections", choices=("all", "realistic"), default="all",
-                    help="'realistic': only the context-predictor streams (section 3)")
-    ap.add_argument("--realistic-tokens", type=int, default=512, help="tokens of text for section 3")
-    ap.add_argument("--streams", default=None, help="section 3: captured streams (.pt) to load, or to save to")
-    ap.add_argument("--repeats", type=int, default=3, help="section 3: timing rounds (best is reported)")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.sections == "realistic":
-        rows, text = realistic_section(args.realistic_tokens, args.streams, args.repeats)
-        (out / "bench_codec_realistic.json").write_text(json.dumps(rows, indent=2))
-        (out / "bench_codec_realistic.txt").write_text(text + "\n")
-        print(f"\nsaved {out / 'bench_codec_realistic.json'}, {out / 'bench_codec_realistic.txt'}")
-        return
+    ap.add_argument("--sections", default="all",
+                    help=f"comma-separated, of {','.join(SECTIONS)} (default: all)")
+    ap.add_argument("--realistic-tokens", type=int, default=512, help="realistic: tokens of text")
+    ap.add_argument("--block-tokens", type=int, default=256, help="realistic: the cache's block tokens")
+    ap.add_argument("--streams", default=None, help="realistic: captured streams (.pt) to load, or to save to")
+    ap.add_argument("--repeats", type=int, default=3, help="realistic: timing rounds (best is reported)")
+    ap.add_argument("--lanes-repeats", type=int, default=7, help="lanes: timing repeats (best is reported)")
+    ap.add_argument("--batch", type=int, default=1, help="lanes: blocks of 6 streams coded per call")
+    ap.add_argument("--real", action="store_true", help="lanes: the model's K/V instead of synthetic values")
+    ap.add_argument("--layer", type=int, default=10, help="lanes --real: the layer")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_kvcompress.errors import CliError
+
+    out = out_folder(args, "codec")
+    sections = SECTIONS if args.sections == "all" else tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise CliError(f"--sections takes all or names among {list(SECTIONS)}, got {args.sections!r}")
     if args.replot:
         saved = json.loads((out / "bench_codec.json").read_text())
         plot(out / "bench_codec.png", saved["baselines"], saved["codec"], saved["windows"])
-        return
+        return 0
     torch.set_num_threads(2)
-    report: dict = {"env": {"python": platform.python_version(), "torch": torch.__version__,
+    report: dict = {"sections": list(sections),
+                    "env": {"python": platform.python_version(), "torch": torch.__version__,
                             "numpy": np.__version__, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}}
+    work = workload(args.smoke) if {"rate", "windows", "realistic"} & set(sections) or args.real else None
+    if work is not None:
+        report["model"] = work.name
+    text: list[str] = []
+    if {"rate", "windows"} & set(sections):
+        whole_cache_sections(work, args, sections, report, text)
+    if "realistic" in sections:
+        report["realistic"], realistic_text = realistic_section(work, args.realistic_tokens, args.block_tokens,
+                                                                SMOKE_OFFSET if args.smoke else 4096,
+                                                                args.streams, args.repeats)
+        text.append(realistic_text)
+    if "lanes" in sections:
+        report["lanes"], lanes_text = lanes_section(work if args.real else None, args.batch, args.layer,
+                                                    args.lanes_repeats)
+        text.append(lanes_text)
+    report["env"]["loadavg_end"] = os.getloadavg()
+    (out / "bench_codec.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "bench_codec.txt").write_text("\n".join(text) + "\n")
+    written = ["bench_codec.json", "bench_codec.txt"]
+    if {"rate", "windows"} <= set(sections):
+        plot(out / "bench_codec.png", report["baselines"], report["codec"], report["windows"])
+        written.append("bench_codec.png")
+    print(f"\nsaved {', '.join(written)} in {out}")
+    return 0
 
+
+def whole_cache_sections(work: Workload, args, sections, report: dict, text: list[str]) -> None:
+    """Sections 1 and 2: the whole cache as two tensors (all K, all V)."""
     t0 = time.perf_counter()
-    model, ids, calib_ids = load_model_and_ids(args.tokens, args.calib_tokens)
+    model, ids, calib_ids = work.model, work.ids(args.tokens), work.ids(args.calib_tokens, split="calibration")
     with tqdm(total=2, desc="prefill (coded text, calibration text)") as bar:
         k, v = prefill_kv(model, ids)
         bar.update()
         kc, vc = prefill_kv(model, calib_ids)
         bar.update()
-    del model
     n = k.numel() + v.numel()
     print(f"KV cache: K {tuple(k.shape)} + V {tuple(v.shape)} {k.dtype} = {n / 1e6:.2f} M scalars "
           f"({time.perf_counter() - t0:.0f} s to load and prefill)")
@@ -375,11 +511,17 @@ def main() -> None:
     tensors = [k, v]
     per_channel = [(km, ks), (vm, vs)]
     no_stats = [(None, None), (None, None)]
+    if "rate" in sections:
+        rate_section(tensors, per_channel, no_stats, report, text)
+    if "windows" in sections:
+        windows_section(tensors, per_channel, report, text)
 
+
+def rate_section(tensors, per_channel, no_stats, report: dict, text: list[str]) -> None:
     with tqdm(total=1, desc="baselines (zstd -19 is slow)") as bar:
         base_rows = baselines(tensors)
         bar.update()
-    default = CodecConfig(window="fixed", fixed_window=4096)
+    default = CodecConfig(coder="ans", window="fixed", fixed_window=4096)
     codec_rows = []
     for name, args_ in tqdm([("codec, mean=None", no_stats), ("codec, per-channel mean/std", per_channel)],
                             desc="codec (with exact-mixture ideal)"):
@@ -394,7 +536,7 @@ def main() -> None:
                 ("cpu-bound 1w", "dec_cpu_mps_1_worker", 12), ("cpu-bound 2w", "dec_cpu_mps_2_workers", 12)]
     main_rows = base_rows + [dict(r, dec_mps=r["dec_mps_1_worker"], dec_cpu_mps=r["dec_cpu_mps_1_worker"])
                              for r in codec_rows]
-    text = [print_table("\n== rate and speed (1 core; whole cache) ==", main_rows, cols)]
+    text.append(print_table("\n== rate and speed (1 core; whole cache) ==", main_rows, cols))
     cols2 = [("method", "method", 30), ("real b/s", "bits_per_scalar", 9),
              ("ideal model", "ideal_model_bits_per_scalar", 11), ("headers", "side_info_bits_per_scalar", 8),
              ("real/(ideal+hdr)-1", "real_over_ideal_plus_headers", 18, ".4%"), ("<=1%", "within_1pct", 5),
@@ -404,10 +546,13 @@ def main() -> None:
     text.append(print_table("\n== codec: real stream vs ideal -sum log2 q (bits/scalar) ==", codec_rows, cols2))
     text.append(print_table("\n== codec decode scaling (M scalars/s; wall clock on a shared machine, and the "
                             "busiest process's CPU time) ==", codec_rows, cols_par))
+    report.update(baselines=base_rows, codec=codec_rows)
 
+
+def windows_section(tensors, per_channel, report: dict, text: list[str]) -> None:
     window_rows = []
-    configs = [CodecConfig(window="fixed", fixed_window=s) for s in FIXED_SIZES]
-    configs += [CodecConfig(window=m) for m in ADAPTIVE_MODES]
+    configs = [CodecConfig(coder="ans", window="fixed", fixed_window=s) for s in FIXED_SIZES]
+    configs += [CodecConfig(coder="ans", window=m) for m in ADAPTIVE_MODES]
     for cfg in tqdm(configs, desc="window schedulers (per-channel stats)"):
         window_rows.append(run_codec("per-channel", tensors, per_channel, cfg, exact=False))
     cols3 = [("window", "window", 12), ("bits/scalar", "bits_per_scalar", 11),
@@ -438,16 +583,4 @@ def main() -> None:
     )
     print(verdict, flush=True)
     text.append(verdict)
-    realistic_rows, realistic_text = realistic_section(args.realistic_tokens, args.streams, args.repeats)
-    text.append(realistic_text)
-    report.update(baselines=base_rows, codec=codec_rows, windows=window_rows, verdict=verdict,
-                  realistic=realistic_rows)
-    report["env"]["loadavg_end"] = os.getloadavg()
-    (out / "bench_codec.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "bench_codec.txt").write_text("\n".join(text) + "\n")
-    plot(out / "bench_codec.png", base_rows, codec_rows, window_rows)
-    print(f"\nsaved {out / 'bench_codec.json'}, {out / 'bench_codec.txt'}, {out / 'bench_codec.png'}")
-
-
-if __name__ == "__main__":
-    main()
+    report.update(windows=window_rows, verdict=verdict)

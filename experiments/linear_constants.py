@@ -1,7 +1,7 @@
 """Where the linear predictors' constants come from, measured: `SURPRISE_RANGE` (predictors/linear.py), the
 surprise exponents `ALPHAS` and `SIGMA_FLOOR` (calibration.py).
 
-    python eval/linear_constants.py [--fit-tokens 4096] [--prompt-tokens 1024]
+    python experiments/linear_constants.py [--fit-tokens 4096] [--prompt-tokens 1024]
 
 Fits the ``context`` heads of the embedded SmolLM2-135M on the calibration split once per variant (the constants
 as they are; a wider and a narrower surprise range; no surprise at all; a finer exponent grid) and codes the

@@ -6,8 +6,8 @@ real, the K/V statistics are not, so the coded rate of the attention layers is a
 gives the structure alone: the share of DynamicCache's bytes that sit in layers this library codes (full
 attention; sliding windows of at least `SLIDING_MIN_BLOCKS` blocks), which bounds what any codec saves there.
 
-    python eval/architecture_memory.py [--tokens 8192] [--families gemma3_text,gpt_oss] [--out results/arch_memory.json]
-    python eval/architecture_memory.py --windows 128,256,512,1024 --tokens 4096
+    python experiments/architecture_memory.py [--tokens 8192] [--families gemma3_text,gpt_oss] [--out results/arch_memory.json]
+    python experiments/architecture_memory.py --windows 128,256,512,1024 --tokens 4096
 
 ``--windows`` measures where a sliding window starts to be worth coding: a tiny mistral (every layer sliding)
 with each window, its windows coded (sealed blocks) and raw, held bytes and decode-step time of both against

@@ -18,7 +18,7 @@ route equal (bitwise) those of DynamicCache reusing the same prefix (prefill the
 generate the whole prompt from a `copy.deepcopy` of it: transformers' prompt-reuse pattern). Writes
 ``results.json`` first, then ``prefix_store.png``.
 
-    python eval/bench_prefix.py [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out results/prefix]
+    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out results/prefix]
 """
 
 from __future__ import annotations
@@ -37,43 +37,49 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
-from hf_kvcompress.calibration import calibration_for
-from hf_kvcompress.data import token_ids
-from hf_kvcompress.models import load_model
+
+from .common import Workload, out_folder, workload
 
 SUFFIX = 64
 CHECK_TOKENS = 16
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+SMOKE = {"prefixes": "256"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefixes", default="512,2048,8192")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--offset", type=int, default=3000, help="first token of the held-out text used")
     parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes")
-    parser.add_argument("--out", default="results/prefix")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_kvcompress.errors import CliError
+
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least five runs)")
+        raise CliError("--repeats must be >= 5 (medians of at least five runs)")
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model()
-    calibration = None if args.no_context else calibration_for(model)[0]
+    out = out_folder(args, "prefix")
+    work = workload(args.smoke)
+    calibration = None if args.no_context else work.default_calibration(("context",))
     prefixes = [int(p) for p in args.prefixes.split(",")]
-    result = {"model": "SmolLM2-135M-Instruct bf16", "threads": args.threads, "repeats": args.repeats,
+    result = {"model": f"{work.name} bf16", "threads": args.threads, "repeats": args.repeats,
               "suffix": SUFFIX, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "prefixes": {}}
     for prefix in prefixes:
-        result["prefixes"][str(prefix)] = run_prefix(model, tokenizer, prefix, args, calibration)
+        result["prefixes"][str(prefix)] = run_prefix(work, prefix, args, calibration)
         (out / "results.json").write_text(json.dumps(result, indent=1))
     print_table(result)
     plot(result, out / "prefix_store.png")
+    print(f"\nwrote {out / 'results.json'} and {out / 'prefix_store.png'}")
+    return 0
 
 
-def run_prefix(model, tokenizer, prefix: int, args, calibration) -> dict:
-    ids = token_ids(tokenizer, prefix + SUFFIX, split="evaluation", offset=args.offset)
+def run_prefix(work: Workload, prefix: int, args, calibration) -> dict:
+    model = work.model
+    ids = work.ids(prefix + SUFFIX, split="evaluation", offset=args.offset)
     head = ids[:, :prefix]
     mask = torch.ones_like(ids)
     raw_bytes = None
@@ -191,10 +197,7 @@ def plot(result: dict, path: Path) -> None:
         axis.set_xlabel("prefix + new tokens")
     left.set_yscale("log")
     left.legend(fontsize=8)
-    fig.suptitle(f"Prefix reuse, SmolLM2-135M bf16, {result['threads']} threads, medians of {result['repeats']}")
+    fig.suptitle(f"Prefix reuse, {result['model']}, {result['threads']} threads, medians of {result['repeats']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
-
-if __name__ == "__main__":
-    main()

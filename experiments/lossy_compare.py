@@ -7,11 +7,11 @@ cache's bytes; `QuantizedCache` with
 quanto int4 / int2, HQQ int4 / int2 and fp8 (backends that do not install are listed, not dropped silently).
 Memory is what each cache really holds after the context (`stats()["held_bytes"]` for ours: K/V, side data and
 kept queries; quantized tensors with their scales plus the unquantized residual for `QuantizedCache`).
-Measured as in `eval/lossy_experiment.py`: held-out attention error, perplexity of the continuation, needles.
+Measured as in `experiments/lossy_experiment.py`: held-out attention error, perplexity of the continuation, needles.
 
-    nice python eval/lossy_compare.py              # the reduced setting (1 segment, 10 needles)
-    nice python eval/lossy_compare.py --segments 2 --needles 50    # the table of docs/lossy.md
-    nice python eval/lossy_compare.py --replot results/lossy_compare/results.json    # plot and memory points
+    nice python experiments/lossy_compare.py              # the reduced setting (1 segment, 10 needles)
+    nice python experiments/lossy_compare.py --segments 2 --needles 50    # the table of docs/lossy.md
+    nice python experiments/lossy_compare.py --replot results/lossy_compare/results.json    # plot and memory points
 
 Prints the table and, per memory point, the best summary composition against every row within that memory (paired
 per-token NLL differences with standard errors: what "best perplexity" can honestly mean on a few hundred tokens),
@@ -52,7 +52,7 @@ METHODS: dict[str, dict] = {
 }
 QUANTIZED = ["fp8", "quanto-4", "quanto-2", "hqq-4", "hqq-2"]
 
-#: the reduced setting (the full eval/lossy_experiment.py setting took 43 min on an idle machine)
+#: the reduced setting (the full experiments/lossy_experiment.py setting took 43 min on an idle machine)
 SECTION = LossySection(context=1024, continuation=256, segments=1, interval=128, window=64, sinks=4, heldout_stride=4,
                        budgets=[0.5, 0.25, 0.125], needles=10, needle_context=512, needle_batch=10,
                        quantized=QUANTIZED, q_group_size=64)

@@ -23,8 +23,8 @@ chunk's compression saves against the time its decode costs. Also measures the `
 workaround for LMCache 0.5.6's ``fs`` adapter: a padded file's apparent size and the blocks it occupies after
 ``fallocate --dig-holes``.
 
-Usage: ``LMCACHE_TRACK_USAGE=false python eval/bench_lmcache.py [--tokens 1024] [--calibration DIR]
-[--calib-tokens 16384] [--out results/lmcache]``. Needs the ``lmcache`` install (docs/lmcache.md); ~15 min on
+Usage: ``hf-kvcompress bench lmcache [--tokens 1024] [--calibration DIR] [--calib-tokens 16384]
+[--out results/lmcache]`` (``LMCACHE_TRACK_USAGE=false`` is set unless given). Writes report.md and results.json. Needs the ``lmcache`` install (docs/lmcache.md); ~15 min on
 2 busy cores with the default calibration fit (~1 min per chunk for all rows).
 """
 
@@ -44,27 +44,22 @@ from pathlib import Path
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 import torch
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig
-from lmcache.v1.distributed.l1_manager import L1Manager
-from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, serialized_layout_desc
 
 from hf_kvcompress.calibration import Calibration
-from hf_kvcompress.data import token_ids
 from hf_kvcompress.integrations.kv_chunk import ChunkCoder, estimate_first_position, max_payload_bytes
-from hf_kvcompress.integrations.lmcache import SERDE_NAME
-from hf_kvcompress.models import load_model
 from hf_kvcompress.predictors.runner import run_decoder
+
+from .common import Workload, out_folder, workload
 
 CHUNK_TOKENS = 256  # LMCache's default --chunk-size
 DISK_BYTES_PER_S = 1e9  # the issue's reference disk
 TEXT_OFFSET = 2000  # tokens into the evaluation split (as the tests' Shakespeare prompt)
 
 
-def smollm2_chunks(model, tokenizer, tokens: int) -> list[torch.Tensor]:
+def model_chunks(work: Workload, tokens: int) -> list[torch.Tensor]:
     """The KV of ``tokens`` evaluation tokens as ``[2, layers, 256, kv_heads * head_dim]`` chunks."""
-    ids = token_ids(tokenizer, tokens, split="evaluation", offset=TEXT_OFFSET)
-    cache, _ = run_decoder(model, ids)
+    ids = work.ids(tokens, split="evaluation", offset=TEXT_OFFSET)
+    cache, _ = run_decoder(work.model, ids)
     keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, heads, tokens, dim]
     values = torch.stack([layer.values[0] for layer in cache.layers])
     layers, heads, n, dim = keys.shape
@@ -98,14 +93,20 @@ class Bench:
     """Runs chunks through LMCache serde processors on objects of a real L1 manager."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype):
+        from lmcache.v1.distributed.api import MemoryLayoutDesc
+        from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig
+        from lmcache.v1.distributed.l1_manager import L1Manager
+
         memory = L1MemoryManagerConfig(size_in_bytes=256 << 20, use_lazy=False, shm_name="")
         self.l1 = L1Manager(L1ManagerConfig(memory_config=memory))
         self.shape, self.dtype = shape, dtype
         self.layout = MemoryLayoutDesc([shape], [dtype])
         self.count = 0
-        self.held: list[ObjectKey] = []
+        self.held: list = []  # the ObjectKeys of this run
 
-    def _objs(self, layout: MemoryLayoutDesc):
+    def _objs(self, layout):
+        from lmcache.v1.distributed.api import ObjectKey
+
         self.count += 1
         k = ObjectKey(chunk_hash=self.count.to_bytes(8, "little"), model_name="bench", kv_rank=0)
         result = self.l1.reserve_write([k], [True], layout, tag="bench")[k]
@@ -121,6 +122,8 @@ class Bench:
         self.held = []
 
     def serde(self, kwargs_type: str, kwargs: dict, chunk: torch.Tensor) -> dict:
+        from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, serialized_layout_desc
+
         processor = create_serde_processor(SerdeConfig(type=kwargs_type, kwargs=kwargs))
         try:
             k, src = self._objs(self.layout)
@@ -208,19 +211,27 @@ def padding_cost(payload: bytes, estimate: int, folder: Path) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+SMOKE = {"tokens": 256, "calib_tokens": 64}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (chunks of 256)")
     parser.add_argument("--calibration", help="a saved calibration with the context predictor")
     parser.add_argument("--calib-tokens", type=int, default=16384)
-    parser.add_argument("--out", default="results/lmcache")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
-    model, tokenizer = load_model()
-    chunks = smollm2_chunks(model, tokenizer, args.tokens)
+
+def run(args: argparse.Namespace) -> int:
+    from hf_kvcompress.errors import CliError
+
+    try:
+        from hf_kvcompress.integrations.lmcache import SERDE_NAME
+    except ImportError as err:
+        raise CliError(f"bench lmcache needs lmcache ({err}): see docs/lmcache.md") from err
+    torch.set_num_threads(1)
+    out = out_folder(args, "lmcache")
+    work = workload(args.smoke)
+    model = work.model
+    chunks = model_chunks(work, args.tokens)
     text = model.config
     kv_heads, head_dim = text.num_key_value_heads, text.head_dim
     print(f"{len(chunks)} chunks of {tuple(chunks[0].shape)} {chunks[0].dtype}, "
@@ -231,8 +242,7 @@ def main() -> None:
         cal_note = f"given ({calibration.meta['text']['tokens']} tokens)"
     else:
         t0 = time.perf_counter()
-        calibration = Calibration.fit(model, tokenizer, tokens=args.calib_tokens, chunk=1024,
-                                      predictors=("context",), progress=False)
+        calibration = work.fit_calibration(args.calib_tokens, min(1024, args.calib_tokens // 2), ("context",))
         cal_dir = calibration.save(out / "calibration")
         cal_note = f"fitted here: context only, {args.calib_tokens} tokens, {time.perf_counter() - t0:.0f} s"
     print(f"calibration: {cal_note}")
@@ -291,7 +301,7 @@ def main() -> None:
         padding = padding_cost(payload, max_payload_bytes(chunks[0].shape, chunks[0].dtype), Path(tmp))
 
     lines = [
-        f"SmolLM2-135M-Instruct bf16, {len(chunks)} chunks x 256 tokens (Shakespeare, evaluation split), "
+        f"{work.name} bf16, {len(chunks)} chunks x 256 tokens (evaluation split), "
         f"{raw / 1e6:.2f} MB raw per chunk; 1 torch thread; {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores; calibration: {cal_note}",
         "",
@@ -322,7 +332,6 @@ def main() -> None:
         "table": table, "per_chunk": rows, "positions": positions, "padding": padding, "calibration": cal_note,
         "torch": torch.__version__, "machine": platform.platform(), "args": vars(args),
     }, indent=1))
+    print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")
+    return 0
 
-
-if __name__ == "__main__":
-    main()

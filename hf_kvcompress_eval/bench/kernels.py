@@ -1,39 +1,29 @@
 """Benchmark the Triton kernels (docs/kernels.md) against their torch references and the device's memory bandwidth.
 
-Prepared for a GPU: ``python eval/bench_kernels.py [--out results/kernels]``. Reports, per kernel, time,
+Prepared for a GPU: ``hf-kvcompress bench kernels [--out results/kernels]``; writes bench_kernels.json. Reports, per kernel, time,
 throughput and GB/s moved (and that over the measured device-to-device copy bandwidth), after checking the
 Triton result against the torch reference; for the codec's ANS decoder, decode throughput in GB/s of bf16
 output (DFloat11 reports hundreds of GB/s) and the decode time against one decode step's attention over the
 same cache (the goal: decoding a layer's cache costs less than attending over it).
 
-``--smoke``: tiny sizes on the CPU with Triton's interpreter (``TRITON_INTERPRET=1``, set by this script
-before torch is imported), to check that the script runs; its numbers mean nothing.
+``--smoke``: tiny sizes on the CPU with Triton's interpreter (``TRITON_INTERPRET=1``, set before the kernels are
+first imported), to check that the benchmark runs; its numbers mean nothing (bench_kernels_smoke.json).
 """
 
 from __future__ import annotations
 
-import sys
-
-if "--smoke" in sys.argv:  # must precede `import torch`, which imports triton
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import argparse
 import json
+import os
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
 
-from hf_kvcompress import codec, kernels
+from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress.codec import device as codec_device
-from hf_kvcompress.codec.api import Decoder
-from hf_kvcompress.codec.device import decode_on_device
 from hf_kvcompress.codec.symbols import BF16
-from hf_kvcompress.kernels.attention import attention_scores_reference
+
+from .common import out_folder
 
 SIZES = {  # elements / windows / queries: GPU, smoke
     "model_n": (1 << 24, 1 << 11),
@@ -75,6 +65,9 @@ def row(name, seconds, elements, nbytes, peak, check=None) -> dict:
 
 
 def bench_model(device, smoke, peak, repeat) -> list[dict]:
+    from hf_kvcompress import kernels
+    from hf_kvcompress.codec.ans_coder import device as codec_device
+
     n = SIZES["model_n"][smoke]
     g = torch.Generator(device="cpu").manual_seed(0)
     mean = (torch.randn(n, generator=g) * 0.8).to(device)
@@ -103,13 +96,17 @@ def bench_model(device, smoke, peak, repeat) -> list[dict]:
 
 def bench_ans(device, smoke, peak, repeat) -> tuple[list[dict], dict]:
     """Many windows of one stream, encoded on the CPU, entropy-decoded on the device."""
+    from hf_kvcompress import kernels
+    from hf_kvcompress.codec.ans_coder.device import decode_on_device
+    from hf_kvcompress.codec.ans_coder.streams import Decoder
+
     windows, length = SIZES["ans_windows"][smoke], SIZES["ans_window"][smoke]
     n = windows * length
     g = torch.Generator().manual_seed(1)
     mean = torch.randn(windows, length, generator=g) * 0.8
     std = torch.rand(windows, length, generator=g) * 0.6 + 0.2
     x = (mean + std * torch.randn(windows, length, generator=g)).to(torch.bfloat16)
-    cfg = CodecConfig(header="compact", fixed_window=length, mean_steps=4)
+    cfg = CodecConfig(coder="ans", header="compact", fixed_window=length, mean_steps=4)
     t0 = time.process_time()
     blob = codec.encode(x, mean, std, cfg)
     t_enc = time.process_time() - t0
@@ -138,6 +135,9 @@ def bench_ans(device, smoke, peak, repeat) -> tuple[list[dict], dict]:
 
 
 def bench_attention(device, smoke, peak, repeat) -> list[dict]:
+    from hf_kvcompress import kernels
+    from hf_kvcompress.kernels.attention import attention_scores_reference
+
     b, h, m, n, d = SIZES["att"][smoke]
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, m, d, generator=g).to(device)
@@ -156,17 +156,25 @@ def bench_attention(device, smoke, peak, repeat) -> list[dict]:
             row("attention scores (torch ref, chunked)", t_ref, b * h * n, moved, peak)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU interpreter (checks the script)")
-    ap.add_argument("--out", default="results/kernels", help="folder for bench_kernels.json")
+SMOKE: dict = {}  # --smoke picks its own sizes (SIZES) and one repeat
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=5)
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_kvcompress.errors import CliError
+
     smoke = args.smoke
+    if smoke:  # before the kernels are defined (imported on first use)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from hf_kvcompress import kernels
+
     if not smoke and not torch.cuda.is_available():
-        sys.exit("bench_kernels: no CUDA device; run with --smoke for the CPU interpreter check")
+        raise CliError("no CUDA device; run with --smoke for the CPU interpreter check")
     if not kernels.triton_available():
-        sys.exit("bench_kernels: triton is not installed")
+        raise CliError("triton is not installed")
     device = torch.device("cpu" if smoke else "cuda")
     repeat = 1 if smoke else args.repeat
     name = "CPU (Triton interpreter: numbers are meaningless)" if smoke else torch.cuda.get_device_name(device)
@@ -182,15 +190,13 @@ def main() -> None:
               f"{r['of_copy_peak']:>8.1%}  {check}")
     print("ANS decode vs attention over the same cache (one decode query per head): "
           + ", ".join(f"{k} {v:.3f}" for k, v in compare.items()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args, "kernels")
     report = {"device": name, "copy_GB_per_s": peak, "smoke": smoke, "rows": rows, "ans_vs_attention": compare,
               "torch": torch.__version__}
-    (out / ("bench_kernels_smoke.json" if smoke else "bench_kernels.json")).write_text(json.dumps(report, indent=2))
+    path = out / ("bench_kernels_smoke.json" if smoke else "bench_kernels.json")
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
     if not all(r["check"] in (None, True) for r in rows):
-        sys.exit("bench_kernels: a Triton kernel disagreed with its torch reference")
+        raise CliError("a Triton kernel disagreed with its torch reference")
+    return 0
 
-
-if __name__ == "__main__":
-    np.set_printoptions(precision=3)
-    main()

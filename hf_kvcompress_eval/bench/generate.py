@@ -10,8 +10,10 @@ block decodes per step, bytes held (an independent walk of the cache's tensors a
 RSS during the decode steps above the RSS before the cache was built (cache and step transients; the
 building's own peak is recorded in the JSON) against DynamicCache's.
 
-    python eval/bench_generate.py [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
+    hf-kvcompress bench generate [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
         [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out results/generate]
+
+Writes bench_generate.json, bench_generate.md and bench_generate.png.
 
 Predictors (default: every one that `LosslessConfig` accepts for generation, from the predictor registry):
 ``generic`` (the in-generation default: per-block channel statistics as side data, no calibration), ``framed``
@@ -35,10 +37,10 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import Calibration
-from hf_kvcompress.data import token_ids
-from hf_kvcompress.models import load_model
 from hf_kvcompress.predictors.registry import FITTED, NAMES, STORAGE_ONLY
-from hf_kvcompress_eval.env import PeakMemory, machine, versions, walk_held_bytes
+
+from ..env import PeakMemory, machine, versions, walk_held_bytes
+from .common import out_folder, workload
 
 #: the predictors a cache may generate with, the default first (the rest in registry order)
 IN_GENERATION = ("generic", *(n for n in NAMES if n not in STORAGE_ONLY and n != "generic"))
@@ -118,8 +120,11 @@ def measure(model, name: str, make_cache, prefix, tokens, reference_logits) -> t
     return row, logits
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+SMOKE = {"contexts": "32", "steps": 2, "budgets": "0.5", "block_tokens": 8, "residual_tokens": 4,
+         "calibration_tokens": 64}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="512,2048,8192")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budgets", default="0,0.05,0.5", help="LosslessConfig.decoded_budget values")
@@ -132,12 +137,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="LosslessConfig.workers: codec threads per block batch (default: the config's, "
                              "i.e. every core the process may run on)")
-    parser.add_argument("--out", default="results/generate")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model()
+    out = out_folder(args, "generate")
+    work = workload(args.smoke)
+    model = work.model
     predictors = args.predictors.split(",")
     calibration = None
     if any(p in CALIBRATED for p in predictors):
@@ -146,14 +152,14 @@ def main() -> None:
             calibration = Calibration.load(folder, model)
         else:
             t0 = time.perf_counter()
-            calibration = Calibration.fit(model, tokenizer, tokens=args.calibration_tokens, chunk=512,
-                                          predictors=CALIBRATED, probe_layers=())
+            calibration = work.fit_calibration(args.calibration_tokens, min(512, args.calibration_tokens // 2),
+                                               CALIBRATED)
             calibration.save(folder)
             print(f"calibration ({', '.join(CALIBRATED)}) on {args.calibration_tokens} tokens: {time.perf_counter() - t0:.0f} s")
     warm_up(model)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
-        ids = token_ids(tokenizer, context + args.steps, split="evaluation")
+        ids = work.ids(context + args.steps, split="evaluation")
         prompt, forced = ids[:, :context], ids[:, context:]
         with torch.no_grad():
             reference = DynamicCache()
@@ -182,12 +188,13 @@ def main() -> None:
                                   if row["peak_rss_growth"] and base["peak_rss_growth"] else None))
             rows.append(row)
             print(format_row(row), flush=True)
-    result = {"rows": rows, "args": vars(args), "versions": versions(), "machine": machine()}
+    result = {"model": work.name, "rows": rows, "args": vars(args), "versions": versions(), "machine": machine()}
     (out / "bench_generate.json").write_text(json.dumps(result, indent=1))
     (out / "bench_generate.md").write_text(table(rows) + "\n")
-    plot(rows, out / "bench_generate.png")
+    plot(rows, out / "bench_generate.png", work.name)
     print("\n" + table(rows))
     print(f"\nwrote {out / 'bench_generate.json'}, bench_generate.md and bench_generate.png")
+    return 0
 
 
 def warm_up(model) -> None:
@@ -218,7 +225,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join([HEADER, "|" + " ---: |" * (HEADER.count("|") - 1), *map(format_row, rows)])
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,11 +242,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("Lossless generation: step time against memory (SmolLM2-135M, bf16)")
+    ax.set_title(f"Lossless generation: step time against memory ({model}, bf16)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-if __name__ == "__main__":
-    main()

@@ -10,8 +10,8 @@ For each method and keep ratio (fraction of the full cache's bytes, side data in
    arrives; the answer is generated with ``generate``);
 4. time per summary (all layers).
 
-    python eval/lossy_experiment.py            # the full run (43 min on one busy CPU core)
-    python eval/lossy_experiment.py --quick    # a few minutes, small settings
+    python experiments/lossy_experiment.py            # the full run (43 min on one busy CPU core)
+    python experiments/lossy_experiment.py --quick    # a few minutes, small settings
 
 Prints a table and writes ``results.json`` and ``lossy.png`` under ``--out`` (default ``results/lossy/``).
 All tuning was done on the calibration split; everything here runs on the evaluation split.

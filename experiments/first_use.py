@@ -1,7 +1,7 @@
 """What a new user gets from the defaults, measured: lossless mode with a model attached and no calibration
 argument, on a fresh calibrations folder (issue 11's acceptance).
 
-    python eval/first_use.py [--prompt-tokens 400] [--new-tokens 32]
+    python experiments/first_use.py [--prompt-tokens 400] [--new-tokens 32]
 
 Builds ``CompressedCache(CompressionConfig(mode="lossless"), model=model)`` twice and asks each for the model's
 default calibration (``resolve_calibration()``, what the first ``save(predictor="context")`` does: the first fits

@@ -4,8 +4,8 @@ tokens of the evaluation split; the lossy cache summarises right after each laye
 Prints, per method: prefill seconds (best of ``--repeat``), the ratio to `DynamicCache`'s prefill, seconds spent in
 summaries (all layers) and ``stats()["held_bytes"]`` against the bytes `DynamicCache` holds.
 
-    python eval/lossy_speed.py                       # 2,048 tokens, budget 0.3, summary and Top-K
-    python eval/lossy_speed.py --profile summary     # also cProfile one lossy prefill (top 25 by own time)
+    python experiments/lossy_speed.py                       # 2,048 tokens, budget 0.3, summary and Top-K
+    python experiments/lossy_speed.py --profile summary     # also cProfile one lossy prefill (top 25 by own time)
 """
 
 from __future__ import annotations

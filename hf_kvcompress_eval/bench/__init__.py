@@ -1,0 +1,74 @@
+"""``hf-kvcompress bench NAME``: the maintained benchmarks, one module each (``add_arguments(parser)``,
+``run(args) -> int``, ``SMOKE``: the option values ``--smoke`` puts in place of the defaults). Results go to
+``eval-results/bench/NAME/`` unless ``--out`` says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+from .common import add_common_arguments
+
+#: name -> (module, what it measures)
+BENCHES: dict[str, tuple[str, str]] = {
+    "generate": ("hf_kvcompress_eval.bench.generate",
+                 "lossless generation against DynamicCache: step time, bytes held, bits/scalar, peak RSS"),
+    "codec": ("hf_kvcompress_eval.bench.codec",
+              "the codec on a model's KV: rate and speed against baselines, windows, realistic streams, lanes"),
+    "prefix": ("hf_kvcompress_eval.bench.prefix",
+               "prefix reuse: PrefixStore and saved files against recomputing the prompt"),
+    "lmcache": ("hf_kvcompress_eval.bench.lmcache",
+                "the LMCache serde against LMCache's naive, fp8 and CacheGen (needs lmcache)"),
+    "kernels": ("hf_kvcompress_eval.bench.kernels",
+                "the Triton kernels against their torch references and the memory bandwidth (GPU)"),
+}
+
+
+def bench_module(name: str):
+    return importlib.import_module(BENCHES[name][0])
+
+
+def bench_parser(name: str) -> argparse.ArgumentParser:
+    module = bench_module(name)
+    parser = argparse.ArgumentParser(prog=f"hf-kvcompress bench {name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser, name)
+    module.add_arguments(parser)
+    return parser
+
+
+def parse_bench_args(name: str, argv: list[str]) -> argparse.Namespace:
+    """The options of bench ``name``; with ``--smoke``, the bench's ``SMOKE`` values replace the defaults
+    (options given on the command line are kept)."""
+    parser = bench_parser(name)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in bench_module(name).SMOKE.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    return args
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to the ``hf-kvcompress`` parser's subparsers."""
+    listing = "\n".join(f"  {name:<9} {about}" for name, (_, about) in BENCHES.items())
+    parser = subparsers.add_parser(
+        "bench", help="run a maintained benchmark (generate, codec, prefix, lmcache, kernels)",
+        description="Run one benchmark; `hf-kvcompress bench NAME --help` lists its options. Every benchmark "
+        "takes --out (default: eval-results/bench/NAME) and --smoke (seconds, on a tiny random model).",
+        epilog=f"benchmarks:\n{listing}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=list(BENCHES), help="the benchmark")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="its options (see hf-kvcompress bench NAME -h)")
+    parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    bench_args = parse_bench_args(args.name, args.options)
+    threads = torch.get_num_threads()
+    try:  # the benches set torch's threads for their timings: give the caller its own back
+        return bench_module(args.name).run(bench_args)
+    finally:
+        torch.set_num_threads(threads)

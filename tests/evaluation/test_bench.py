@@ -1,0 +1,88 @@
+"""`hf-kvcompress bench NAME --smoke`: every maintained benchmark runs in seconds on a tiny random model through the
+command line and writes its results (JSON that parses, Markdown or text tables, PNG plots) under
+eval-results/bench/NAME/ by default. The numbers of a smoke run mean nothing; that the benchmarks run does."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hf_kvcompress.cli import main
+from hf_kvcompress_eval.bench import BENCHES
+
+PNG = b"\x89PNG\r\n\x1a\n"
+#: the files each bench writes
+OUTPUTS = {
+    "generate": ["bench_generate.json", "bench_generate.md", "bench_generate.png"],
+    "codec": ["bench_codec.json", "bench_codec.txt", "bench_codec.png"],
+    "prefix": ["results.json", "prefix_store.png"],
+    "lmcache": ["results.json", "report.md"],
+    "kernels": ["bench_kernels_smoke.json"],
+}
+NEEDS = {"lmcache": "lmcache", "kernels": "triton"}
+
+
+def check_results(name: str, results: dict) -> None:
+    if name == "generate":
+        assert results["rows"][0]["config"] == "DynamicCache"
+        assert all(r["identical"] for r in results["rows"][1:])
+    elif name == "codec":
+        assert results["sections"] == ["rate", "windows", "realistic", "lanes"]
+        assert all(r["within_1pct"] for r in results["codec"]) and len(results["windows"]) == 7
+        assert results["realistic"] and set(results["lanes"]["rows"]) == {"channel", "element"}
+    elif name == "prefix":
+        routes = next(iter(results["prefixes"].values()))["routes"]
+        assert all(r["exact_tokens_and_logits"] for r in routes.values())
+    elif name == "lmcache":
+        rows = {r["method"]: r for r in results["table"]}
+        assert all(r["exact"] for m, r in rows.items() if m.startswith("hf_kvcompress"))
+    elif name == "kernels":
+        assert results["smoke"] and all(r["check"] in (None, True) for r in results["rows"])
+        assert {"decode_over_attention", "decode_ms"} <= set(results["ans_vs_attention"])
+
+
+def test_every_bench_has_a_test():
+    assert set(OUTPUTS) == set(BENCHES)
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_bench_smoke_writes_its_results(name, tmp_path, monkeypatch, capsys):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
+    monkeypatch.chdir(tmp_path)  # the default results folder is relative: eval-results/bench/NAME
+    assert main(["bench", name, "--smoke"]) == 0, capsys.readouterr().err
+    out = tmp_path / "eval-results" / "bench" / name
+    for file in OUTPUTS[name]:
+        path = out / file
+        assert path.is_file(), f"{name}: {file} missing in {sorted(p.name for p in out.iterdir())}"
+        if file.endswith(".png"):
+            assert path.read_bytes().startswith(PNG)
+        elif file.endswith((".md", ".txt")):
+            assert path.read_text().strip()
+    check_results(name, json.loads((out / OUTPUTS[name][0]).read_text()))
+
+
+def test_bench_help_lists_every_bench(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    assert all(name in shown for name in BENCHES)
+
+
+def test_bench_options_are_checked(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "generate", "--no-such-option"])
+    assert done.value.code == 2 and "--no-such-option" in capsys.readouterr().err
+    assert main(["bench", "codec", "--sections", "rate,nonsense", "--out", "unused"]) == 2
+    assert "--sections" in capsys.readouterr().err
+
+
+def test_bench_without_the_harness_says_how_to_install_it(monkeypatch, capsys):
+    for name in [n for n in sys.modules if n.split(".")[0] == "hf_kvcompress_eval"] + ["hf_kvcompress_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import fails as if the harness were not installed
+    assert main(["bench", "generate", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hf_kvcompress_eval) is not installed" in err, err
