@@ -5,11 +5,11 @@ project's 2-vCPU VM moves by 1.5x within minutes) a ratio from such a run can be
 cache is built from the same prefill, and step ``i`` runs on every cache before step ``i + 1`` runs on any, so
 the drift hits all of them alike. Prints the median wall seconds per step, the ratio to DynamicCache's, the
 decoded scalars per second above DynamicCache's step, and whether the logits are bit-identical to
-DynamicCache's (docs/lossless.md, "Codec threads").
+DynamicCache's (docs/results/lossless.md, "Codec threads").
 
 ``--against REV`` also steps the same caches built by the package as it was at git revision REV, imported
 beside this one under another name (the package imports itself only relatively, so a renamed copy is a
-second, independent package): a before/after comparison of a change in one process (docs/codec.md 12.5).
+second, independent package): a before/after comparison of a change in one process (docs/results/codec.md 12.5).
 
     python experiments/step_ab.py [--context 2048] [--steps 9] [--threads 1] [--workers 1,2] [--budget 0.05]
                            [--predictor generic] [--against 7b3c3f3]

@@ -39,8 +39,8 @@ from .identity import ModelIdentity, model_fingerprint, model_identity
 from .predictors.base import BlockInputs, ExtrasSource, LayerValues
 from .predictors.linear import CalibratedLinearPredictor, FeatureBuilder, StreamHead, Surprise
 from .predictors.registry import FITTED, PREDICTORS
+from .predictors.rerun import run_decoder
 from .predictors.rope import RopeFrame
-from .predictors.runner import run_decoder
 from .validation import check_int, fail
 
 FORMAT = "hf_kvcompress.calibration"
@@ -51,7 +51,7 @@ READS = (3, 4, 5)
 TENSORS_FILE, META_FILE = "calibration.safetensors", "calibration.json"
 #: the surprise exponents the fit chooses from: they cover what it picks (1.0 for most streams on SmolLM2);
 #: no surprise (0 only) costs 0.15 bit/scalar, a finer grid gains 0.004 (docs/lossless.md, "Constants of the
-#: linear predictors", eval/linear_constants.py)
+#: linear predictors", experiments/linear_constants.py)
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25)
 RIDGE = 1e-3  # relative to each feature's own energy (scale-free): keeps near-collinear features solvable
 #: smallest sigma: a guard for channels constant in the calibration text (never binds on SmolLM2, whose

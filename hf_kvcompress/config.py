@@ -7,7 +7,7 @@ import json
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
-from .codec import CodecConfig
+from .codec import DEFAULT_CODER, CodecConfig
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
 from .validation import JsonConfig, check_choice, check_fraction, check_int, check_number, fail
@@ -36,17 +36,18 @@ class LosslessConfig(JsonConfig):
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
             codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
-            source for their choices and bounds. The defaults differ from `CodecConfig`'s on purpose: the
-            codec's defaults are those of its first stream format (its streams record only the fields that
-            differ from them, so streams of the default config keep their bytes), while these are the settings
-            measured best inside the cache, where blocks are small and the cache keeps the config:
-            ``window="fixed"`` (measured best on SmolLM2, docs/codec.md); ``fixed_window=65536``, the codec's
-            largest window (one window per 64 x 256-token stream, the fastest and smallest setting measured;
-            the ``lanes`` coder codes a stream as one window whatever it is); ``header="compact"`` (~40 bytes
-            where the self-describing ``"full"`` takes ~450; ``lanes`` has its own ~24-byte header);
-            ``mean_steps=4`` (0.002 bit/scalar more than 8, coded ~20 % faster); ``coder="lanes"`` (compiled
-            interleaved rANS, one call per block; ``"ans"``, constriction, one call per stream, the same rate;
-            files saved before 0.2 use it and still load; docs/codec.md section 12).
+            source for their choices and bounds. ``coder`` has the codec's default (`codec.DEFAULT_CODER`,
+            ``"lanes"``: compiled interleaved rANS, one call per block, 5-10x faster decoding than ``"ans"``
+            (constriction, one call per stream, adaptive windows) for +0.01 bit/scalar; files saved with
+            ``"ans"`` still load; docs/results/codec.md 12.3). The other four differ from `CodecConfig`'s on
+            purpose: the codec's are those of the ``ans`` format's first streams (which record only the
+            fields that differ from them, so they keep their bytes), these the settings measured best inside
+            the cache, where blocks are small and the cache keeps the config: ``window="fixed"`` (measured
+            best on SmolLM2, docs/results/codec.md 10); ``fixed_window=65536``, the codec's largest window
+            (one window per 64 x 256-token stream, the fastest and smallest setting measured; ``lanes`` codes
+            a stream as one window whatever it is); ``header="compact"`` (~40 bytes where the self-describing
+            ``"full"`` takes ~450; ``lanes`` has its own ~24-byte header); ``mean_steps=4`` (0.002
+            bit/scalar more than 8, coded ~20 % faster).
         workers: how many threads or processes code a block's streams; None (the default) uses every core
             the process may run on (its CPU affinity), an int fixes the count. With ``coder="lanes"``:
             threads, over the block's streams, when encoding and decoding (``codec.encode_batch`` /
@@ -57,13 +58,13 @@ class LosslessConfig(JsonConfig):
             bytes are the same whatever the count. On this project's 2-vCPU machine a second codec thread
             made a decode step 1.2-1.5x faster beside torch on one thread, and neither faster nor slower
             beside torch on two (torch's OpenMP threads spin on the second core between operations); it
-            loses where other processes keep the cores busy: pass ``workers=1`` there (docs/lossless.md,
+            loses where other processes keep the cores busy: pass ``workers=1`` there (docs/results/lossless.md,
             "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks decode on the
             GPU and this only affects encoding (docs/lossless.md, "On a GPU").
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
-            ``hf_kvcompress/cache/pool.py``; eval/bench_generate.py measures the trade).
+            ``hf_kvcompress/cache/pool.py``; ``hf-kvcompress bench generate`` measures the trade).
     """
 
     predictor: str = "generic"
@@ -75,7 +76,7 @@ class LosslessConfig(JsonConfig):
     mean_steps: int = 4
     workers: int | None = None
     decoded_budget: float = 0.05
-    coder: str = "lanes"
+    coder: str = DEFAULT_CODER
 
     #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
     #: impractical at every step): both from the predictor registry

@@ -3,7 +3,7 @@ trip, general-purpose baselines on the same K/V, the window scheduler's choices,
 memory against `DynamicCache`.
 
 Every number comes from files really written with `CompressedCache.save` and read back with
-`CompressedCache.load`, checked bit for bit against the original K/V. ``eval/bench_lossless.py`` is a thin
+`CompressedCache.load`, checked bit for bit against the original K/V. ``hf-kvcompress eval --suite full --only lossless,generation`` is a thin
 command line over these functions.
 """
 

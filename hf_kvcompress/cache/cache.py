@@ -23,8 +23,7 @@ from ..layer.hybrid import CompressedHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
 from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
 from ..predictors.registry import reads_calibration
-from .coded import CodedStorage, LosslessContext
-from .lossless import lossless_context, sealed_raw_bytes
+from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
 from .persist import load_cache, save_cache
 
 #: transformers' layer types (`transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`) and what holds them here:
@@ -81,9 +80,9 @@ class CompressedCache(Cache):
         self.calibration, self.calibration_note = _resolve_calibration(calibration, model, config)
         #: True while an ``"auto"`` calibration waits for its first use (`resolve_calibration`)
         self._calibration_pending = self.calibration_note in (PENDING_NOTE, PENDING_ON_REQUEST_NOTE)
-        self.lossless: LosslessContext | None = None
+        self.lossless: LosslessCoding | None = None
         if config.mode == "lossless":
-            self.lossless = lossless_context(self)
+            self.lossless = coding_for(self)
         self._layer_count: int | None = None
         layers: list[Any] = []
         if model_config is not None:

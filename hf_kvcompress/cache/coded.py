@@ -4,12 +4,13 @@ A block of one layer is ``rows * 2 * kv_heads`` streams, coded by the block code
 predicted, scaled by one byte per stream, settled for `portable` predictors, coded channel-major). Keys and values
 may differ in width (an MLA latent and its rotary part): such a block is coded in one codec call per kind, and a
 layer's such blocks decode in one call per kind (`CodedBlock.split`). Decoding a block of layer ``l`` needs the
-same block of the layers below when the predictor reads them; `LosslessContext` keeps those only as long as a
+same block of the layers below when the predictor reads them; `LosslessCoding` keeps those only as long as a
 layer above can need them (`pool`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from array import array
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..blockcoder import (
     CodedStreams,
@@ -41,6 +43,7 @@ from ..codec import (
 )
 from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
+from ..predictors import make_predictor
 from ..predictors.base import KINDS, BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
 from .pool import DecodedPool, flat_values, values_tensors
 
@@ -71,7 +74,7 @@ class CodedRow:
 
 @dataclass
 class _Ahead:
-    """A decode `LosslessContext._start_ahead` began: ``blocks`` at positions ``indices`` of ``layer``'s block
+    """A decode `LosslessCoding._start_ahead` began: ``blocks`` at positions ``indices`` of ``layer``'s block
     list, decoding into ``out`` (``[blocks, k/v, heads, rows, dim, tokens]``)."""
 
     layer: int
@@ -80,10 +83,10 @@ class _Ahead:
     out: torch.Tensor
     job: PendingDecode
 
-    def fits(self, blocks: list[Block], context: LosslessContext) -> bool:
+    def fits(self, blocks: list[Block], coding: LosslessCoding) -> bool:
         """Whether ``blocks`` (a layer's list at its read) still hold these blocks at these places, none of
         them held decoded meanwhile."""
-        return all(i < len(blocks) and blocks[i] is block and context._held(block) is None
+        return all(i < len(blocks) and blocks[i] is block and coding._held(block) is None
                    for i, block in zip(self.indices, self.blocks))
 
 
@@ -93,9 +96,9 @@ class CodedBlock(Block):
 
     exact = True
 
-    def __init__(self, context: LosslessContext, layer: int, start: int, tokens: int, rows: list[CodedRow],
+    def __init__(self, coding: LosslessCoding, layer: int, start: int, tokens: int, rows: list[CodedRow],
                  heads: int, dim: int, dtype: torch.dtype, device: torch.device, *, value_dim: int | None = None):
-        self.context = context
+        self.coding = coding
         self.layer = layer
         self.start = start
         self.tokens = self.entries = tokens
@@ -104,7 +107,7 @@ class CodedBlock(Block):
         self.dim = dim
         self.value_dim = dim if value_dim is None else value_dim
         #: keys and values differ in width: coded and decoded in one codec call per kind (one shape per call;
-        #: `LosslessContext._decode_together`), never straight into the layer's tensors or ahead of its read
+        #: `LosslessCoding._decode_together`), never straight into the layer's tensors or ahead of its read
         self.split = self.value_dim != dim
         self.dtype = dtype
         self.device = device
@@ -113,7 +116,7 @@ class CodedBlock(Block):
         self.verified = False
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        values = self.context.decoded(self)
+        values = self.coding.decoded(self)
         return values.keys.to(self.device), values.values.to(self.device)
 
     def nbytes(self) -> int:
@@ -121,14 +124,14 @@ class CodedBlock(Block):
 
     def select_rows(self, indices: torch.Tensor) -> CodedBlock:
         rows = [self.rows[i] for i in indices.tolist()]
-        return CodedBlock(self.context, self.layer, self.start, self.tokens, rows, self.heads, self.dim,
+        return CodedBlock(self.coding, self.layer, self.start, self.tokens, rows, self.heads, self.dim,
                           self.dtype, self.device, value_dim=self.value_dim)
 
     def to(self, device: torch.device | str) -> CodedBlock:
         return self  # bytes live on the host; decoded tensors go to self.device
 
 
-class LosslessContext:
+class LosslessCoding:
     """What every layer of one lossless cache shares: predictor, codec settings, decoded tensors.
 
     ``find_block(layer, start)`` returns the block of ``layer`` that starts at ``start`` (the layer-below
@@ -253,7 +256,7 @@ class LosslessContext:
                 self._take_ahead(ahead, blocks, keys, values, at, direct)
             else:  # blocks changed since (rows selected, cropped, a structural change): not needed any more
                 ahead.job.cancel()
-            del ahead  # its buffers go before the next layer's are allocated (peak RSS: docs/codec.md 12.5)
+            del ahead  # its buffers go before the next layer's are allocated (peak RSS: docs/results/codec.md 12.5)
         runs: list[list[int]] = []  # same-shaped blocks not held decoded, in runs of adjacent positions
         for i, block in enumerate(blocks):
             if direct[i] or not isinstance(block, CodedBlock) or self.depth != 0 or block.split or \
@@ -286,7 +289,7 @@ class LosslessContext:
         which the layer's read finishes on its own thread (`_take_ahead`). Only for predictors that predict a
         layer's blocks in one batch, on the CPU, with ``workers`` >= 2 and torch's own threads leaving a core free:
         beside torch on every core its OpenMP threads spin on the others between operations, and a step with the
-        decode ahead measured 8.3x DynamicCache's against 7.7x without (docs/codec.md 12.5)."""
+        decode ahead measured 8.3x DynamicCache's against 7.7x without (docs/results/codec.md 12.5)."""
         count = self.layer_count() or self._passed_layers
         if self.workers < 2 or self.depth != 0 or self.blocks_of is None or count is None or layer >= count:
             return
@@ -332,7 +335,7 @@ class LosslessContext:
         into = _destination(keys, values, at[ahead.indices[0]], len(ahead.blocks), ahead.blocks[0])
         if into is not None:
             into.copy_(ahead.out)
-        for i, block, decoded in zip(ahead.indices, ahead.blocks, self._settle(ahead.blocks, _views(ahead.out))):
+        for i, block, decoded in zip(ahead.indices, ahead.blocks, self._record_decoded(ahead.blocks, _views(ahead.out))):
             if into is None:
                 keys[..., at[i] : at[i] + block.tokens, :].copy_(decoded.keys)
                 values[..., at[i] : at[i] + block.tokens, :].copy_(decoded.values)
@@ -378,7 +381,7 @@ class LosslessContext:
         else:  # [blocks, heads, rows, width, tokens] -> [blocks, rows, heads, tokens, width], per kind
             keys, values = (decoded[kind].permute(0, 2, 1, 4, 3).contiguous() for kind in KINDS)
             pairs = [(keys[i], values[i]) for i in range(count)]
-        return self._settle(blocks, pairs, sessions)
+        return self._record_decoded(blocks, pairs, sessions)
 
     def _decode_in_place(self, blocks: list[CodedBlock], means: torch.Tensor, stds: torch.Tensor,
                          config: CodecConfig, into: torch.Tensor) -> list[LayerValues]:
@@ -389,9 +392,9 @@ class LosslessContext:
                          verify=verify)
         except ParameterMismatchError as err:
             raise self._mismatch(blocks[0].layer, err) from err
-        return self._settle(blocks, _views(into))
+        return self._record_decoded(blocks, _views(into))
 
-    def _settle(self, blocks: list[CodedBlock], decoded: list[tuple[torch.Tensor, torch.Tensor]],
+    def _record_decoded(self, blocks: list[CodedBlock], decoded: list[tuple[torch.Tensor, torch.Tensor]],
                 sessions: list[PredictorSession] | None = None) -> list[LayerValues]:
         """Bookkeeping of blocks just decoded (each block's keys and values ``[rows, heads, tokens, width]``):
         shown to their sessions (None: predicted without one, a `PlainSession` with nothing below), checked,
@@ -619,22 +622,22 @@ def _listed_of(row: CodedRow, stream: int) -> np.ndarray:
 
 
 class CodedStorage(Storage):
-    """`Storage` of lossless mode: one per layer, sharing a `LosslessContext`."""
+    """`Storage` of lossless mode: one per layer, sharing a `LosslessCoding`."""
 
     name = "lossless"
 
-    def __init__(self, context: LosslessContext, layer: int):
-        self.context = context
+    def __init__(self, coding: LosslessCoding, layer: int):
+        self.coding = coding
         self.layer = layer
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, *, start: int) -> CodedBlock:
-        return self.context.encode_block(self.layer, keys, values, start)
+        return self.coding.encode_block(self.layer, keys, values, start)
 
     def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.context.read_all(blocks)
+        return self.coding.read_all(blocks)
 
     def read_into(self, blocks: list[Block], keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.context.read_into(blocks, keys, values)
+        self.coding.read_into(blocks, keys, values)
 
 
 def _views(decoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -678,3 +681,69 @@ def _destination(keys: torch.Tensor, values: torch.Tensor, start: int, count: in
 
 def _with_marginal(config: CodecConfig, marginal: Marginal) -> CodecConfig:
     return replace(config, marginal=marginal)
+
+
+# ------------------------------------------------------------------ assembling a cache's lossless coding
+
+def coding_for(cache) -> LosslessCoding:
+    """The `LosslessCoding` of ``cache`` (a `CompressedCache` in lossless mode)."""
+    settings = cache.config.lossless
+    predictor = make_predictor(
+        settings.predictor, calibration=cache.calibration, model=cache.model, probe_layer=settings.probe_layer
+    )
+    # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
+    _check_layer_chain(cache, predictor)
+    codec = settings.codec_config()
+    marginals = None
+    if cache.calibration is not None and getattr(predictor, "calibrated", False):
+        # only a calibrated predictor reads the calibration in generation (the marginals gain 0.001 bit/scalar
+        # for `generic`: not worth holding them); `save` reads what it needs then
+        marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
+    coding = LosslessCoding(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
+                              decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
+    coding.blocks_of = functools.partial(layer_blocks, cache)
+    return coding
+
+
+def layer_blocks(cache, layer: int) -> list:
+    """The sealed blocks of ``cache``'s layer ``layer`` (empty if it holds none or does not exist)."""
+    if layer < 0 or layer >= len(cache.layers):
+        return []
+    return list(getattr(cache.layers[layer], "blocks", ()))
+
+
+def find_block(cache, layer: int, start: int):
+    """The sealed block of ``cache``'s layer ``layer`` that starts at text position ``start``, if any."""
+    if layer < 0 or layer >= len(cache.layers):
+        return None
+    held = cache.layers[layer]
+    for block, block_start in zip(getattr(held, "blocks", ()), getattr(held, "block_starts", ())):
+        if block_start == start:
+            return block
+    return None
+
+
+def _check_layer_chain(cache, predictor) -> None:
+    """Predictors that read the layer below need every layer to keep its blocks (no sliding windows)."""
+    uses_below = predictor.below_depth() > 0
+    config = cache.model_config
+    if not uses_below or config is None:
+        return
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"lossless predictor '{predictor.name}' reads the layer below, but this model has "
+            f"{sorted(set(layer_types) - {'full_attention'})} layers that drop old tokens; use predictor 'none' "
+            "or no calibration (per-block statistics) for it"
+        )
+
+
+def sealed_raw_bytes(cache) -> int:
+    """Raw (uncompressed) bytes of every sealed block of ``cache``: what the decoded pool's budget scales."""
+    total = 0
+    for layer in cache.kv_layers():
+        for block in layer.blocks:
+            if isinstance(block, CodedBlock):
+                total += len(block.rows) * block.heads * block.tokens * (block.dim + block.value_dim) * \
+                    block.dtype.itemsize
+    return total

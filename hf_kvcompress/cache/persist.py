@@ -37,7 +37,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
 from ..calibration import Calibration, CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, stream_info
-from ..codec.config import MAX_WINDOW
+from ..codec.codec_config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..errors import CacheFileError
 from ..identity import ModelIdentity, model_identity
@@ -47,9 +47,9 @@ from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
-from ..predictors.runner import decoder_layers
+from ..predictors.rerun import decoder_layers
 from ..version import __version__
-from .coded import CodedBlock, CodedRow, LosslessContext, PredictorMismatchError
+from .coded import CodedBlock, CodedRow, LosslessCoding, PredictorMismatchError
 
 
 class CompressedCache(Protocol):
@@ -61,7 +61,7 @@ class CompressedCache(Protocol):
     model: torch.nn.Module | None
     model_config: Any
     layers: list[Any]
-    lossless: LosslessContext | None
+    lossless: LosslessCoding | None
     token_ids: torch.Tensor | None
     saw_padding: bool
 
@@ -132,16 +132,16 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         _check_tokens_for_rerun(cache, token_ids, tokens)
 
     block_tokens = cache.config.block_tokens
-    context, blocks = _coding_context(cache, settings, chosen)
+    coding, blocks = _saved_coding(cache, settings, chosen)
     if needs_tokens:
-        context.extras_source = chosen.model_extras(token_ids)
+        coding.extras_source = chosen.model_extras(token_ids)
     payload = bytearray()
 
     def coded_blocks(index: int, keys: torch.Tensor, values: torch.Tensor, first: int) -> list[dict[str, Any]]:
         entries = []
         for at in range(0, keys.shape[2], block_tokens):
             stop = min(at + block_tokens, keys.shape[2])
-            block = context.encode_block(index, keys[:, :, at:stop], values[:, :, at:stop], first + at)
+            block = coding.encode_block(index, keys[:, :, at:stop], values[:, :, at:stop], first + at)
             blocks[(index, first + at)] = block
             entries.append({"start": first + at, "tokens": stop - at,
                             "rows": [_write_row(row, payload) for row in block.rows]})
@@ -154,7 +154,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     keys0 = None
     for index, layer in held:
         kv = None
-        taken = _generation_blocks(cache, layer, index, chosen, context) if isinstance(layer, CompressedLayer) \
+        taken = _generation_blocks(cache, layer, index, chosen, coding) if isinstance(layer, CompressedLayer) \
             else None
         if taken is not None:  # the cache's own blocks are the file's: their streams, not decoded and coded again
             keys, values = layer.residual_keys, layer.residual_values
@@ -222,7 +222,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
 
 
 def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: int, chosen: Predictor,
-                       context: LosslessContext) -> list[CodedBlock] | None:
+                       coding: LosslessCoding) -> list[CodedBlock] | None:
     """``layer``'s sealed blocks when they are what the file would code (the save's predictor is generation's and
     codes alike on every CPU, the same codec settings and marginals; whole blocks from position 0 of a
     full-attention layer), else None: the save then codes every token itself."""
@@ -236,7 +236,7 @@ def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: in
             not isinstance(b, CodedBlock) or b.tokens != block_tokens or len(b.rows) != layer.rows
             for b in layer.blocks):
         return None
-    if context.codec_for(index) != mine.codec_for(index):
+    if coding.codec_for(index) != mine.codec_for(index):
         return None
     return list(layer.blocks)
 
@@ -362,12 +362,12 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
         predictor.portable = True  # as it was written
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
-    context, blocks = _coding_context(target, saved.config.lossless, predictor)
+    coding, blocks = _saved_coding(target, saved.config.lossless, predictor)
     token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
     if not predictor.practical_in_generation:
         if token_ids is None:
             raise CacheFileError(f"the {name} predictor needs token ids, which this file lacks")
-        context.extras_source = predictor.model_extras(token_ids)
+        coding.extras_source = predictor.model_extras(token_ids)
 
     rows = header["rows"]
     entries = _layer_entries(header)
@@ -378,11 +378,11 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
         layer, kv = entry["layer"], entry["kv"]
         for b in (kv or {}).get("blocks", ()):
             coded = [_read_row(row, saved.payload) for row in b["rows"]]
-            block = CodedBlock(context, layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
+            block = CodedBlock(coding, layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
                                saved.dtype, torch.device("cpu"), value_dim=kv["value_dim"])
-            _check_block(block, context, predictor, sides)
+            _check_block(block, coding, predictor, sides)
             blocks[(layer, b["start"])] = block
-    adopting = _adopts(header, saved.config, target, predictor, context)
+    adopting = _adopts(header, saved.config, target, predictor, coding)
     try:
         for entry in tqdm(entries, desc=f"loading ({name})", disable=not progress, leave=False):
             layer, kv = entry["layer"], entry["kv"]
@@ -395,7 +395,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
             adopted = [_adopted(blocks[(layer, b["start"])], target.lossless, device) for b in kv["blocks"][:count]]
             keys, values = [], []
             for b in kv["blocks"][count:]:  # the newest tokens, which generation holds as plain tensors
-                decoded = context.decoded(blocks[(layer, b["start"])])
+                decoded = coding.decoded(blocks[(layer, b["start"])])
                 keys.append(decoded.keys)
                 values.append(decoded.values)
             if adopted:
@@ -440,7 +440,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
 
 
 def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,
-            context: LosslessContext) -> bool:
+            coding: LosslessCoding) -> bool:
     """Whether the file's blocks are coded exactly as ``target`` codes blocks in generation, so that `load` takes
     them as they are: the same predictor, one whose statistics every CPU computes alike (a file's portable coding
     is then generation's), and the same codec settings and marginals for every layer."""
@@ -449,7 +449,7 @@ def _adopts(header: dict[str, Any], saved: CompressionConfig, target: Compressed
         return False
     if saved.block_tokens != target.config.block_tokens:
         return False
-    return all(context.codec_for(entry["layer"]) == mine.codec_for(entry["layer"]) for entry in _layer_entries(header)
+    return all(coding.codec_for(entry["layer"]) == mine.codec_for(entry["layer"]) for entry in _layer_entries(header)
                if entry["kv"] is not None)
 
 
@@ -471,9 +471,9 @@ def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, 
     return count
 
 
-def _adopted(block: CodedBlock, context: LosslessContext, device: torch.device) -> CodedBlock:
+def _adopted(block: CodedBlock, coding: LosslessCoding, device: torch.device) -> CodedBlock:
     """A checked block of a file as a block of the cache it loads into (its streams not decoded)."""
-    return CodedBlock(context, block.layer, block.start, block.tokens, block.rows, block.heads, block.dim,
+    return CodedBlock(coding, block.layer, block.start, block.tokens, block.rows, block.heads, block.dim,
                       block.dtype, device, value_dim=block.value_dim)
 
 
@@ -602,11 +602,11 @@ def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any],
         layer.has_previous_state[i] = previous
 
 
-def _check_block(block: CodedBlock, context: LosslessContext, predictor: Predictor, sides: dict[tuple, dict]) -> None:
+def _check_block(block: CodedBlock, coding: LosslessCoding, predictor: Predictor, sides: dict[tuple, dict]) -> None:
     """Each stream must declare the block's dtype and channel-major shape; side data must be what the
     predictor sends for such a block (names, per-row shapes, dtypes; ``sides`` memoises them per shape)."""
     where = f"layer {block.layer}, block at token {block.start}"
-    config = context.codec_for(block.layer)
+    config = coding.codec_for(block.layer)
     for r, row in enumerate(block.rows):
         for s, blob in enumerate(row.blobs):
             try:
@@ -892,15 +892,15 @@ def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
 # ---------------------------------------------------------------------- helpers
 
 
-def _coding_context(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessContext, dict]:
+def _saved_coding(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessCoding, dict]:
     blocks: dict[tuple[int, int], Block] = {}
     codec = settings.codec_config()
-    # only a calibrated predictor codes with the calibration's marginals, as in generation (`lossless_context`): a
+    # only a calibrated predictor codes with the calibration's marginals, as in generation (`coding_for`): a
     # 'generic' file is then coded exactly as generation codes, and its blocks load without decoding
     calibrated = cache.calibration is not None and bool(getattr(predictor, "calibrated", False))
     marginals = cache.calibration.marginal if calibrated else None
-    context = LosslessContext(predictor, codec, lambda layer, start: blocks.get((layer, start)), marginals, settings.workers)
-    return context, blocks
+    coding = LosslessCoding(predictor, codec, lambda layer, start: blocks.get((layer, start)), marginals, settings.workers)
+    return coding, blocks
 
 
 def _check_tokens_for_rerun(cache: CompressedCache, token_ids: torch.Tensor | None, tokens: int) -> None:

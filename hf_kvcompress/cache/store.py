@@ -45,7 +45,7 @@ from ..layer import CompressedLayer
 from ..predictors import make_predictor
 from ..version import __version__
 from .cache import CompressedCache
-from .coded import CodedBlock, LosslessContext
+from .coded import CodedBlock, LosslessCoding
 from .persist import DTYPES, _check_block, _check_blocks, _dict, _int, _layer_device, _read_row, _write_row
 
 log = logging.getLogger(__name__)
@@ -312,14 +312,14 @@ class PrefixStore:
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return next(self.model.parameters()).dtype, heads, dim
 
-    def _context(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessContext:
+    def _coding(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessCoding:
         """A block coder of the store's settings over ``blocks`` (the layer-below lookup of `context`)."""
         calibration = self.calibration
         predictor = make_predictor(self.predictor, calibration=calibration)
         predictor.portable = portable  # chunks are read by other processes (and machines: LMCache tiers)
         settings = self.config.lossless
         marginals = calibration.marginal if calibration is not None and self.predictor != "generic" else None
-        return LosslessContext(predictor, settings.codec_config(), lambda layer, start: blocks.get((layer, start)),
+        return LosslessCoding(predictor, settings.codec_config(), lambda layer, start: blocks.get((layer, start)),
                                marginals, settings.workers)
 
     def _encode_chunk(self, cache: Cache, index: int, key: bytes, row: np.ndarray,
@@ -331,7 +331,7 @@ class PrefixStore:
         stop = first + self.chunk_tokens
         block_tokens = self.config.block_tokens
         blocks: dict[tuple[int, int], CodedBlock] = {}
-        context = None
+        coding = None
         payload = bytearray()
         layers = []
         for layer_idx, layer in enumerate(cache.layers):
@@ -340,10 +340,10 @@ class PrefixStore:
                 if layer_idx not in whole:
                     whole[layer_idx] = _layer_kv(layer, stop)
                 keys, values = (t[:, :, first:stop] for t in whole[layer_idx])
-                context = context or self._context(blocks)
+                coding = coding or self._coding(blocks)
                 taken = []
                 for at in range(first, stop, block_tokens):
-                    block = context.encode_block(layer_idx, keys[:, :, at - first : at - first + block_tokens],
+                    block = coding.encode_block(layer_idx, keys[:, :, at - first : at - first + block_tokens],
                                                  values[:, :, at - first : at - first + block_tokens], at)
                     blocks[(layer_idx, at)] = block
                     taken.append(block)
@@ -360,10 +360,10 @@ class PrefixStore:
     def _held_blocks(self, cache: Cache, layer: object, first: int, stop: int) -> list[CodedBlock] | None:
         """``layer``'s coded blocks of tokens ``first..stop`` when they are coded exactly as the store codes them
         (a `CompressedCache` in generation with the store's predictor and codec settings), else None."""
-        context = getattr(cache, "lossless", None)
-        if self.predictor != "generic" or not isinstance(layer, CompressedLayer) or context is None \
-                or context.predictor.name != "generic" or context.codec_config != self.config.lossless.codec_config() \
-                or context.marginals is not None:
+        coding = getattr(cache, "lossless", None)
+        if self.predictor != "generic" or not isinstance(layer, CompressedLayer) or coding is None \
+                or coding.predictor.name != "generic" or coding.codec_config != self.config.lossless.codec_config() \
+                or coding.marginals is not None:
             return None
         found = {start: block for start, block in zip(layer.block_starts, layer.blocks)}
         taken = [found.get(at) for at in range(first, stop, self.config.block_tokens)]
@@ -438,9 +438,9 @@ class PrefixStore:
         """Hold the chunks' tokens in ``cache``: their blocks adopted as they are (`generic`), or decoded once and
         coded as generation codes (`context`)."""
         dtype = DTYPES[chunks[0]["dtype"]]
-        context = cache.lossless
+        coding = cache.lossless
         checker: dict[tuple[int, int], CodedBlock] = {}
-        source = self._context(checker) if self.predictor != "generic" else None
+        source = self._coding(checker) if self.predictor != "generic" else None
         sides: dict[tuple, dict] = {}
         per_layer: dict[int, list[CodedBlock]] = {}
         for chunk in chunks:
@@ -448,10 +448,10 @@ class PrefixStore:
                 i = entry["layer"]
                 for b in entry["blocks"]:
                     rows = [_read_row(r, chunk["payload"]) for r in b["rows"]]
-                    block = CodedBlock(source or context, i, b["start"], b["tokens"], rows, entry["heads"],
+                    block = CodedBlock(source or coding, i, b["start"], b["tokens"], rows, entry["heads"],
                                        entry["key_dim"], dtype, _layer_device(self.model, i), value_dim=entry["value_dim"])
                     try:
-                        _check_block(block, source or context, (source or context).predictor, sides)
+                        _check_block(block, source or coding, (source or coding).predictor, sides)
                     except CacheFileError as err:
                         raise ValueError(f"prefix store: a chunk that passed its checksum does not decode: {err}") \
                             from err
@@ -467,7 +467,7 @@ class PrefixStore:
                 keys = torch.cat([d.keys for d in decoded], dim=2).to(first.device)
                 values = torch.cat([d.values for d in decoded], dim=2).to(first.device)
                 cache.update(keys, values, i)
-        if context is not None:
+        if coding is not None:
             cache._blocks_changed()
 
 

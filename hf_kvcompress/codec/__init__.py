@@ -4,12 +4,13 @@
 from (mean, std) with exact integer arithmetic); ``decode`` returns a bit-identical tensor. Two coders
 implement it (`interface.Coder`, registered in `coders`): ``lanes`` (the default; compiled interleaved rANS,
 `encode_batch` / `decode_batch` code many streams per call) and ``ans`` (constriction's ANS coder over
-independently decodable adaptive windows): ``CodecConfig(coder=...)``. See docs/codec.md for the formats and
+independently decodable adaptive windows): ``CodecConfig(coder=...)``. See docs/codec_format.md for the formats and
 the arithmetic.
 """
 
 from __future__ import annotations
 
+from ..errors import CorruptStreamError, ParameterMismatchError
 from .api import (
     coder_of,
     coder_of_stream,
@@ -22,15 +23,15 @@ from .api import (
     start_decode_batch,
     stream_info,
 )
+from .codec_config import DEFAULT_CODER, CodecConfig
 from .coders import CODERS
-from .config import CodecConfig
-from .errors import CorruptStreamError, ParameterMismatchError
 from .interface import CodecStats, Coder, PendingDecode
 from .lanes_coder import jit, lanes  # modules other code patches as codec.jit / codec.lanes
 from .tables import Marginal, set_table_cache
 
 __all__ = [
     "CODERS",
+    "DEFAULT_CODER",
     "CodecConfig",
     "CodecStats",
     "Coder",

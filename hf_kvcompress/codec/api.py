@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import CorruptStreamError
+from .codec_config import CodecConfig, check_config
 from .coders import CODERS
-from .config import CodecConfig, check_config
-from .errors import CorruptStreamError
 from .interface import CodecStats, Coder, PendingDecode, check_parallel, unknown_stream
 from .tables import Marginal
 
@@ -95,7 +95,7 @@ def decode_batch(
     runs (`config.triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
     available, the per-element model and the entropy decoding run there (`device_triton.decode_batch_triton`)
     and the result lands on that device; otherwise the compiled host decoder runs and the result is moved to
-    the CUDA device if one was given. Both give the same bits (docs/codec.md 12.1).
+    the CUDA device if one was given. Both give the same bits (docs/codec_format.md 12.1).
 
     ``ans``: stream by stream, each verified whatever ``verify`` says (``threads``: forked workers over one
     stream's windows, as `decode`'s ``workers``)."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .ans_coder.ans import AnsCoder
-from .config import install_coders
+from .codec_config import install_coders
 from .interface import Coder
 from .lanes_coder.interleaved import LanesCoder
 

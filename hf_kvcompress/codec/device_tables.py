@@ -5,7 +5,7 @@ Group ids follow the codec (`tables`): 0..967 the N and W tables, 968 p_hat (the
 symbols), then 969..971 the binary escape-flag models of the three window tiers (symbol 1 = escaped). Per group:
 ``off`` (start in ``freq`` / ``cum``), ``size``, ``half`` and ``radius`` (see `params`). ``cum`` is the exclusive
 prefix sum inside each group, so a symbol's coding interval is ``[cum, cum + freq)`` out of ``2^24``: exactly
-constriction's ``perfect=False`` categorical model with weights ``freq - 1`` (docs/codec.md, section 3).
+constriction's ``perfect=False`` categorical model with weights ``freq - 1`` (docs/codec_format.md, section 3).
 """
 
 from __future__ import annotations

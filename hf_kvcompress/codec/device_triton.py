@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import tables as T
-from .config import CodecConfig
+from .codec_config import CodecConfig
 from .device_tables import tables_for
 from .lanes_coder import jit
 from .lanes_coder.lanes import (

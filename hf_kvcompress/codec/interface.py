@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from .config import CodecConfig
-from .errors import CorruptStreamError
+from ..errors import CorruptStreamError
+from .codec_config import CodecConfig
 from .symbols import Format, format_of
 from .tables import Marginal
 

@@ -1,7 +1,7 @@
 """(mean, std) -> per-element table id and key offsets, in integer arithmetic on float32 bit patterns.
 
 This is the part a GPU decoder must reproduce bit for bit, so it uses only integer operations (no float
-maths, hence no rounding-mode, FMA or flush-to-zero dependence). See docs/codec.md section 2 for the
+maths, hence no rounding-mode, FMA or flush-to-zero dependence). See docs/codec_format.md section 2 for the
 derivation. One definition serves every path: `element_params_xp` is written against an array namespace
 (numpy or torch, the reference of the host and of the device), `element_param` is the same function element
 by element for numba (the fast host path, `element_params`, and the lanes coder), and the Triton port
@@ -113,7 +113,7 @@ def _w_test(mant8, sh, j, mean_steps: int, xp):
 
 def element_params_xp(mean_bits, std_bits, fmt: Format, mean_steps: int, radius, xp) -> tuple:
     """(tid, cp, cn, s) per element as int64 arrays of ``xp`` (numpy or torch): the arithmetic of
-    docs/codec.md section 2, written for reading. ``radius``: the tables' R per table id, an int64 array of
+    docs/codec_format.md section 2, written for reading. ``radius``: the tables' R per table id, an int64 array of
     ``xp`` (on the inputs' device)."""
     z = fmt.zero_key
     sign, p, ge, frac = rounded_mean(mean_bits, fmt, xp)

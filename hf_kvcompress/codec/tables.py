@@ -44,7 +44,7 @@ from .symbols import FP16, Format, format_of, tensor_bits
 PRECISION = 24  # constriction's default Categorical precision
 TOTAL = 1 << PRECISION
 # the three-component mixture of speculative KV coding (https://fergusfinn.com/blog/kv-entropy-coder/; weights
-# in docs/codec.md section 3): its 0.02 p_hat part is the escape path, whose per-tier weights section 9 measures
+# in docs/codec_format.md section 3): its 0.02 p_hat part is the escape path, whose per-tier weights section 9 measures
 W_MAIN, W_WIDE, WIDE_FACTOR = 0.95, 0.03, 3.0
 
 SUB = 8  # sub-octave levels of std (its top 3 mantissa bits)

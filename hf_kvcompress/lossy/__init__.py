@@ -10,7 +10,7 @@ This module stays light (`hf_kvcompress.config` reads the registry through it): 
 and the registry, not the layer.
 """
 
-from .attention import attach, detach
+from .attention_hook import attach, detach
 from .registry import METHODS, LossyMethod, register
 
 __all__ = ["METHODS", "LossyMethod", "attach", "detach", "register"]

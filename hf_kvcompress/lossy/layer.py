@@ -27,7 +27,7 @@ import torch
 from ..layer.hybrid import RecurrentStateMixin
 from ..layer.layer import CompressedLayer
 from ..layer.storage import Block, RawStorage, owned, tensor_nbytes
-from .attention import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
+from .attention_hook import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
 from .blocks import LossyBlock, block_bias
 from .budget import budget_bytes, full_budget, token_bytes
 from .methods import METHODS
@@ -476,7 +476,7 @@ def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
 
 #: models whose attention reads keys and values computed from the cached ones in another layout, known by type
 #: (the general check, `LossyLayer.check_reads`, sees it only at the first attention call; measured in the
-#: architecture matrix, docs/architectures_table.md)
+#: architecture matrix, docs/results/architectures_table.md)
 EXPANDED_READS = {"jetmoe": "each cached KV head once per selected attention expert (mixture of attention heads)"}
 
 

@@ -206,7 +206,7 @@ class Predictor(ABC):
         the result is ``[blocks, 2 * heads, batch, 1 or tokens, head_dim]``, equal to each block's
         `PredictorSession.predict_all`. None (the default): no batched form, the cache opens a session per
         block. It saves the per-block Python of a decode step, and lets the blocks decode straight into the
-        tensors attention reads (docs/codec.md 12.5)."""
+        tensors attention reads (docs/results/codec.md 12.5)."""
         return None
 
     def predict_blocks_per_kind(self, side: dict[str, torch.Tensor], blocks: int,

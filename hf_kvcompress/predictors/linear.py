@@ -43,7 +43,7 @@ from .rope import RopeFrame
 #: bounds of a token's surprise (the std multiplier is surprise ** alpha): a guard against a few streams'
 #: luck or a single outlier setting a token's spread. It binds on 0.35 % of the fit's token surprises on
 #: SmolLM2, and (1/16, 16) codes within 0.0004 bit of it (docs/lossless.md, "Constants of the linear
-#: predictors", eval/linear_constants.py)
+#: predictors", experiments/linear_constants.py)
 SURPRISE_RANGE = (0.25, 8.0)
 
 

@@ -15,8 +15,8 @@ import torch
 
 from .base import BlockInputs, PlainSession, PredictorSession, register
 from .linear import CalibratedLinearPredictor, FeatureRecipe
+from .rerun import HIDDEN, CacheExtras, run_decoder
 from .rope import RopeFrame
-from .runner import HIDDEN, CacheExtras, run_decoder
 
 EXACT_K, EXACT_V = "exact_k", "exact_v"
 

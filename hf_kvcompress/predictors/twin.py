@@ -17,8 +17,8 @@ import torch
 
 from .base import BlockInputs, PredictorSession, register
 from .linear import CalibratedLinearPredictor, FeatureRecipe, flat_heads
+from .rerun import CacheExtras, decoder_layers, run_decoder
 from .rope import RopeFrame
-from .runner import CacheExtras, decoder_layers, run_decoder
 
 TWIN_K, TWIN_V = "twin_k", "twin_v"
 

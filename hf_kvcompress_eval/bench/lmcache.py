@@ -47,7 +47,7 @@ import torch
 
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.integrations.kv_chunk import ChunkCoder, estimate_first_position, max_payload_bytes
-from hf_kvcompress.predictors.runner import run_decoder
+from hf_kvcompress.predictors.rerun import run_decoder
 
 from .common import Workload, out_folder, workload
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import CodecConfig
+from ..codec_config import CodecConfig
 from ..interface import CodecStats, Coder, check_out, check_tensor, copy_into
 from ..symbols import format_of
 from ..tables import Marginal

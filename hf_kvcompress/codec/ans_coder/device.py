@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...errors import CorruptStreamError
 from ...kernels import dispatch
-from ..config import CodecConfig, device_of
+from ..codec_config import CodecConfig, device_of
 from ..device_tables import FLAG_GROUP, DeviceTables, tables_for
-from ..errors import CorruptStreamError
 from ..params import Params, ParamSource, element_params_xp
 from ..symbols import Format, format_of, raw_padded_nbytes, unpack_raw
 from ..tables import ESCAPE_GROUP, PRECISION
@@ -161,7 +161,7 @@ def _ans_decode_ref(words, word_lo, state, pos, groups, seg_start, seg_len, tabl
 # ---------------------------------------------------------------------------------------------------------
 # Decoding the codec's windows on a device: constriction-compatible ANS, many windows in parallel.
 #
-# A window's stream holds, in decode order (docs/codec.md section 5.1): its ``n`` escape flags (binary model
+# A window's stream holds, in decode order (docs/codec_format.md section 5.1): its ``n`` escape flags (binary model
 # of the window's tier), then its non-escaped elements grouped by table id ascending (position order inside a
 # group), then its escaped elements under p_hat. `decode_windows` reproduces that: one ANS pass for the flags,
 # a stable sort by (window, group) that gives the decode order, a second ANS pass for the symbols. Each pass

@@ -28,8 +28,8 @@ from multiprocessing import shared_memory
 import constriction
 import numpy as np
 
-from ..config import CodecConfig
-from ..errors import CorruptStreamError
+from ...errors import CorruptStreamError
+from ..codec_config import CodecConfig
 from ..params import Params
 from ..symbols import Format, pack_raw, raw_padded_nbytes, unpack_raw
 from ..tables import ESCAPE_GROUP, PRECISION, TOTAL, Marginal, Tables, get_tables
@@ -66,7 +66,7 @@ def models_for(fmt: Format, cfg: CodecConfig) -> Models:
     return _models_cached(fmt, cfg.marginal_or_default, cfg.escape)
 
 
-# The symbol mapping of docs/codec.md section 2.3, written once against an array namespace ``xp`` (numpy
+# The symbol mapping of docs/codec_format.md section 2.3, written once against an array namespace ``xp`` (numpy
 # here, torch in `device`); ``size`` / ``half``: per table id, arrays of ``xp``.
 
 

@@ -1,7 +1,7 @@
 """The byte layouts of the ``ans`` coder's streams: the full (self-describing) and the compact header, the
 window table, payloads and checksums. Parsing is bounds-checked throughout.
 
-Full layout (little-endian; see docs/codec.md section 6 for the byte-by-byte table):
+Full layout (little-endian; see docs/codec_format.md section 6 for the byte-by-byte table):
 
     prefix   magic[8] version:u16 reserved:u16 body_len:u32
     body     dtype:u8 ndim:u8 has_mean:u8 has_std:u8 mode:u8 entry_size:u8 reserved:u16
@@ -14,7 +14,7 @@ Full layout (little-endian; see docs/codec.md section 6 for the byte-by-byte tab
     crc32 of the window table : u32
     payloads (each a multiple of 4 bytes: ANS words, then raw low bits)
 
-The compact layout (``CodecConfig(header="compact")``, docs/codec.md section 6.1) is described before
+The compact layout (``CodecConfig(header="compact")``, docs/codec_format.md section 6.1) is described before
 `write_compact`.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import MAX_WINDOW, WINDOW_MODES, CodecConfig
-from ..errors import CorruptStreamError
+from ...errors import CorruptStreamError
+from ..codec_config import MAX_WINDOW, WINDOW_MODES, CodecConfig
 from ..symbols import FORMATS_BY_CODE, Format, varint_bytes
 from ..tables import Marginal, get_tables
 

@@ -1,5 +1,5 @@
 """The ``ans`` coder's `encode_with_stats`: sizes, window and locality monitoring, and ideal code lengths to
-check the coder against (docs/codec.md section 8)."""
+check the coder against (docs/results/codec.md section 8)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from ..config import CodecConfig, check_stat, check_x
+from ..codec_config import CodecConfig, check_stat, check_x
 from ..interface import CodecStats, bits_of
 from ..params import GAUSS_BIAS, ParamSource, sigma_bits_of_code
 from ..symbols import FP16, Format, key_to_pattern, split_bits, tensor_bits
@@ -17,7 +17,7 @@ from .entropy import models_for, symbols
 from .streams import EncodeTrace, decode_impl, encode_impl
 from .windows import Thresholds, block_spread, chunks_of, predicted_spread, window_sigma_bits
 
-# the three-component mixture of speculative KV coding, with the weights of docs/codec.md section 3
+# the three-component mixture of speculative KV coding, with the weights of docs/codec_format.md section 3
 # (https://fergusfinn.com/blog/kv-entropy-coder/): the escape path in place of the tier weights
 BLOG_WEIGHTS = (W_MAIN, W_WIDE, 0.02)
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...errors import CorruptStreamError, ParameterMismatchError
 from ...kernels import dispatch
-from ..config import (
+from ..codec_config import (
     CodecConfig,
     check_config,
     check_has_data,
@@ -20,7 +21,6 @@ from ..config import (
     fingerprint8,
     triton_device,
 )
-from ..errors import CorruptStreamError, ParameterMismatchError
 from ..interface import check_parallel, check_range
 from ..params import ParamSource
 from ..symbols import bits_to_tensor, join_bits, split_bits, tensor_bits

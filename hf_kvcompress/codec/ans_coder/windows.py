@@ -24,7 +24,7 @@ import zlib
 import numpy as np
 import torch
 
-from ..config import CodecConfig, eighth_octaves
+from ..codec_config import CodecConfig, eighth_octaves
 from ..params import (
     GAUSS_BIAS,
     SIGMA_CODE_MAX,

@@ -1,7 +1,7 @@
 """The ``lanes`` coder (`CodecConfig(coder="lanes")`, the default): compiled interleaved rANS, each stream one
 window (`lanes`: layout, host batch encode / decode; `jit`: the numba kernels), decoded by the Triton kernels
 (`device_triton`) where a batch's statistics or ``out`` live on a CUDA device with Triton (`triton_device`).
-docs/codec.md section 12."""
+docs/codec_format.md section 12."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import CodecConfig, triton_device
+from ..codec_config import CodecConfig, triton_device
 from ..interface import Coder
 from ..symbols import Format
 from ..tables import Marginal

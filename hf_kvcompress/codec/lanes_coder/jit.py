@@ -6,7 +6,7 @@ the loops, so the kernels release the GIL and run on several threads at once (on
 over a range of streams). The coder is rANS with a 64-bit state and 32-bit words (state in
 ``[2^31, 2^63)``), precision 24 bits (the tables' own), one state per lane, element ``i`` in lane
 ``i % lanes``, one shared word stream.
-See docs/codec.md section 12.
+See docs/codec_format.md section 12.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PREC = PRECISION  # 24: the tables' frequencies sum to 2^24
 MASK = (1 << PREC) - 1
 TOTAL = 1 << PREC
 RANS_L = 1 << 31  # lower bound of a normalised state; states lie in [RANS_L, RANS_L << 32)
-LUT_BITS = 10  # slot -> symbol index: 2^10 buckets per table, 2 KiB (docs/codec.md 12.2)
+LUT_BITS = 10  # slot -> symbol index: 2^10 buckets per table, 2 KiB (docs/codec_format.md 12.2)
 LUT_SHIFT = PREC - LUT_BITS
 _FNV = 0x100000001B3
 
@@ -35,7 +35,7 @@ ERR_HASH = 5  # the check hash of payload and decoded bits differs
 _jit = nb.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 # Hot-loop array indices are cast to unsigned: numba wraps a signed index around (negative = from the end)
 # with 2-3 extra instructions per access, an unsigned one it uses as is. The decode loop's indices are never
-# negative (docs/codec.md 12.4 has the measurement).
+# negative (docs/results/codec.md 12.4 has the measurement).
 _U = np.uint64
 
 

@@ -14,7 +14,7 @@ tables at their full 24-bit precision, so rates match the ``ans`` coder. Layout 
     words: u32[2 * lanes] final lane states (low, high word), then the word stream in decoding order
     raw low bits (float32: u16 each; float16: 3 bits each, 8 per 3 bytes), padded to 4 bytes
 
-See docs/codec.md section 12.
+See docs/codec_format.md section 12.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..config import CodecConfig, check_config, check_has_data, check_stat, device_of
-from ..errors import CorruptStreamError, ParameterMismatchError
+from ...errors import CorruptStreamError, ParameterMismatchError
+from ..codec_config import CodecConfig, check_config, check_has_data, check_stat, device_of
 from ..interface import check_out, copy_into, describe
 from ..params import (
     GAUSS_BIAS,
@@ -52,7 +52,7 @@ from . import jit
 MAGIC = b"\x89KL"
 MAX_NDIM = 32
 # lanes per stream: 8 interleaved states keep a core's pipeline busy (decode speed flat from 8 to 32 lanes,
-# docs/codec.md 12.3) while the 8-byte final state per lane costs ~0.02 bit/scalar on a 16k-element stream
+# docs/results/codec.md 12.3) while the 8-byte final state per lane costs ~0.02 bit/scalar on a 16k-element stream
 LANES_LOG2 = 3
 MAX_LANES_LOG2 = 6  # the decoder keeps a round's escape flags in one 64-bit mask
 _MAX_VARINT = 9
@@ -605,7 +605,7 @@ class DecodeJob:
     streams that any thread may take. `start` hands chunks to background threads and returns at once;
     `finish` takes what is left on the calling thread, waits for the rest and returns the tensor (raising as
     `decode_batch`); `cancel` hands out nothing more and waits for the chunks already running. A cache uses it
-    to decode layer ``l + 1`` on a second core while layer ``l`` computes (`cache.coded.LosslessContext`)."""
+    to decode layer ``l + 1`` on a second core while layer ``l`` computes (`cache.coded.LosslessCoding`)."""
 
     def __init__(self, blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None, verify=True, chunks: int = 1,
                  threads: int = 1):

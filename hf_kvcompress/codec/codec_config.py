@@ -26,7 +26,9 @@ MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
 WINDOW_MODES = ("fixed", "metadata", "predicted", "causal")
 MEAN_STEPS = (8, 4, 2)
 HEADERS = ("full", "compact")
-DEFAULT_CODER = "lanes"  # compiled, measured ~4x faster than ``ans`` at the same rate (docs/codec.md 12)
+#: the default coder everywhere (CodecConfig, LosslessConfig, the chunk coder): decodes 5-10x faster than ``ans``
+#: for +0.007-0.011 bit/scalar (docs/results/codec.md 12.3)
+DEFAULT_CODER = "lanes"
 LEGACY_CODER = "ans"  # the coder of a serialised config that names none (`to_dict` leaves ``ans`` out)
 
 # name -> coder: the registry (`coders.CODERS`), installed here when the codec package loads (`install_coders`);
@@ -77,7 +79,7 @@ class CodecConfig:
         hysteresis: consecutive disagreeing probe blocks needed to switch tier (h).
         min_window: W_min; adaptive windows are multiples of it.
         short_tokens, token_elements: inputs under ``short_tokens * token_elements`` elements use the fixed
-            ``short_window`` (a fast path for sequences under 512 tokens; docs/codec.md section 5.2).
+            ``short_window`` (a fast path for sequences under 512 tokens; docs/codec_format.md section 5.2).
         short_window: that fixed medium window.
         sigma_global: optional per-layer prior for sigma_global (else estimated from std or residuals).
         escape: escape probability per window tier (windows <= tier_windows[0], <= tier_windows[1],
@@ -92,7 +94,7 @@ class CodecConfig:
         coder: a registered coder (`coders.CODERS`): ``"lanes"`` (the default: compiled interleaved rANS over
             the whole stream as one window, ~24-byte header; its streams do not carry the config, ``decode``
             checks them against ``config=`` or the default `CodecConfig()`; only ``window="fixed"``, and
-            ``fixed_window`` has no effect; docs/codec.md section 12) or ``"ans"`` (constriction, windows
+            ``fixed_window`` has no effect; docs/codec_format.md section 12) or ``"ans"`` (constriction, windows
             grouped by table id, every window mode; the layouts above). Every other field keeps its default
             whatever the coder, so ``CodecConfig(coder="ans")`` is the ``ans`` coder's original default.
     """
