@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CorruptStreamError
-from .codec_config import CodecConfig, check_config
+from .codec_config import CodecConfig, check_config, check_has_data
 from .coders import CODERS
 from .interface import CodecStats, Coder, PendingDecode, check_parallel, unknown_stream
 from .tables import Marginal
@@ -27,6 +27,14 @@ def coder_of_stream(blob) -> Coder:
         if coder.owns(blob):
             return coder
     raise unknown_stream(blob)
+
+
+def _has_data(*values) -> None:
+    """Every tensor among a call's x / mean / std / out holds values (not the meta device): checked here, once,
+    for every coder."""
+    for name, value in zip(("x", "mean", "std", "out"), values):
+        if isinstance(value, torch.Tensor):
+            check_has_data(value, name)
 
 
 def _batch_coder(blobs, cfg: CodecConfig) -> Coder:
@@ -50,6 +58,7 @@ def encode(
     """Losslessly code ``x`` (bfloat16, float16 or float32, any shape) given a predicted ``mean`` and
     spread ``std``, each broadcastable to ``x`` (or None: mean 0 / a spread sent as side info)."""
     cfg = check_config(config)
+    _has_data(x, mean, std)
     return CODERS[cfg.coder].encode(x, mean, std, cfg)
 
 
@@ -68,6 +77,7 @@ def encode_batch(
     stream ``i`` is byte-identical to ``encode(x[i], mean[i], std[i], config)`` (with ``mean[0]`` for a
     shared leading dim)."""
     cfg = check_config(config)
+    _has_data(x, mean, std)
     return CODERS[cfg.coder].encode_batch(x, mean, std, cfg, threads=threads)
 
 
@@ -100,6 +110,7 @@ def decode_batch(
     ``ans``: stream by stream, each verified whatever ``verify`` says (``threads``: forked workers over one
     stream's windows, as `decode`'s ``workers``)."""
     cfg = check_config(config)
+    _has_data(None, mean, std, out)
     return _batch_coder(blobs, cfg).decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
 
 
@@ -119,6 +130,7 @@ def start_decode_batch(
     where the coder has no background form (``ans``) or `decode_batch` would decode on a device (Triton): call
     `decode_batch` instead."""
     cfg = check_config(config)
+    _has_data(None, mean, std, out)
     return _batch_coder(blobs, cfg).start_decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify,
                                                 chunks=chunks)
 
@@ -144,6 +156,7 @@ def decode(
     `CorruptStreamError` for anything that cannot decode exactly.
     """
     check_parallel(threads, workers)
+    _has_data(None, mean, std)
     return coder_of_stream(blob).decode(blob, mean, std, config, marginal, threads=threads, workers=workers)
 
 
@@ -160,6 +173,7 @@ def decode_range(
     """Elements ``start:stop`` of the flattened tensor (1-D). ``ans`` decodes only the windows they lie in
     (causal mode: all windows up to ``stop``, since boundaries are found serially); ``lanes`` streams are one
     window, decoded whole. ``config`` and ``marginal`` as for `decode`."""
+    _has_data(None, mean, std)
     return coder_of_stream(blob).decode_range(blob, start, stop, mean, std, config, marginal)
 
 
@@ -186,4 +200,5 @@ def encode_with_stats(
     exact-mixture ideal, float64, slower than coding), escapes, windows timed by size and locality; ``lanes``
     reports its stream as one window and leaves ``model_bits`` / ``escapes`` None."""
     cfg = check_config(config)
+    _has_data(x, mean, std)
     return CODERS[cfg.coder].encode_with_stats(x, mean, std, cfg, decode=decode, exact=exact)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -31,15 +30,18 @@ HEADERS = ("full", "compact")
 DEFAULT_CODER = "lanes"
 LEGACY_CODER = "ans"  # the coder of a serialised config that names none (`to_dict` leaves ``ans`` out)
 
-# name -> coder: the registry (`coders.CODERS`), installed here when the codec package loads (`install_coders`);
-# `CodecConfig` validates its ``coder`` and asks that coder whether it takes the rest (`Coder.check_config`)
-_coders: Mapping[str, Any] = {}
+#: name -> coder (an `interface.Coder`), filled by `register` as `coders` imports the coder modules;
+#: `CodecConfig` validates its ``coder`` against it and asks that coder whether it takes the rest
+#: (`Coder.check_config`)
+REGISTERED: dict[str, Any] = {}
 
 
-def install_coders(coders: Mapping[str, Any]) -> None:
-    """Make ``coders`` (name -> `interface.Coder`) the ones `CodecConfig` accepts."""
-    global _coders
-    _coders = coders
+def register(cls: type) -> type:
+    """Class decorator: register a coder (an `interface.Coder` subclass) under its ``name``, one instance."""
+    if cls.name in REGISTERED:
+        raise ValueError(f"codec coder {cls.name!r} is registered twice")
+    REGISTERED[cls.name] = cls()
+    return cls
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -160,9 +162,9 @@ class CodecConfig:
             raise ValueError(f"CodecConfig.mean_steps must be one of {list(MEAN_STEPS)}, got {self.mean_steps!r}")
         if self.header not in HEADERS:
             raise ValueError(f"CodecConfig.header must be one of {list(HEADERS)}, got {self.header!r}")
-        coder = _coders.get(self.coder) if isinstance(self.coder, str) else None
+        coder = REGISTERED.get(self.coder) if isinstance(self.coder, str) else None
         if coder is None:
-            raise ValueError(f"CodecConfig.coder must be one of {sorted(_coders)}, got {self.coder!r}")
+            raise ValueError(f"CodecConfig.coder must be one of {sorted(REGISTERED)}, got {self.coder!r}")
         coder.check_config(self)  # what this coder takes of the rest (window modes)
         if self.marginal is not None and not isinstance(self.marginal, Marginal):
             raise TypeError(f"CodecConfig.marginal must be a Marginal or None, got {type(self.marginal).__name__}")

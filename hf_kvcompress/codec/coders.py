@@ -1,15 +1,11 @@
-"""The coder registry: every coder by its `CodecConfig.coder` name. A coder is a module with an
-`interface.Coder` subclass and its line here."""
+"""The coder registry: every coder by its `CodecConfig.coder` name. A coder is a module with an `interface.Coder`
+subclass decorated with `codec_config.register`; the import line below (the registry line) loads them."""
 
 from __future__ import annotations
 
-from .ans_coder.ans import AnsCoder
-from .codec_config import install_coders
+from . import ans_coder, lanes_coder  # noqa: F401 (the registry line: importing a coder module registers it)
+from .codec_config import REGISTERED
 from .interface import Coder
-from .lanes_coder.interleaved import LanesCoder
 
-CODERS: dict[str, Coder] = {coder.name: coder for coder in (
-    AnsCoder(),
-    LanesCoder(),
-)}
-install_coders(CODERS)
+#: name -> coder, in registration order
+CODERS: dict[str, Coder] = REGISTERED

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec_config import CodecConfig
+from ..codec_config import CodecConfig, register
 from ..interface import CodecStats, Coder, check_out, check_tensor, copy_into
 from ..symbols import format_of
 from ..tables import Marginal
@@ -17,6 +17,7 @@ from .stats import encode_with_stats
 from .streams import decode_impl, decode_range_impl, encode_impl, stream_info_impl
 
 
+@register
 class AnsCoder(Coder):
     """Streams of windows coded by constriction's ANS coder; self-describing (``header="full"``) or compact.
     Not batched: a batch is coded stream by stream (constriction holds the GIL; ``workers`` fork processes

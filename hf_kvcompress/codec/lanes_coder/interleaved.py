@@ -10,13 +10,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec_config import CodecConfig, triton_device
+from ..codec_config import CodecConfig, register, triton_device
 from ..interface import Coder
 from ..symbols import Format
 from ..tables import Marginal
 from . import lanes
 
 
+@register
 class LanesCoder(Coder):
     name = "lanes"
     magic = (lanes.MAGIC,)
