@@ -465,7 +465,7 @@ def _fit_predictor(
         n_base = zs[0].shape[1] - 2 * heads * dim
         # float32 products per chunk (fast), summed in float64; the per-feature ridge absorbs the rounding
         gram = sum((z.T @ z).double() for z in zs)
-        factor = _ridge_factor(gram)
+        factor = ridge_factor(gram)
         n = len(zs) * tokens
         # the coder's surprise recursion (`Surprise`), on the fit's float64 residuals
         trackers = [Surprise(b.surprise[0] if b is not None else None) for b in below]
@@ -475,12 +475,12 @@ def _fit_predictor(
                 n_feat = n_base
                 if recipe.inter_head:
                     n_feat += h * dim if kind == "k" else (heads + h) * dim
-                weight = _ridge(gram, factor, n_feat, target, dim)
+                weight = ridge_solve(gram, factor, n_feat, target, dim)
                 stored = _compact(weight)
                 weight32 = stored.to(torch.float32)  # the residuals of the weights the coder will use
                 residuals = [(z[:, target : target + dim] - z[:, :n_feat] @ weight32).double() for z in zs]
                 surprise = [t.current((tokens,)) for t in trackers]
-                alpha, sigma = _fit_alpha(residuals, surprise, n)
+                alpha, sigma = fit_alpha(residuals, surprise, n)
                 key = f"{name}/L{layer}/{kind}{h}"
                 tensors[f"{key}/weight"] = stored
                 tensors[f"{key}/sigma"] = sigma.to(torch.float32)
@@ -518,7 +518,7 @@ def _compact(weight: torch.Tensor) -> torch.Tensor:
     return half if bool(torch.isfinite(half).all()) else weight.to(torch.float32)
 
 
-def _ridge_factor(gram: torch.Tensor) -> torch.Tensor | None:
+def ridge_factor(gram: torch.Tensor) -> torch.Tensor | None:
     """Cholesky factor of the penalised Gram matrix of a layer, or None where it is not positive definite.
 
     The penalty is per feature: features differ in scale by orders of magnitude (keys vs values, layer to
@@ -533,8 +533,8 @@ def _ridge_factor(gram: torch.Tensor) -> torch.Tensor | None:
     return factor if int(info) == 0 else None
 
 
-def _ridge(gram: torch.Tensor, factor: torch.Tensor | None, n_feat: int, target: int, dim: int) -> torch.Tensor:
-    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (`_ridge_factor`)."""
+def ridge_solve(gram: torch.Tensor, factor: torch.Tensor | None, n_feat: int, target: int, dim: int) -> torch.Tensor:
+    """Ridge solution ``[n_feat, dim]`` of the target columns on the first ``n_feat`` columns (`ridge_factor`)."""
     b = gram[:n_feat, target : target + dim]
     if factor is not None:
         return torch.cholesky_solve(b, factor[:n_feat, :n_feat])
@@ -544,7 +544,7 @@ def _ridge(gram: torch.Tensor, factor: torch.Tensor | None, n_feat: int, target:
     return torch.linalg.solve(a, b)
 
 
-def _fit_alpha(residuals: list[torch.Tensor], surprise: list[torch.Tensor], n: int) -> tuple[float, torch.Tensor]:
+def fit_alpha(residuals: list[torch.Tensor], surprise: list[torch.Tensor], n: int) -> tuple[float, torch.Tensor]:
     """The surprise exponent minimising the Gaussian code length, and the sigma that goes with it (all
     candidate exponents at once: the weighted sums of squares are one matrix product)."""
     g = torch.cat([s.double().reshape(-1) for s in surprise])  # [n]

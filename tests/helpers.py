@@ -1,11 +1,19 @@
-"""Test helpers: tiny random models (fast, deterministic) and random token ids."""
+"""Test helpers: tiny random models (fast, deterministic: attention-only, sliding-window and hybrid ones), random
+token ids and bit-exact comparisons."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 TINY = {
     "llama-gqa": (LlamaConfig, LlamaForCausalLM, {"num_attention_heads": 4, "num_key_value_heads": 2}),
@@ -51,6 +59,49 @@ def fresh_tiny_model(kind: str, dtype: torch.dtype = torch.float32, layers: int 
 #: the shared instance of `fresh_tiny_model` for tests that leave the model as it is
 tiny_model = functools.cache(fresh_tiny_model)
 
+
+
+#: sliding windows for caches of 8-token blocks and 4 residual tokens: a window of 48 seals blocks in lossless
+#: mode (47 >= 4 + 4 * 8); one of 12 stays raw (tests/layer/test_sliding.py checks the arithmetic)
+SEALING, RAW = 48, 12
+
+
+@functools.cache
+def sliding_model(window: int, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """Six layers, sliding and full alternating (5:1 would leave one full layer in six; alternating shows both
+    kinds next to each other, as a layer below / above each other)."""
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, use_sliding_window=True, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+HYBRID_COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+                 "max_position_embeddings": 512}
+HYBRID = {
+    # conv layers beside attention layers
+    "lfm2": {"num_hidden_layers": 6, "full_attn_idxs": [2, 5]},
+    # mamba and attention in every layer ("hybrid")
+    "falcon_h1": {"num_hidden_layers": 6, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                  "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 16},
+}
+
+
+@functools.cache
+def hybrid_model(kind: str, dtype: torch.dtype = torch.float32):
+    """A six-layer hybrid model of ``kind`` (see HYBRID): transformers' own state layers beside attention."""
+    config = AutoConfig.for_model(kind, **{**HYBRID_COMMON, **HYBRID[kind]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.LongTensor:

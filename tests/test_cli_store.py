@@ -115,7 +115,11 @@ def test_missing_folder_is_empty_and_a_file_is_refused(tmp_path, capsys, no_mode
 
 @pytest.mark.parametrize(("size", "shown"), [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (5 << 20, "5.0 MiB"),
                                              (3 << 30, "3.0 GiB"), (2048 << 40, "2048.0 TiB")])
-def test_sizes_are_shown_in_binary_units(size, shown):
-    from hf_kvcompress.cli import _human
+def test_sizes_are_shown_in_binary_units(size, shown, tmp_path, monkeypatch, capsys, no_model_loads):
+    """What ``store du`` prints for a folder of ``size`` bytes (the folder's usage stands in: no file of 2 PiB)."""
+    from hf_kvcompress import cli
 
-    assert _human(size) == shown
+    usage = [{"folder": "m", "chunks": 1, "bytes": size, "temporary_files": 0, "last_used": None}]
+    monkeypatch.setattr(cli, "folder_usage", lambda root: usage)
+    assert run(capsys, "du", "--path", str(tmp_path)) == (f"{tmp_path}: {shown} ({size} bytes) in 1 chunks, "
+                                                          "1 model folders, 0 temporary files\n")

@@ -6,7 +6,7 @@ import pytest
 
 from hf_kvcompress import CompressionConfig, LosslessConfig, LossyConfig
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress.codec.config import HEADERS, MAX_WINDOW, MEAN_STEPS, WINDOW_MODES
+from hf_kvcompress.codec.codec_config import HEADERS, MAX_WINDOW, MEAN_STEPS, WINDOW_MODES
 from hf_kvcompress.validation import ConfigTypeError
 
 

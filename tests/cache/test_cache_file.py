@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from cache_file_util import DIGEST, byte_classes, reseal, seal, split
+from cache_file_testutil import DIGEST, byte_classes, reseal, seal, split
 from helpers import fresh_tiny_model, random_ids, same_bits, tiny_model
 
 from hf_kvcompress import CompressedCache, CompressionConfig

@@ -8,9 +8,7 @@ import struct
 
 import pytest
 import torch
-from helpers import random_ids, same_bits
-from test_hybrid import hybrid_model
-from test_sliding import RAW, SEALING, sliding_model
+from helpers import RAW, SEALING, hybrid_model, random_ids, same_bits, sliding_model
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_file_util import reseal, split
+from cache_file_testutil import reseal, split
 from helpers import assert_continues_identically, fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
-from hf_kvcompress.cache.coded import CodedBlock, LosslessContext
+from hf_kvcompress.cache.coded import CodedBlock, LosslessCoding
 from hf_kvcompress.codec import CorruptStreamError
 from hf_kvcompress.errors import CacheFileError
 
@@ -35,13 +35,13 @@ def filled(model, config=CONFIG, tokens=TOKENS):
 
 def count_encodes(monkeypatch) -> dict[str, int]:
     counts = {"encodes": 0}
-    original = LosslessContext.encode_block
+    original = LosslessCoding.encode_block
 
     def counting(self, *args, **kwargs):
         counts["encodes"] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(LosslessContext, "encode_block", counting)
+    monkeypatch.setattr(LosslessCoding, "encode_block", counting)
     return counts
 
 
@@ -53,7 +53,7 @@ def test_generic_file_blocks_are_adopted_without_decoding_or_encoding(model, tmp
     assert loaded.lossless.decodes == 0 and counts["encodes"] == 0  # taken as they are
     for mine, theirs in zip(loaded.kv_layers(), cache.kv_layers()):
         assert len(mine.blocks) == 2 and mine.block_starts == [0, 16] and mine.residual_length == TOKENS - 32
-        assert all(isinstance(b, CodedBlock) and b.context is loaded.lossless and not b.verified for b in mine.blocks)
+        assert all(isinstance(b, CodedBlock) and b.coding is loaded.lossless and not b.verified for b in mine.blocks)
         # the same streams generation coded
         assert [r.blobs for b in mine.blocks for r in b.rows] == [r.blobs for b in theirs.blocks for r in b.rows]
     stats = loaded.stats()

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from cache_file_util import seal, split
+from cache_file_testutil import seal, split
 from helpers import random_ids, same_bits, tiny_model
 from transformers import DynamicCache
 

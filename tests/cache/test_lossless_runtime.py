@@ -241,19 +241,19 @@ def generic_after_prefill(budget: float, workers: int) -> tuple[CompressedCache,
 @pytest.mark.parametrize("budget", [0.0, 1.0])
 def test_generic_blocks_decode_straight_into_the_attention_tensors(budget, monkeypatch):
     """With `generic` (predicted in one batch per layer) every block a step decodes is written by the codec
-    straight into the keys / values the layer returns (`LosslessContext._decode_in_place`), one codec call per
+    straight into the keys / values the layer returns (`LosslessCoding._decode_in_place`), one codec call per
     layer, and the step's output equals DynamicCache's. Blocks held in the pool are copied there, and what the
     pool keeps of an in-place decode is its own copy, never a view that pins the layer's buffer."""
     from hf_kvcompress.cache import coded
 
     in_place: list[int] = []
-    original = coded.LosslessContext._decode_in_place
+    original = coded.LosslessCoding._decode_in_place
 
     def counted(self, blocks, *args):
         in_place.append(len(blocks))
         return original(self, blocks, *args)
 
-    monkeypatch.setattr(coded.LosslessContext, "_decode_in_place", counted)
+    monkeypatch.setattr(coded.LosslessCoding, "_decode_in_place", counted)
     cache, reference = generic_after_prefill(budget, workers=1)
     for i in range(3):
         if i == 1:  # new blocks (as after a beam step): all of them decode, in place, and the pool takes them
@@ -289,19 +289,19 @@ def torch_one_thread():
 
 def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch, torch_one_thread):
     """With two codec threads, reading layer l starts layer l + 1's decode on the other thread
-    (`LosslessContext._start_ahead`), and layer l + 1's read finishes it: every layer but the first of a step
+    (`LosslessCoding._start_ahead`), and layer l + 1's read finishes it: every layer but the first of a step
     comes through it, the step equals DynamicCache's bit for bit, nothing is left running or held between steps,
     and a decode started for blocks that change before their read (rows reordered) is dropped."""
     from hf_kvcompress.cache import coded
 
     taken: list[int] = []
-    original = coded.LosslessContext._take_ahead
+    original = coded.LosslessCoding._take_ahead
 
     def counted(self, ahead, *args):
         taken.append(ahead.layer)
         return original(self, ahead, *args)
 
-    monkeypatch.setattr(coded.LosslessContext, "_take_ahead", counted)
+    monkeypatch.setattr(coded.LosslessCoding, "_take_ahead", counted)
     cache, reference = generic_after_prefill(0.0, workers=2)
     for i in range(3):
         taken.clear()
@@ -355,7 +355,7 @@ def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(where, monkeypatch
     ahead: list[int] = []
     from hf_kvcompress.cache import coded
 
-    read, take = coded.LosslessContext.read_into, coded.LosslessContext._take_ahead
+    read, take = coded.LosslessCoding.read_into, coded.LosslessCoding._take_ahead
 
     def traced(self, blocks, keys, values):
         reached.append(blocks[0].layer)
@@ -365,8 +365,8 @@ def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(where, monkeypatch
         ahead.append(job.layer)
         return take(self, job, *args)
 
-    monkeypatch.setattr(coded.LosslessContext, "read_into", traced)
-    monkeypatch.setattr(coded.LosslessContext, "_take_ahead", taken)
+    monkeypatch.setattr(coded.LosslessCoding, "read_into", traced)
+    monkeypatch.setattr(coded.LosslessCoding, "_take_ahead", taken)
     with pytest.raises(CorruptStreamError), torch.no_grad():
         model6()(torch.tensor([[7]]), cache=cache, use_cache=True)
     assert reached == [0, 1, 2, 3] and ahead == ([1, 2, 3] if where == "payload" else [1, 2])

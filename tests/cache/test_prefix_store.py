@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
 from hf_kvcompress.cache import store as store_module
-from hf_kvcompress.cache.coded import LosslessContext
+from hf_kvcompress.cache.coded import LosslessCoding
 from hf_kvcompress.cache.store import SUFFIX, clear, folder_usage
 from hf_kvcompress.calibration import Calibration
 
@@ -491,15 +491,15 @@ def test_put_refuses_a_lossy_cache(tmp_path):
 
 @pytest.fixture
 def encodes(monkeypatch) -> list[int]:
-    """Blocks coded (`LosslessContext.encode_block` calls) from now on."""
+    """Blocks coded (`LosslessCoding.encode_block` calls) from now on."""
     calls = []
-    original = LosslessContext.encode_block
+    original = LosslessCoding.encode_block
 
     def counting(self, *args, **kwargs):
         calls.append(args[0])
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(LosslessContext, "encode_block", counting)
+    monkeypatch.setattr(LosslessCoding, "encode_block", counting)
     return calls
 
 

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from hf_kvcompress.codec.ans_coder.layout import _BODY, _PREFIX, COMPACT_MAGIC, write_compact, write_stream
 from hf_kvcompress.codec.ans_coder.streams import Decoder
 from hf_kvcompress.codec.ans_coder.windows import window_crc
-from hf_kvcompress.codec.errors import CorruptStreamError
 from hf_kvcompress.codec.lanes_coder.lanes import MAGIC as LANES_MAGIC
 from hf_kvcompress.codec.lanes_coder.lanes import parse_header
 from hf_kvcompress.codec.symbols import tensor_bits
+from hf_kvcompress.errors import CorruptStreamError
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -12,7 +12,7 @@ from hf_kvcompress.codec.ans_coder.windows import (
     fixed_lengths,
     residual_codes,
 )
-from hf_kvcompress.codec.config import CodecConfig, eighth_octaves
+from hf_kvcompress.codec.codec_config import CodecConfig, eighth_octaves
 
 
 def test_eighth_octaves_exact():

@@ -8,7 +8,8 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from test_import_graph import PACKAGE, cycles, module_graph
+import pytest
+from import_graph_testutil import PACKAGE, cycles, module_graph
 
 try:  # Python >= 3.11
     import tomllib
@@ -52,9 +53,10 @@ def test_every_data_file_of_the_harness_is_package_data():
     assert [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs)] == []
 
 
-def test_eval_without_the_harness_says_how_to_install_it(monkeypatch, capsys):
+@pytest.mark.parametrize("argv", [["eval", "--suite", "quick"], ["bench", "generate", "--smoke"]])
+def test_eval_and_bench_without_the_harness_say_how_to_install_it(monkeypatch, capsys, argv):
     for name in [n for n in sys.modules if n.split(".")[0] == "hf_kvcompress_eval"] + ["hf_kvcompress_eval"]:
         monkeypatch.setitem(sys.modules, name, None)  # an import fails as if the harness were not installed
-    assert main(["eval", "--suite", "quick"]) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hf_kvcompress_eval) is not installed" in err, err

@@ -12,7 +12,7 @@ from helpers import fresh_tiny_model, random_ids
 
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.integrations.kv_chunk import HEADER
-from hf_kvcompress.predictors.runner import run_decoder
+from hf_kvcompress.predictors.rerun import run_decoder
 
 #: SmolLM2-135M's chunk at LMCache's default 256 tokens: [2, 30 layers, 256 tokens, 3 kv heads x 64]
 SMOLLM2_SHAPE = (2, 30, 256, 192)

@@ -13,7 +13,7 @@ from hf_kvcompress.codec.ans_coder import device
 from hf_kvcompress.codec.ans_coder.device import decode_on_device
 from hf_kvcompress.codec.ans_coder.entropy import models_for
 from hf_kvcompress.codec.ans_coder.streams import Decoder
-from hf_kvcompress.codec.config import CodecConfig
+from hf_kvcompress.codec.codec_config import CodecConfig
 from hf_kvcompress.codec.symbols import BF16, FP16, split_bits, tensor_bits
 
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
 from hf_kvcompress.lossy import detach
-from hf_kvcompress.lossy.attention import ATTENTION_NAME
+from hf_kvcompress.lossy.attention_hook import ATTENTION_NAME
 
 LENGTH, PREFILL, PAD = 36, 24, 5
 

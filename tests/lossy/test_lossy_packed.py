@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import fresh_tiny_model, random_ids
-from test_lossy_memory import walked_bytes
+from lossy_testutil import walked_bytes
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
 from hf_kvcompress.lossy.budget import entry_bytes, upgrade_order

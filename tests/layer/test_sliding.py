@@ -4,12 +4,10 @@ query cannot reach, beyond the rest of one sealed block."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from helpers import random_ids, same_bits
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from helpers import RAW, SEALING, random_ids, same_bits, sliding_model
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -17,24 +15,6 @@ from hf_kvcompress.cache.cache import SLIDING_MIN_BLOCKS
 from hf_kvcompress_eval.env import walk_held_bytes
 
 BLOCK, RESIDUAL = 8, 4
-#: a window of 48 seals blocks in lossless mode (47 >= 4 + 4 * 8); one of 12 stays raw
-SEALING, RAW = 48, 12
-
-
-@functools.cache
-def sliding_model(window: int, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
-    """Six layers, sliding and full alternating (5:1 would leave one full layer in six; alternating shows both
-    kinds next to each other, as a layer below / above each other)."""
-    config = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
-        bos_token_id=2, use_sliding_window=True, sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"] * 3,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(dtype).eval()
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def config(mode: str) -> CompressionConfig:

@@ -7,15 +7,16 @@ import hashlib
 import json
 import struct
 
-from hf_kvcompress.cache.persist import _PREFIX, MAGIC, VERSION
+from hf_kvcompress.cache.persist import MAGIC, VERSION
 
 DIGEST = 32
+PREFIX = struct.Struct("<8sII")  # magic, version, header length: the format, written down here independently
 
 
 def split(data: bytes) -> tuple[dict, bytes]:
     """(header, payload) of an intact version-2 file."""
-    _magic, _version, size = _PREFIX.unpack_from(data, 0)
-    return json.loads(data[_PREFIX.size : _PREFIX.size + size]), data[_PREFIX.size + size : -DIGEST]
+    _magic, _version, size = PREFIX.unpack_from(data, 0)
+    return json.loads(data[PREFIX.size : PREFIX.size + size]), data[PREFIX.size + size : -DIGEST]
 
 
 def seal(header: dict | bytes, payload: bytes, version: int = VERSION) -> bytes:

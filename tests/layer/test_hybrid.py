@@ -3,38 +3,16 @@ recurrent and convolution states untouched; the attention layers are compressed;
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from helpers import random_ids, same_bits
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from helpers import HYBRID, hybrid_model, random_ids, same_bits
+from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.layer import CompressedLayer
 from hf_kvcompress.layer.hybrid import CompressedHybridLayer
 from hf_kvcompress_eval.env import walk_held_bytes
-
-COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
-          "max_position_embeddings": 512}
-MODELS = {
-    # conv layers beside attention layers
-    "lfm2": {"num_hidden_layers": 6, "full_attn_idxs": [2, 5]},
-    # mamba and attention in every layer ("hybrid")
-    "falcon_h1": {"num_hidden_layers": 6, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
-                  "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 16},
-}
-
-
-@functools.cache
-def hybrid_model(kind: str, dtype: torch.dtype = torch.float32):
-    config = AutoConfig.for_model(kind, **{**COMMON, **MODELS[kind]})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def run(model, ids, cache, mask=None, **kwargs):
@@ -43,7 +21,7 @@ def run(model, ids, cache, mask=None, **kwargs):
                               output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("kind", sorted(HYBRID))
 @pytest.mark.parametrize("mode", ["none", "lossless"])
 def test_generation_matches_dynamic_cache_bit_for_bit(kind, mode):
     model = hybrid_model(kind)
@@ -68,7 +46,7 @@ def test_generation_matches_dynamic_cache_bit_for_bit(kind, mode):
     assert stats["held_bytes"] == walk_held_bytes(cache, skip=skip)
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("kind", sorted(HYBRID))
 def test_lossy_mode_summarises_attention_and_keeps_states(kind):
     model = hybrid_model(kind)
     ids = random_ids(1, 80, seed=2)
