@@ -24,7 +24,7 @@ def held(layer):
     return keys.float(), values.float(), torch.cat([*parts, res], dim=-1)
 
 
-@pytest.mark.parametrize("method", ["summary", "topk", "svd", "streaming"])
+@pytest.mark.parametrize("method", list(LossyConfig.METHODS))
 def test_attention_matches_manual_computation(tiny_model, method):
     lossy = LossyConfig(method=method, budget=0.35, interval=4, sinks=2, reference_queries=32)
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=6, lossy=lossy), model=tiny_model)

@@ -11,7 +11,7 @@ from lossy_testutil import walked_bytes
 from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
 
 
-@pytest.mark.parametrize("method", ["summary", "topk", "svd", "streaming"])
+@pytest.mark.parametrize("method", list(LossyConfig.METHODS))
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-mqa"])
 def test_held_bytes_is_every_byte_the_layer_holds(method, kind):
     model = fresh_tiny_model(kind)
