@@ -1,8 +1,12 @@
 """The package's modules import each other without cycles: every import counts, those inside functions too (a
 function-level import that dodges a cycle is still one), and so do those in ``if TYPE_CHECKING:`` blocks (a
-cycle only type checkers see is still one a reader must hold in their head: a protocol breaks it)."""
+cycle only type checkers see is still one a reader must hold in their head: a protocol breaks it); and nothing
+outside the package (tests, experiments, the harness) imports a private name of it."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 from import_graph_testutil import PACKAGE, cycles, module_graph
 
@@ -64,3 +68,28 @@ def test_the_folder_check_finds_a_cycle_between_two_folders(tmp_path):
     graph = module_graph(package)
     assert cycles(graph) == []  # no module cycle: a -> b, c -> a
     assert cycles(package_graph(graph)) == [["pkg.one", "pkg.two"]]
+
+
+def private_imports(folders: list[Path]) -> list[str]:
+    """``file:line name`` for every import of a private name (or module) of the package in ``folders``."""
+    found = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE.name:
+                    names = node.module.split(".") + [alias.name for alias in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [p for alias in node.names if alias.name.split(".")[0] == PACKAGE.name
+                             for p in alias.name.split(".")]
+                else:
+                    continue
+                found += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    return found
+
+
+def test_nothing_outside_the_package_imports_its_private_names(tmp_path):
+    root = PACKAGE.parent
+    assert private_imports([root / "tests", root / "experiments", root / "hf_kvcompress_eval"]) == []
+    (tmp_path / "reach.py").write_text(f"from {PACKAGE.name}.cache.persist import _load, save_cache\n"
+                                       f"import {PACKAGE.name}.codec._hidden\n")
+    assert private_imports([tmp_path]) == ["reach.py:1 _load", "reach.py:2 _hidden"]

@@ -9,7 +9,13 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from hf_kvcompress.codec.ans_coder.layout import _BODY, _PREFIX, COMPACT_MAGIC, write_compact, write_stream
+from hf_kvcompress.codec.ans_coder.layout import (
+    COMPACT_MAGIC,
+    FULL_BODY,
+    FULL_PREFIX,
+    write_compact,
+    write_stream,
+)
 from hf_kvcompress.codec.ans_coder.streams import Decoder
 from hf_kvcompress.codec.ans_coder.windows import window_crc
 from hf_kvcompress.codec.lanes_coder.lanes import MAGIC as LANES_MAGIC
@@ -69,9 +75,9 @@ def reseal(blob: bytes) -> bytes:
         return _reseal_lanes(blob)
     try:
         b = bytearray(blob)
-        _magic, _v, _r, body_len = _PREFIX.unpack_from(b, 0)
-        head_end = _PREFIX.size + body_len
-        fields = _BODY.unpack_from(b, _PREFIX.size)
+        _magic, _v, _r, body_len = FULL_PREFIX.unpack_from(b, 0)
+        head_end = FULL_PREFIX.size + body_len
+        fields = FULL_BODY.unpack_from(b, FULL_PREFIX.size)
         entry_size, n_windows = fields[5], fields[8]
         struct.pack_into("<I", b, head_end, zlib.crc32(b[:head_end]))
         t0 = head_end + 4
@@ -189,7 +195,7 @@ def rebuild(blob: bytes, mean, std, config, *, entries=None, payloads=None, vers
             struct.pack_into("<I", out, end, zlib.crc32(out[:end]))
         else:
             struct.pack_into("<H", out, 8, version)
-            head_end = _PREFIX.size + struct.unpack_from("<I", out, 12)[0]
+            head_end = FULL_PREFIX.size + struct.unpack_from("<I", out, 12)[0]
             struct.pack_into("<I", out, head_end, zlib.crc32(out[:head_end]))
     return bytes(out)
 

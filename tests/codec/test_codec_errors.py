@@ -13,7 +13,7 @@ from codec_testutil import realistic, reseal
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal
 from hf_kvcompress.codec import tables as codec_model
-from hf_kvcompress.codec.ans_coder.layout import _PREFIX, MAGIC, VERSION
+from hf_kvcompress.codec.ans_coder.layout import FULL_PREFIX, MAGIC, VERSION
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_future_version(stream):
 
 def test_truncated(stream):
     _x, offset, scale, blob = stream
-    for cut in (len(blob) - 1, len(blob) // 2, _PREFIX.size + 3, 10):
+    for cut in (len(blob) - 1, len(blob) // 2, FULL_PREFIX.size + 3, 10):
         with pytest.raises(CorruptStreamError):
             codec.decode(blob[:cut], offset, scale)
     with pytest.raises(CorruptStreamError):

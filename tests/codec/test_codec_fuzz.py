@@ -17,7 +17,7 @@ from codec_testutil import as_version1, assert_bit_exact, realistic, rebuild, re
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
-from hf_kvcompress.codec.ans_coder.layout import _BODY, _PREFIX, MAGIC, write_compact, write_stream
+from hf_kvcompress.codec.ans_coder.layout import FULL_BODY, FULL_PREFIX, MAGIC, write_compact, write_stream
 from hf_kvcompress.codec.ans_coder.streams import Decoder
 
 
@@ -131,13 +131,13 @@ def test_fuzz_random_inputs_never_crash():
 
 def _with_config_json(blob: bytes, cfg_json: bytes) -> bytes:
     """A full-layout stream whose config JSON is replaced, lengths and header CRC fixed up."""
-    _magic, version, reserved, body_len = _PREFIX.unpack_from(blob, 0)
-    head_end = _PREFIX.size + body_len
-    ndim = blob[_PREFIX.size + 1]
-    cfg_at = _PREFIX.size + _BODY.size + 8 * ndim
+    _magic, version, reserved, body_len = FULL_PREFIX.unpack_from(blob, 0)
+    head_end = FULL_PREFIX.size + body_len
+    ndim = blob[FULL_PREFIX.size + 1]
+    cfg_at = FULL_PREFIX.size + FULL_BODY.size + 8 * ndim
     old_len = struct.unpack_from("<I", blob, cfg_at)[0]
-    body = blob[_PREFIX.size : cfg_at] + struct.pack("<I", len(cfg_json)) + cfg_json
-    head = _PREFIX.pack(MAGIC, version, reserved, len(body)) + body
+    body = blob[FULL_PREFIX.size : cfg_at] + struct.pack("<I", len(cfg_json)) + cfg_json
+    head = FULL_PREFIX.pack(MAGIC, version, reserved, len(body)) + body
     assert cfg_at + 4 + old_len == head_end
     return head + struct.pack("<I", zlib.crc32(head)) + blob[head_end + 4 :]
 

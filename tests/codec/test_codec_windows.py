@@ -7,9 +7,9 @@ import pytest
 
 from hf_kvcompress.codec.ans_coder.windows import (
     CausalScheduler,
-    _hysteresis,
     adaptive_lengths,
     fixed_lengths,
+    hysteresis_tiers,
     residual_codes,
 )
 from hf_kvcompress.codec.codec_config import CodecConfig, eighth_octaves
@@ -20,9 +20,9 @@ def test_eighth_octaves_exact():
 
 
 def test_hysteresis():
-    assert _hysteresis([0, 1, 0, 1, 1, 1, 2, 1], 2, 0) == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert _hysteresis([2, 2, 0, 0, 0], 1, 1) == [2, 2, 0, 0, 0]
-    assert _hysteresis([1, 2, 1, 2], 2, 0) == [0, 2, 2, 2]  # disagreeing blocks count even if they differ
+    assert hysteresis_tiers([0, 1, 0, 1, 1, 1, 2, 1], 2, 0) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert hysteresis_tiers([2, 2, 0, 0, 0], 1, 1) == [2, 2, 0, 0, 0]
+    assert hysteresis_tiers([1, 2, 1, 2], 2, 0) == [0, 2, 2, 2]  # disagreeing blocks count even if they differ
 
 
 @pytest.mark.parametrize("seed", range(20))

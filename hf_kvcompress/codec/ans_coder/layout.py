@@ -37,8 +37,9 @@ from ..tables import Marginal, get_tables
 
 MAGIC = b"\x89KVCdc\r\n"
 VERSION = 2  # 2: window CRCs bound to their stream and index (windows.window_seed)
-_PREFIX = struct.Struct("<8sHHI")
-_BODY = struct.Struct("<BBBBBBHQIiIQ32s32s16s16s")
+#: the full layout's prefix (magic, version, reserved, body length) and body (docs/codec_format.md section 6)
+FULL_PREFIX = struct.Struct("<8sHHI")
+FULL_BODY = struct.Struct("<BBBBBBHQIiIQ32s32s16s16s")
 _MAX_BODY = 1 << 20
 MAX_NDIM = 32
 
@@ -73,14 +74,14 @@ def entry_dtype(mode: str, has_std: bool) -> np.dtype:
 
 def write_stream(h: Header, entries: np.ndarray, payloads: list[bytes]) -> bytes:
     cfg_json = json.dumps(h.config.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-    body = _BODY.pack(
+    body = FULL_BODY.pack(
         h.fmt.code, len(h.shape), int(h.has_mean), int(h.has_std), WINDOW_MODES.index(h.config.window),
         entries.dtype.itemsize, 0, h.numel, h.n_windows, h.g_spread, h.data_crc,
         int(entries["nbytes"].sum(dtype=np.uint64)) if entries.size else 0,
         h.tables_sha256, h.marginal_sha256, h.mean_fp, h.std_fp,
     )
     body += struct.pack(f"<{len(h.shape)}Q", *h.shape) + struct.pack("<I", len(cfg_json)) + cfg_json
-    head = _PREFIX.pack(MAGIC, VERSION, 0, len(body)) + body
+    head = FULL_PREFIX.pack(MAGIC, VERSION, 0, len(body)) + body
     table = entries.tobytes()
     parts = [head, struct.pack("<I", zlib.crc32(head)), table, struct.pack("<I", zlib.crc32(table))]
     parts.extend(payloads)
@@ -132,19 +133,19 @@ def read_stream(blob: bytes | bytearray | memoryview, marginal: Marginal | None)
     """Parse and verify header and window table. Returns (header, entries, payload offsets, blob view)."""
     buf = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
     n = len(buf)
-    if n < _PREFIX.size:
-        raise _corrupt(f"{n} bytes is shorter than the {_PREFIX.size}-byte prefix (truncated or not a stream)")
-    magic, version, _reserved, body_len = _PREFIX.unpack_from(buf, 0)
+    if n < FULL_PREFIX.size:
+        raise _corrupt(f"{n} bytes is shorter than the {FULL_PREFIX.size}-byte prefix (truncated or not a stream)")
+    magic, version, _reserved, body_len = FULL_PREFIX.unpack_from(buf, 0)
     check_magic_version(magic, MAGIC, version, VERSION, "codec stream", "format version", _corrupt)
-    if body_len < _BODY.size or body_len > _MAX_BODY or _PREFIX.size + body_len + 4 > n:
+    if body_len < FULL_BODY.size or body_len > _MAX_BODY or FULL_PREFIX.size + body_len + 4 > n:
         raise _corrupt(f"header length {body_len} does not fit the {n}-byte stream (truncated?)")
-    head_end = _PREFIX.size + body_len
+    head_end = FULL_PREFIX.size + body_len
     (crc,) = struct.unpack_from("<I", buf, head_end)
     if zlib.crc32(buf[:head_end]) != crc:
         raise _corrupt("header checksum mismatch")
     (dtype_code, ndim, has_mean, has_std, mode_i, entry_size, _r, numel, n_windows, g_spread, data_crc,
-     payload_len, tables_sha, marg_sha, mean_fp, std_fp) = _BODY.unpack_from(buf, _PREFIX.size)
-    pos = _PREFIX.size + _BODY.size
+     payload_len, tables_sha, marg_sha, mean_fp, std_fp) = FULL_BODY.unpack_from(buf, FULL_PREFIX.size)
+    pos = FULL_PREFIX.size + FULL_BODY.size
     if dtype_code not in FORMATS_BY_CODE:
         raise _corrupt(f"unknown dtype code {dtype_code}")
     if ndim > MAX_NDIM or pos + 8 * ndim + 4 > head_end:

@@ -62,7 +62,7 @@ class Thresholds:
         return np.where(spread < self.high, 2, np.where(spread < self.medium, 1, 0))
 
 
-def _hysteresis(raw: list[int], h: int, start: int) -> list[int]:
+def hysteresis_tiers(raw: list[int], h: int, start: int) -> list[int]:
     cur, count, out = start, 0, []
     for r in raw:
         if r == cur:
@@ -108,7 +108,7 @@ def adaptive_lengths(spread: np.ndarray, n: int, cfg: CodecConfig, g: int) -> np
         return fixed_lengths(n, cfg.short_window)
     th = Thresholds(cfg, g)
     raw = th.raw_tier(spread).tolist()
-    tiers = np.array(_hysteresis(raw, cfg.hysteresis, raw[0]))
+    tiers = np.array(hysteresis_tiers(raw, cfg.hysteresis, raw[0]))
     cuts = np.flatnonzero(np.diff(tiers)) + 1
     starts = np.concatenate([[0], cuts])
     ends = np.concatenate([cuts, [tiers.size]])
