@@ -693,16 +693,23 @@ def coding_for(cache) -> LosslessCoding:
     )
     # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
     _check_layer_chain(cache, predictor)
-    codec = settings.codec_config()
-    marginals = None
-    if cache.calibration is not None and getattr(predictor, "calibrated", False):
-        # only a calibrated predictor reads the calibration in generation (the marginals gain 0.001 bit/scalar
-        # for `generic`: not worth holding them); `save` reads what it needs then
-        marginals = functools.lru_cache(maxsize=None)(cache.calibration.marginal)
-    coding = LosslessCoding(predictor, codec, functools.partial(find_block, cache), marginals, settings.workers,
-                              decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
+    coding = coding_over(settings, predictor, cache.calibration, functools.partial(find_block, cache),
+                         decoded_budget=settings.decoded_budget, layer_count=lambda: cache.kv_layer_count)
     coding.blocks_of = functools.partial(layer_blocks, cache)
     return coding
+
+
+def coding_over(settings, predictor: Predictor, calibration, find: Callable[[int, int], Block | None],
+                **kwargs) -> LosslessCoding:
+    """A `LosslessCoding` with ``predictor`` and the codec and workers of ``settings`` (a `LosslessConfig`), finding
+    blocks with ``find``: the cache's own (`coding_for`) or a file's (save / load). Only a calibrated predictor
+    codes with ``calibration``'s marginals, in generation and in files alike, so that a file of the blocks
+    generation coded loads without decoding (the marginals gain 0.001 bit/scalar for ``generic``: not worth
+    holding)."""
+    marginals = None
+    if calibration is not None and getattr(predictor, "calibrated", False):
+        marginals = functools.lru_cache(maxsize=None)(calibration.marginal)
+    return LosslessCoding(predictor, settings.codec_config(), find, marginals, settings.workers, **kwargs)
 
 
 def layer_blocks(cache, layer: int) -> list:

@@ -49,7 +49,7 @@ from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
 from ..predictors.rerun import decoder_layers
 from ..version import __version__
-from .coded import CodedBlock, CodedRow, LosslessCoding, PredictorMismatchError
+from .coded import CodedBlock, CodedRow, LosslessCoding, PredictorMismatchError, coding_over
 
 
 class CompressedCache(Protocol):
@@ -893,14 +893,10 @@ def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
 
 
 def _saved_coding(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessCoding, dict]:
+    """The coding of a file's blocks (``blocks``: (layer, start) -> block, filled as they are made), as generation
+    would code them (`coded.coding_over`)."""
     blocks: dict[tuple[int, int], Block] = {}
-    codec = settings.codec_config()
-    # only a calibrated predictor codes with the calibration's marginals, as in generation (`coding_for`): a
-    # 'generic' file is then coded exactly as generation codes, and its blocks load without decoding
-    calibrated = cache.calibration is not None and bool(getattr(predictor, "calibrated", False))
-    marginals = cache.calibration.marginal if calibrated else None
-    coding = LosslessCoding(predictor, codec, lambda layer, start: blocks.get((layer, start)), marginals, settings.workers)
-    return coding, blocks
+    return coding_over(settings, predictor, cache.calibration, lambda layer, start: blocks.get((layer, start))), blocks
 
 
 def _check_tokens_for_rerun(cache: CompressedCache, token_ids: torch.Tensor | None, tokens: int) -> None:
