@@ -388,7 +388,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
             layer, kv = entry["layer"], entry["kv"]
             device = _layer_device(model, layer)
             if kv is None:
-                _restore_state(target.layers[layer], entry["state"], saved.payload, device)
+                _restore_state(target.layers[layer], entry["state"], saved.payload, device, header["tokens"])
                 continue
             held = target.layers[layer] if layer < len(target.layers) else None
             count = _adoptable_blocks(kv, header["tokens"], target, held) if adopting else 0
@@ -407,13 +407,13 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
                 else:
                     held.adopt(adopted)
                 if entry["state"] is not None:
-                    _restore_state(held, entry["state"], saved.payload, device)
+                    _restore_state(held, entry["state"], saved.payload, device, header["tokens"])
                 continue
             keys, values = torch.cat(keys, dim=2).to(device), torch.cat(values, dim=2).to(device)
             if header["version"] == LAYERED:
                 target.layers[layer].restore(keys, values, header["tokens"])
                 if entry["state"] is not None:  # after the K/V: restoring them resets the layer
-                    _restore_state(target.layers[layer], entry["state"], saved.payload, device)
+                    _restore_state(target.layers[layer], entry["state"], saved.payload, device, header["tokens"])
             else:
                 target.update(keys, values, layer)
         if verify and adopting:  # adopted blocks decode once here, so that a stream that does not decode fails now
@@ -587,8 +587,9 @@ def _write_state(layer: LinearAttentionCacheLayerMixin, payload: bytearray) -> d
 
 
 def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any], payload: bytes,
-                   device: torch.device) -> None:
-    """Put a checked state entry back into transformers' layer, as its own updates would have left it."""
+                   device: torch.device, tokens: int) -> None:
+    """Put a checked state entry back into transformers' layer, as its own updates would have left it after
+    ``tokens`` tokens (its token counter too, where transformers keeps one: ``cumulative_length_linear``, 5.25+)."""
     view = memoryview(payload)
     for i, previous in enumerate(state["previous"]):
         if state["conv"][i] is not None:
@@ -600,6 +601,9 @@ def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any],
             layer.lazy_initialization(recurrent_states=recurrent, state_idx=i)
             layer.recurrent_states[i].copy_(recurrent)
         layer.has_previous_state[i] = previous
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor):
+        counter.fill_(tokens)
 
 
 def _check_block(block: CodedBlock, coding: LosslessCoding, predictor: Predictor, sides: dict[tuple, dict]) -> None:

@@ -25,8 +25,10 @@ def state_tensors(layer: LinearAttentionCacheLayerMixin) -> list[torch.Tensor]:
 
 
 def state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
-    """Bytes behind those tensors (whole buffers: a recorded past may hold a grown conv state)."""
-    return storage_bytes(state_tensors(layer))
+    """Bytes behind those tensors (whole buffers: a recorded past may hold a grown conv state), and behind the
+    layer's token counter where transformers keeps one as a tensor (``cumulative_length_linear``, 5.25+)."""
+    counter = getattr(layer, "cumulative_length_linear", None)
+    return storage_bytes(state_tensors(layer) + ([counter] if isinstance(counter, torch.Tensor) else []))
 
 
 class RecurrentStateMixin(LinearAttentionLayer):
