@@ -1,9 +1,9 @@
-"""Walking the code: how often one decode step and one save / load enter each package file (docs/architecture.md,
+"""Walking the code: how often one decode step, one save and one load enter each package file (docs/architecture.md,
 "Walking the code").
 
 Every call between package functions is recorded (`sys.setprofile`) while a 6-layer tiny Llama (tests/helpers.py)
-takes one decode step with a lossless cache (blocks of 16, nothing kept decoded), then while that cache is saved
-and loaded. A file is *entered* when a function that goes on into yet another file is called from a different
+takes one decode step with a lossless cache (blocks of 16, nothing kept decoded), then while that cache is saved,
+then while the file is loaded (three walks). A file is *entered* when a function that goes on into yet another file is called from a different
 file; a helper that stays in its own file (a check, an accessor) is looked up, not walked through. Entries count
 once per (caller function, file): a reader following a function reads each file it calls into once.
 
@@ -69,10 +69,13 @@ def step():
     with torch.no_grad():
         model(random_ids(1, 1, seed=4), cache=cache, use_cache=True)
 d = tempfile.mkdtemp()
-def saveload():
+def save():
     cache.save(os.path.join(d, "c.kvc"))
+
+
+def load():
     CompressedCache.load(os.path.join(d, "c.kvc"), model=model)
-for name, fn in (("decode step", step), ("save/load", saveload)):
+for name, fn in (("decode step", step), ("save", save), ("load", load)):
     entries = walk(fn)
     print(f"== {name}: {len(entries)} files entered; most entries {max(len(v) for v in entries.values())}")
     for f, v in sorted(entries.items(), key=lambda t: -len(t[1])):

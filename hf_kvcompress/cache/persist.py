@@ -132,7 +132,8 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         _check_tokens_for_rerun(cache, token_ids, tokens)
 
     block_tokens = cache.config.block_tokens
-    coding, blocks = _saved_coding(cache, settings, chosen)
+    blocks: dict[tuple[int, int], Block] = {}  # the file's blocks as they are made, for the layer-below lookups
+    coding = coding_over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
     if needs_tokens:
         coding.extras_source = chosen.model_extras(token_ids)
     payload = bytearray()
@@ -362,7 +363,8 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
         predictor.portable = True  # as it was written
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
-    coding, blocks = _saved_coding(target, saved.config.lossless, predictor)
+    blocks: dict[tuple[int, int], Block] = {}  # the file's blocks as they are checked, for the layer-below lookups
+    coding = coding_over(saved.config.lossless, predictor, target.calibration, lambda layer, start: blocks.get((layer, start)))
     token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
     if not predictor.practical_in_generation:
         if token_ids is None:
@@ -894,13 +896,6 @@ def _int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _saved_coding(cache: CompressedCache, settings, predictor: Predictor) -> tuple[LosslessCoding, dict]:
-    """The coding of a file's blocks (``blocks``: (layer, start) -> block, filled as they are made), as generation
-    would code them (`coded.coding_over`)."""
-    blocks: dict[tuple[int, int], Block] = {}
-    return coding_over(settings, predictor, cache.calibration, lambda layer, start: blocks.get((layer, start))), blocks
 
 
 def _check_tokens_for_rerun(cache: CompressedCache, token_ids: torch.Tensor | None, tokens: int) -> None:

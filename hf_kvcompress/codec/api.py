@@ -102,7 +102,7 @@ def decode_batch(
     values. Pass False only for streams this process has already decoded with the check and held since as
     immutable ``bytes`` (a cache decoding its own blocks every step); the structural checks (every word
     consumed, every lane back at its initial state, values inside the dtype) run for every stream. Where it
-    runs (`config.triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
+    runs (`interface.triton_device`): when ``mean``, ``std`` or ``out`` is a CUDA tensor and Triton is
     available, the per-element model and the entropy decoding run there (`device_triton.decode_batch_triton`)
     and the result lands on that device; otherwise the compiled host decoder runs and the result is moved to
     the CUDA device if one was given. Both give the same bits (docs/codec_format.md 12.1).

@@ -18,7 +18,8 @@ from typing import Protocol
 import torch
 
 from ..errors import CorruptStreamError
-from .codec_config import CodecConfig
+from ..kernels import dispatch
+from .codec_config import CodecConfig, device_of
 from .symbols import Format, format_of
 from .tables import Marginal
 
@@ -271,3 +272,16 @@ def describe(value) -> str:
     return type(value).__name__
 
 
+def triton_device(*values) -> torch.device | None:
+    """The device an entropy decode runs on as Triton kernels: the CUDA device of any tensor among
+    ``values`` (mean, std, out) when `dispatch` says Triton for it, the CPU when the kernels are forced to
+    Triton (the interpreter tests); None for the host decoders. Without Triton a CUDA caller is decoded on
+    the host and gets its result on its device: the device's torch reference would step every symbol from
+    Python."""
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    if not dispatch.device_path(*tensors):
+        return None
+    cuda = [t for t in tensors if t.is_cuda]
+    if not dispatch.use_triton(*(cuda or tensors)):
+        return None
+    return device_of(*tensors)

@@ -19,9 +19,8 @@ from ..codec_config import (
     check_x,
     fingerprint,
     fingerprint8,
-    triton_device,
 )
-from ..interface import check_parallel, check_range
+from ..interface import check_parallel, check_range, triton_device
 from ..params import ParamSource
 from ..symbols import bits_to_tensor, join_bits, split_bits, tensor_bits
 from ..tables import Marginal, get_tables

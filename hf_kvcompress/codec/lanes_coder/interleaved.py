@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec_config import CodecConfig, register, triton_device
-from ..interface import Coder
+from ..codec_config import CodecConfig, register
+from ..interface import Coder, triton_device
 from ..symbols import Format
 from ..tables import Marginal
 from . import lanes
