@@ -7,7 +7,7 @@ import string
 import pytest
 import torch
 from helpers import fresh_tiny_model
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hf_kvcompress.calibration as calibration_module
 
@@ -51,3 +51,9 @@ def model_folder(tmp_path_factory):
     fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def model(model_folder):
+    """A fresh copy of the `model_folder` model (bf16), for tests that fit or look up its calibration."""
+    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.bfloat16).eval()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import fresh_tiny_model, random_ids
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
 from hf_kvcompress.cache.persist import CacheFileError, read_header
@@ -23,11 +23,6 @@ from hf_kvcompress_eval.env import walk_held_bytes
 
 #: saves with the calibrated `context` predictor (the default save codes generation's blocks and reads none)
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(save_predictor="context"))
-
-
-@pytest.fixture
-def model(model_folder):
-    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import random_ids
-from transformers import AutoModelForCausalLM
 
 import hf_kvcompress.cache.cache as cache_module
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
@@ -24,11 +23,6 @@ CONTEXT_SAVE = CompressionConfig(mode="lossless", block_tokens=16, lossless=Loss
 
 def lossless(**settings) -> CompressionConfig:
     return CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(**settings))
-
-
-@pytest.fixture
-def model(model_folder):
-    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture
