@@ -18,6 +18,7 @@ base class a `RawStorage`, which only reads the blocks back (``read_all``): ``up
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from typing import Any
@@ -73,7 +74,10 @@ class LossyLayer(CompressedLayer):
             layer_idx=layer_idx,
         )
         self.model = model
-        self.q_heads = 0 if model is None else model.config.get_text_config(decoder=True).num_attention_heads
+        text = None if model is None else model.config.get_text_config(decoder=True)
+        self.q_heads = 0 if text is None else text.num_attention_heads
+        #: the model's layer count, for a method with layer budgets (None without a model: uniform budgets)
+        self.layer_count = None if text is None else getattr(text, "num_hidden_layers", None)
         self.attached = self.model is not None
         if self.attached:
             # the model gets its attention implementation back once every lossy layer using it is released
@@ -233,8 +237,20 @@ class LossyLayer(CompressedLayer):
                            self.residual_values.shape[-1])
 
     def budget_bytes(self) -> int:
-        """Bytes per batch row this layer may hold after a summary."""
-        return budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
+        """Bytes per batch row this layer may hold after a summary.
+
+        A method with layer budgets (`registry.LossyMethod.layer_share`, PyramidKV) shares out what the uniform budget
+        leaves beyond what every layer keeps anyway (sinks, recent window, the kept queries' room), as PyramidKV's
+        budgets apply beyond its observation window: ``fixed + share * (uniform - fixed)``, so the layers together
+        hold what uniform budgets would."""
+        uniform = budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
+        share = self.method.layer_share
+        if share is None or not self.layer_count:
+            return uniform
+        fixed = (self.lossy.sinks + self.residual_tokens) * self.token_bytes + self.query_reserve()
+        if uniform <= fixed:
+            return uniform
+        return fixed + math.floor((uniform - fixed) * share(self.layer_idx, self.layer_count))
 
     def held_bytes(self) -> int:
         """Bytes per batch row held now: everything in `total_held_bytes`, spread over the rows."""
@@ -277,8 +293,9 @@ class LossyLayer(CompressedLayer):
         window = max(0, min(window, (budget - sink_bytes) // (per_token + valid_bytes)))
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
+        positions = None
         if self.method.needs_queries:
-            queries, weight = self._reference_queries(current)
+            queries, weight, positions = self._reference_queries(current)
         else:  # streaming and plain SVD never look at queries
             queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
         ctx = FitContext(
@@ -290,6 +307,9 @@ class LossyLayer(CompressedLayer):
             self.scaling or self.residual_keys.shape[-1] ** -0.5,
             self.attached,
             self.lossy,
+            positions,
+            self.seen_tokens,
+            _rope_inv_freq(self.model),
         )
         middle = max(0, budget - sink_bytes - window * (per_token + valid_bytes))
         made = self.method.compress(region, middle, ctx)
@@ -360,8 +380,9 @@ class LossyLayer(CompressedLayer):
 
     def _reference_queries(
         self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([b, h, m, d] float32, [b, h, m])``: queries (moved to future positions) and their weights."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``([b, h, m, d] float32, [b, h, m], positions)``: queries (moved to future positions, or at their own for a
+        method registered with ``own_positions``, then with their ``[m / groups]`` positions) and their weights."""
         heads = self.residual_keys.shape[1]
         if self.attached and (current is not None or len(self.query_buffer)):
             queries, positions, valid = self.query_buffer.read(current, self.lossy.reference_queries)
@@ -371,14 +392,15 @@ class LossyLayer(CompressedLayer):
             count = queries.shape[-2]
             positions = torch.arange(self.seen_tokens - count, self.seen_tokens, device=queries.device)
             valid = self._residual_live()[:, -count:]
-        queries = reposition(
-            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
-            inv_freq=_rope_inv_freq(self.model),
-        )
+        if not self.method.own_positions:
+            queries = reposition(
+                queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
+                inv_freq=_rope_inv_freq(self.model),
+            )
         grouped = group_by_kv_head(queries, heads)
         groups = grouped.shape[-2] // valid.shape[-1]
         weight = valid.float().repeat(1, groups)[:, None, :].expand(-1, heads, -1)
-        return grouped, weight
+        return grouped, weight, positions if self.method.own_positions else None
 
     # ------------------------------------------------------------------ biases
 
