@@ -5,6 +5,16 @@ import line below (the registry line). Every method works per batch row and KV h
 between the sinks and the recent window) and returns the blocks that replace it within the bytes left for it."""
 
 from ..registry import METHODS
-from . import expected_attention, pyramidkv, snapkv, streaming, summary, svd, topk, tova  # noqa: F401 (importing a method module registers it)
+from . import (  # noqa: F401 (importing a method module registers it)
+    adakv,
+    expected_attention,
+    pyramidkv,
+    snapkv,
+    streaming,
+    summary,
+    svd,
+    topk,
+    tova,
+)
 
 __all__ = ["METHODS"]
