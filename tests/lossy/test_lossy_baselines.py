@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
-from hf_kvcompress.lossy.methods import expected_attention, pyramidkv, snapkv, tova
+from hf_kvcompress.lossy.methods import adakv, expected_attention, pyramidkv, snapkv, tova
 from hf_kvcompress.lossy.queries import rotate
 from hf_kvcompress.lossy.region import FitContext, Region
 
@@ -142,6 +142,48 @@ def test_pyramid_layer_budgets():
     assert entries[0] > 2 * entries[-1]
 
 
-@pytest.mark.parametrize("method", ["snapkv", "tova", "expected_attention", "pyramidkv"])
-def test_baselines_score_queries_at_their_own_positions(method):
-    assert LossyConfig.METHODS[method].own_positions and LossyConfig.METHODS[method].needs_queries
+def test_adakv_shares_the_layer_budget_by_score_with_a_safeguard():
+    """Head 0's scores are concentrated (one large), head 1's spread (all middling): of 10 entries over both heads
+    each first keeps its best floor(0.2 * 10 / 2) = 1, then the 8 best remaining of either head: head 1 gets them."""
+    score = torch.tensor([[[0.9, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01],
+                           [0.12, 0.12, 0.12, 0.12, 0.12, 0.12, 0.12, 0.11]]])
+    keep = adakv.adaptive_keep(score, 10)
+    assert keep.sum().item() == 10
+    assert keep[0, 1].all()  # every spread entry beats head 0's tail
+    assert keep[0, 0, 0] and keep[0, 0].sum().item() == 2  # its best, and one of its tail for the last slot
+    # the safeguard: a head whose every score is below the other's still keeps its share
+    low = torch.tensor([[[0.001] * 8, [0.5] * 8]])
+    kept = adakv.adaptive_keep(low, 10, safeguard=0.4)
+    assert kept[0, 0].sum().item() == 2 and kept[0, 1].sum().item() == 8
+    # dead entries (-inf) are never kept, even when the budget would pay for them
+    dead = score.clone()
+    dead[0, 1, 4:] = float("-inf")
+    assert adakv.adaptive_keep(dead, 16)[0, 1, 4:].sum().item() == 0
+
+
+def test_adakv_in_a_cache_holds_ragged_heads_in_their_own_bytes():
+    """A left-padded batch of 2 in int8: heads keep different numbers of entries, every held byte is the walk, the
+    budget holds, and a row selection keeps each row's entries."""
+    from helpers import fresh_tiny_model, random_ids
+    from lossy_testutil import walked_bytes
+
+    from hf_kvcompress.lossy.blocks import RaggedBlock
+
+    model = fresh_tiny_model("llama-gqa")
+    ids = random_ids(2, 80, seed=11)
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+    lossy = LossyConfig(method="adakv", budget=0.3, sinks=2, reference_queries=32, entry_format="int8")
+    cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=4, lossy=lossy), model=model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+    ragged = [block for layer in cache.layers for block in layer.blocks if isinstance(block, RaggedBlock)]
+    assert ragged and any(len(set(block.counts.flatten().tolist())) > 1 for block in ragged)
+    for layer in cache.layers:
+        assert layer.stats()["held_bytes"] == walked_bytes(layer)
+        assert layer.held_bytes() <= layer.budget_bytes()
+    block = ragged[0]
+    keys, _ = block.read()
+    picked = block.select_rows(torch.tensor([1]))
+    assert torch.equal(picked.read()[0], keys[1:, :, : picked.entries])
+    assert torch.equal(picked.counts, block.counts[1:])
