@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
-import pytest
 import torch
 import torch.nn.functional as F
+from helpers import fresh_tiny_model, random_ids
+from lossy_testutil import walked_bytes
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LossyConfig
+from hf_kvcompress.lossy.blocks import RaggedBlock
 from hf_kvcompress.lossy.methods import adakv, expected_attention, pyramidkv, snapkv, tova
 from hf_kvcompress.lossy.queries import rotate
 from hf_kvcompress.lossy.region import FitContext, Region
@@ -125,16 +128,14 @@ def test_pyramid_layer_budgets():
     shares = [pyramidkv.layer_share(i, 6) for i in range(6)]
     assert math.isclose(sum(shares), 6.0)
     assert math.isclose(shares[-1], 1 / pyramidkv.BETA) and math.isclose(shares[0], 2 - 1 / pyramidkv.BETA)
-    assert all(a > b for a, b in zip(shares, shares[1:]))
-    from helpers import fresh_tiny_model, random_ids
-
+    assert all(a > b for a, b in pairwise(shares))
     model = fresh_tiny_model("llama-gqa", layers=6)
     lossy = LossyConfig(method="pyramidkv", budget=0.3, sinks=2, reference_queries=32)
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=4, lossy=lossy), model=model)
     with torch.no_grad():
         model(random_ids(1, 200), cache=cache)
     budgets = [layer.budget_bytes() for layer in cache.layers]
-    assert all(a > b for a, b in zip(budgets, budgets[1:]))
+    assert all(a > b for a, b in pairwise(budgets))
     uniform = math.floor(0.3 * 200 * cache.layers[0].token_bytes)
     assert sum(budgets) <= 6 * uniform
     assert all(layer.held_bytes() <= budget for layer, budget in zip(cache.layers, budgets))
@@ -164,11 +165,6 @@ def test_adakv_shares_the_layer_budget_by_score_with_a_safeguard():
 def test_adakv_in_a_cache_holds_ragged_heads_in_their_own_bytes():
     """A left-padded batch of 2 in int8: heads keep different numbers of entries, every held byte is the walk, the
     budget holds, and a row selection keeps each row's entries."""
-    from helpers import fresh_tiny_model, random_ids
-    from lossy_testutil import walked_bytes
-
-    from hf_kvcompress.lossy.blocks import RaggedBlock
-
     model = fresh_tiny_model("llama-gqa")
     ids = random_ids(2, 80, seed=11)
     mask = torch.ones_like(ids)

@@ -5,16 +5,8 @@ import line below (the registry line). Every method works per batch row and KV h
 between the sinks and the recent window) and returns the blocks that replace it within the bytes left for it."""
 
 from ..registry import METHODS
-from . import (  # noqa: F401 (importing a method module registers it)
-    adakv,
-    expected_attention,
-    pyramidkv,
-    snapkv,
-    streaming,
-    summary,
-    svd,
-    topk,
-    tova,
-)
+
+# importing a method module registers it
+from . import adakv, expected_attention, pyramidkv, snapkv, streaming, summary, svd, topk, tova  # noqa: F401
 
 __all__ = ["METHODS"]

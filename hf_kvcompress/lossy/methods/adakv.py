@@ -47,7 +47,7 @@ def adaptive_keep(score: torch.Tensor, total: int, safeguard: float = SAFEGUARD)
 @register("adakv", paper="https://arxiv.org/abs/2407.11550", needs_queries=True, own_positions=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the best-scored entries of all heads of ``region`` together within ``budget`` bytes per batch row."""
-    b, h, n, d = region.keys.shape
+    _, h, n, d = region.keys.shape
     if n == 0:
         return []
     per_entry = entry_bytes(1, d, region.keys.element_size(), with_bias=False, fmt=ctx.config.entry_format,
