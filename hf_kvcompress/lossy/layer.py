@@ -37,6 +37,8 @@ from .region import FitContext, Region, gather_entries
 from .settings import LossyConfig
 
 NEG_INF = float("-inf")
+#: replay queries scored at once (`LossyLayer._score_replay`): bounds the ``[rows, entries]`` weights per head
+REPLAY_ROWS = 256
 
 
 class LossyLayer(CompressedLayer):
@@ -84,6 +86,14 @@ class LossyLayer(CompressedLayer):
             weakref.finalize(self, release, weakref.ref(self.model), acquire(self.model))
         self.pending = False
         self.since_summary = 0
+        #: a context replay in progress (`methods.kvzip.compress_context`): "hold" (no summary, the context is held
+        #: whole) or "score" (this layer's forwards are the replay: they score the entries held before it)
+        self.replay: str | None = None
+        #: ``[b, h, held]`` float32: the most attention any replay query gave each entry held before the replay
+        self.replay_scores: torch.Tensor | None = None
+        #: the share of what the uniform budget leaves beyond sinks, window and queries this layer keeps (set by a
+        #: prune across layers, KVzip's); None: the method's `layer_share`, or the uniform budget
+        self.budget_share: float | None = None
         self.summary_seconds: list[float] = []
         self.scaling: float | None = None
         self._new_valid: torch.Tensor | None = None
@@ -124,6 +134,7 @@ class LossyLayer(CompressedLayer):
         self.expected_kv = keys.shape[-2]
         if (
             self.compresses
+            and self.replay is None
             and self.held_bytes() > self.budget_bytes()
             and (count > 1 or self.since_summary >= self.lossy.interval)
         ):
@@ -218,7 +229,9 @@ class LossyLayer(CompressedLayer):
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
         current = (query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
-        if self.pending:
+        if self.replay == "score":
+            self._score_replay(query, count)
+        elif self.pending:
             self.summarize(current)  # this forward's queries are used where they are, never kept
         else:
             self.query_buffer.add(*current)
@@ -244,13 +257,17 @@ class LossyLayer(CompressedLayer):
         budgets apply beyond its observation window: ``fixed + share * (uniform - fixed)``, so the layers together
         hold what uniform budgets would."""
         uniform = budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
-        share = self.method.layer_share
-        if share is None or not self.layer_count:
+        share = self.budget_share
+        if share is None and self.method.layer_share is not None and self.layer_count:
+            share = self.method.layer_share(self.layer_idx, self.layer_count)
+        fixed = self.fixed_bytes()
+        if share is None or uniform <= fixed:
             return uniform
-        fixed = (self.lossy.sinks + self.residual_tokens) * self.token_bytes + self.query_reserve()
-        if uniform <= fixed:
-            return uniform
-        return fixed + math.floor((uniform - fixed) * share(self.layer_idx, self.layer_count))
+        return fixed + math.floor((uniform - fixed) * share)
+
+    def fixed_bytes(self) -> int:
+        """Bytes per row every layer keeps whatever its share: sinks, recent window, the kept queries' room."""
+        return (self.lossy.sinks + self.residual_tokens) * self.token_bytes + self.query_reserve()
 
     def held_bytes(self) -> int:
         """Bytes per batch row held now: everything in `total_held_bytes`, spread over the rows."""
@@ -283,8 +300,16 @@ class LossyLayer(CompressedLayer):
         self.since_summary = 0
         budget = max(0, self.budget_bytes() - self.query_reserve())
         per_token = self.token_bytes
+        scores = self.replay_scores
+        self.replay_scores = None
         if self.sink_block is None:
-            self._make_sink_block(budget // per_token)
+            prior = sum(block.entries for block in self.blocks)
+            rest = self._make_sink_block(budget // per_token)
+            if scores is not None and rest is not None:  # the sinks left the residual: so do their scores
+                scores = torch.cat([scores[..., :prior], torch.gather(
+                    scores[..., prior:], 2, rest[:, None, :].expand(-1, scores.shape[1], -1))], dim=-1)
+        elif scores is not None:
+            scores = scores[..., self.sink_block.entries:]
         sink_bytes = 0 if self.sink_block is None else self.sink_block.nbytes() // max(self.rows, 1)
         window = min(self.residual_tokens, self.residual_length)
         # the padding mask is kept (and paid for, one byte per token) only while the window still holds padding
@@ -310,6 +335,7 @@ class LossyLayer(CompressedLayer):
             positions,
             self.seen_tokens,
             _rope_inv_freq(self.model),
+            None if scores is None else scores[..., : region.entries],
         )
         middle = max(0, budget - sink_bytes - window * (per_token + valid_bytes))
         made = self.method.compress(region, middle, ctx)
@@ -325,13 +351,14 @@ class LossyLayer(CompressedLayer):
         self.query_buffer.clear()
         self.summary_seconds.append(time.perf_counter() - start)
 
-    def _make_sink_block(self, max_tokens: int) -> None:
-        """The first ``sinks`` real (non-padding) tokens of each row, taken out of the residual for good."""
+    def _make_sink_block(self, max_tokens: int) -> torch.Tensor | None:
+        """The first ``sinks`` real (non-padding) tokens of each row, taken out of the residual for good; returns the
+        residual entries that stay (``[b, length - sinks]`` indices), None if no sink was taken."""
         length = self.residual_length
         old = length - min(self.residual_tokens, length)
         count = min(self.lossy.sinks, old, max(0, max_tokens))
         if count <= 0:
-            return
+            return None
         live = self._residual_live()
         order = torch.arange(length, device=live.device).expand(live.shape[0], -1)
         # real tokens of the old part first, in order: the first `count` are each row's sinks
@@ -352,6 +379,32 @@ class LossyLayer(CompressedLayer):
         self.residual_values = _gather_rows(self.residual_values, rest)
         if self.residual_valid is not None:
             self.residual_valid = torch.gather(self.residual_valid, 1, rest)
+        return rest
+
+    def _score_replay(self, query: torch.Tensor, count: int) -> None:
+        """A replay forward (KVzip): keep, per entry held before the replay, the most attention any replay query (of
+        any head of its group) gives it, softmax over everything the query sees (held entries, the replay so far)."""
+        keys = self.keys  # every held entry, then the replay's tokens (all still exact in the residual)
+        held = self.replay_scores.shape[-1] if self.replay_scores is not None else keys.shape[-2] - count
+        total = keys.shape[-2]
+        bias = self._held_bias(total - count)
+        heads = keys.shape[1]
+        grouped = group_by_kv_head(query.float(), heads)  # [b, h, g * q, d]
+        groups = grouped.shape[-2] // count
+        scale = self.scaling or keys.shape[-1] ** -0.5
+        best = torch.zeros(keys.shape[0], heads, held, device=keys.device)
+        # the query at replay position i sees every earlier entry and itself: causal over the last `count` columns
+        causal = torch.ones(count, count, dtype=torch.bool, device=keys.device).tril()
+        for start in range(0, count, REPLAY_ROWS):
+            rows = torch.arange(start, min(count, start + REPLAY_ROWS), device=keys.device)
+            q = grouped.view(*grouped.shape[:2], groups, count, -1)[..., rows, :]
+            logits = (q * scale) @ keys.float().transpose(-1, -2)[:, :, None]  # [b, h, g, r, total]
+            if bias is not None:
+                logits[..., : total - count] += bias[:, :, None, None, :]
+            logits[..., total - count :].masked_fill_(~causal[rows], float("-inf"))
+            weights = torch.softmax(logits, dim=-1)[..., :held]
+            best = torch.maximum(best, weights.amax(dim=(2, 3)))
+        self.replay_scores = best if self.replay_scores is None else torch.maximum(self.replay_scores, best)
 
     def _region(self, window: int) -> Region:
         """Everything between the sinks and the last ``window`` residual tokens."""
@@ -442,6 +495,7 @@ class LossyLayer(CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.replay = self.replay_scores = self.budget_share = None
         self.residual_valid = None
         self.sink_block = None
         self.pending = False

@@ -59,7 +59,8 @@ class FitContext:
     parameters. For a method registered with ``own_positions`` (`registry.LossyMethod`): the queries stay at their
     own positions, ``positions`` (``[m']``, ``m' = query count / query-head group``: the same for every head of a
     group, whose queries lie group after group along the query axis) says which, ``now`` is the number of
-    positions seen and ``inv_freq`` the model's RoPE frequencies (None without RoPE).
+    positions seen and ``inv_freq`` the model's RoPE frequencies (None without RoPE). ``scores``: ``[b, h, n]`` the
+    region's scores from a context replay (KVzip, `methods.kvzip.compress_context`), None without one.
     """
 
     queries: torch.Tensor
@@ -73,6 +74,7 @@ class FitContext:
     positions: torch.Tensor | None = None
     now: int = 0
     inv_freq: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     def logits(self, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, h, m, n]`` float32 attention logits of the reference queries against ``keys``."""
