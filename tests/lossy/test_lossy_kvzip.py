@@ -18,7 +18,7 @@ CONTEXT, REPEAT = 48, 5
 
 
 def _cache(model, budget=0.3):
-    lossy = LossyConfig(method="kvzip", budget=budget, sinks=2, reference_queries=32)
+    lossy = LossyConfig(method="kvzip", budget=budget, sinks=2, reference_queries=32, interval=8)
     return CompressedCache(CompressionConfig(mode="lossy", residual_tokens=4, lossy=lossy), model=model)
 
 
