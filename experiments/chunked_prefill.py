@@ -9,6 +9,7 @@ to ``DynamicCache``'s one-shot prefill in the same run, the held bytes at the en
 seconds per chunk (all layers; mean and largest) and their share of the prefill.
 
     python experiments/chunked_prefill.py --context 8192 --chunk 512 --budget 0.25 --threads 1
+    python experiments/chunked_prefill.py --context 4096 --per-chunk      # each chunk's peak and summaries
 """
 
 from __future__ import annotations
@@ -43,15 +44,25 @@ def one(args: argparse.Namespace) -> dict:
     else:
         lossy = LossyConfig(method=args.one, budget=args.budget)
         cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=args.window, lossy=lossy), model=model)
+    chunks = []
     with PeakMemory() as peak, torch.inference_mode():
         start = time.perf_counter()
-        if args.chunked:
+        if args.per_chunk:  # each chunk on its own: its peak (what the allocator kept before it is trimmed first)
+            for at in range(0, args.context, args.chunk):
+                with PeakMemory() as chunk_peak:
+                    prefill_in_chunks(model, ids[:, at : at + args.chunk], cache, args.chunk)
+                layers = [layer for layer in cache.layers if getattr(layer, "blocks", None)]
+                chunks.append({"peak_mb": chunk_peak.peak_bytes / 1e6, "entries": max(
+                    (layer.entries for layer in layers), default=0), "summary_s": sum(
+                    layer.summary_seconds[-1] for layer in layers if layer.summary_seconds
+                    and len(layer.summary_seconds) == len(chunks) + 1)})
+        elif args.chunked:
             prefill_in_chunks(model, ids, cache, args.chunk)
         else:
             model(ids, cache=cache, logits_to_keep=1)
         seconds = time.perf_counter() - start
     out = {"setting": f"{args.one}{' chunked' if args.chunked else ''}", "peak_mb": peak.peak_bytes / 1e6,
-           "seconds": seconds}
+           "seconds": seconds, "chunks": chunks}
     if args.one == "dynamic":
         out["held_mb"] = dynamic_bytes(cache) / 1e6
     else:
@@ -74,15 +85,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=["summary"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-oneshot-lossy", action="store_true", help="skip the one-shot lossy prefills")
+    parser.add_argument("--per-chunk", action="store_true",
+                        help="chunked lossy rows only, each chunk measured on its own: its peak, the layers' most "
+                             "entries after it, its summaries' seconds")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--chunked", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(one(args)))
         return
-    settings = [("dynamic", False), ("dynamic", True)]
+    settings = [] if args.per_chunk else [("dynamic", False), ("dynamic", True)]
     for method in args.methods:
-        settings += [(method, True)] if args.no_oneshot_lossy else [(method, False), (method, True)]
+        settings += [(method, True)] if args.no_oneshot_lossy or args.per_chunk else [(method, False), (method, True)]
     print(f"SmolLM2 bfloat16, {args.context} tokens, chunks of {args.chunk}, budget {args.budget}, window "
           f"{args.window}, {args.threads} thread(s)")
     print(f"{'setting':<18} {'peak MB':>8} {'held MB':>8} {'prefill s':>9} {'x dyn':>6} {'summ s':>7} "
@@ -91,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, chunked in settings:
         command = [sys.executable, __file__, "--one", name, "--context", str(args.context), "--chunk", str(args.chunk),
                    "--budget", str(args.budget), "--window", str(args.window), "--threads", str(args.threads)]
-        run = subprocess.run(command + (["--chunked"] if chunked else []), capture_output=True, text=True, check=True)
+        flags = (["--chunked"] if chunked else []) + (["--per-chunk"] if args.per_chunk else [])
+        run = subprocess.run(command + flags, capture_output=True, text=True, check=True)
         row = json.loads(run.stdout.strip().splitlines()[-1])
         base = base or row["seconds"]
         extra = ""
@@ -100,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"{100 * row['summary_s'] / row['seconds']:>6.1f}")
         print(f"{row['setting']:<18} {row['peak_mb']:>8.1f} {row['held_mb']:>8.2f} {row['seconds']:>9.2f} "
               f"{row['seconds'] / base:>6.2f} {extra}", flush=True)
+        for i, chunk in enumerate(row["chunks"]):
+            print(f"  chunk {i:>3}: peak {chunk['peak_mb']:7.1f} MB, summaries {chunk['summary_s']:6.2f} s, "
+                  f"most entries per layer {chunk['entries']}", flush=True)
 
 
 if __name__ == "__main__":
