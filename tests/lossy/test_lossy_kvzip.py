@@ -4,9 +4,11 @@ across layers keeps, in every layer and head, exactly the entries above one thre
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids
+from helpers import fresh_tiny_model, random_ids, sliding_model
 from lossy_testutil import walked_bytes
 from transformers import DynamicCache
 
@@ -89,4 +91,13 @@ def test_compress_context_refuses_other_caches():
     lossy = LossyConfig(method="topk", budget=0.3)
     cache = CompressedCache(CompressionConfig(mode="lossy", lossy=lossy), model=model)
     with pytest.raises(ValueError, match="no lossy layer with method 'kvzip'"):
+        kvzip.compress_context(model, cache, random_ids(1, 8), random_ids(1, 2))
+
+
+def test_compress_context_refuses_layers_a_replay_would_change_for_good():
+    base = sliding_model(12)  # shared: a fresh copy, since a lossy cache switches the model's attention
+    model = type(base)(copy.deepcopy(base.config)).eval()
+    lossy = LossyConfig(method="kvzip", budget=0.3)
+    cache = CompressedCache(CompressionConfig(mode="lossy", lossy=lossy), model=model)
+    with pytest.raises(ValueError, match="sliding windows drop context entries"):
         kvzip.compress_context(model, cache, random_ids(1, 8), random_ids(1, 2))

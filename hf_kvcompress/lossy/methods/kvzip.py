@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ...layer.hybrid import RecurrentStateMixin
 from ...layer.storage import Block
 from ..blocks import RaggedBlock
 from ..budget import entry_bytes
@@ -76,6 +77,14 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
     if not layers:
         raise ValueError("compress_context: the cache has no lossy layer with method 'kvzip' "
                          "(CompressedCache(CompressionConfig(mode='lossy', lossy=LossyConfig(method='kvzip')), model=model))")
+    # the replay's tokens are cropped off afterwards: a sliding window would have let context entries go for them,
+    # a recurrent state would keep them
+    others = sorted({type(layer).__name__ for layer in cache.layers
+                     if not any(layer is kept for kept in layers) or isinstance(layer, RecurrentStateMixin)})
+    if others:
+        raise ValueError(f"compress_context: the cache also holds {', '.join(others)} layers, which the replay would "
+                         "change in a way cropping cannot undo (sliding windows drop context entries, recurrent "
+                         "states absorb the replay); KVzip's replay needs full-attention layers only")
     if context_ids.dim() != 2 or context_ids.shape[-1] < 1:
         raise ValueError(f"compress_context: context_ids must be [batch, tokens] with tokens >= 1, got {list(context_ids.shape)}")
     repeat_ids = repeat_ids.expand(context_ids.shape[0], -1) if repeat_ids.dim() == 1 else repeat_ids
