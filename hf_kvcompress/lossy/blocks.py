@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..layer.storage import Block, tensor_nbytes
-from .packed import Packed, Split, pack, unpack
+from .packed import MIXED_TIERS, Packed, Split, pack, unpack
 
 Values = torch.Tensor | Packed | Split | tuple[torch.Tensor, torch.Tensor]
 
@@ -115,6 +115,69 @@ class LowRankBlock(Block):
             move(self.bias),
             tokens=self.tokens,
         )
+
+
+class RaggedBlock(Block):
+    """Kept entries in different numbers per batch row and KV head (head-adaptive budgets: AdaKV), stored compactly:
+    ``keys`` / ``values`` hold every (row, head)'s entries one run after the other, rows then heads, in position order
+    (``[1, 1, N, d]``, a tensor or `Packed`), ``counts`` (``[b, h]`` int32) how many each has. Attention reads them as
+    ``[b, h, max count, d]`` with the missing entries dead (``-inf`` bias): that padded copy exists only while it is
+    read, so a head that keeps fewer entries frees their bytes. Every kept entry has bias 0 (no bias stored)."""
+
+    exact = False
+
+    def __init__(self, keys: torch.Tensor | Packed, values: torch.Tensor | Packed, counts: torch.Tensor, *,
+                 tokens: int):
+        self.keys = keys
+        self.values = values
+        self.counts = counts
+        self.entries = int(counts.max()) if counts.numel() else 0
+        self.tokens = tokens
+
+    @classmethod
+    def from_mask(cls, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, *, tokens: int,
+                  fmt: str) -> RaggedBlock:
+        """The entries ``keep`` (``[b, h, n]`` bool) of ``keys`` / ``values`` (``[b, h, n, d]``), in entry format
+        ``fmt`` (``mixed``: its cheapest tier for every entry; a per-head count leaves no shared tier split)."""
+        fmt = MIXED_TIERS[-1] if fmt == "mixed" else fmt
+        return cls(pack(keys[keep][None, None], fmt), pack(values[keep][None, None], fmt),
+                   keep.sum(-1, dtype=torch.int32), tokens=tokens)
+
+    def _valid(self) -> torch.Tensor:
+        return torch.arange(self.entries, device=self.counts.device) < self.counts[..., None]
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        valid = self._valid()
+        out = []
+        for flat in (unpack(self.keys)[0, 0], unpack(self.values)[0, 0]):
+            padded = flat.new_zeros(*valid.shape, flat.shape[-1])
+            padded[valid] = flat
+            out.append(padded)
+        return out[0], out[1]
+
+    def read_bias(self) -> torch.Tensor:
+        """``[b, h, max count]``: 0 for kept entries, ``-inf`` for the padding of heads that keep fewer."""
+        return torch.where(self._valid(), 0.0, float("-inf")).to(self.keys.dtype)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.keys) + _nbytes(self.values) + tensor_nbytes(self.counts)
+
+    def _map_entries(self, fn, counts: torch.Tensor) -> RaggedBlock:
+        def apply(t):
+            return fn(t) if isinstance(t, torch.Tensor) else t.map(fn)
+
+        return RaggedBlock(apply(self.keys), apply(self.values), counts, tokens=self.tokens)
+
+    def select_rows(self, indices: torch.Tensor) -> RaggedBlock:
+        index = indices.to(self.counts.device, torch.long)
+        per_row = self.counts.sum(-1, dtype=torch.long)
+        starts = per_row.cumsum(0) - per_row
+        flat = torch.cat([torch.arange(int(starts[i]), int(starts[i] + per_row[i])) for i in index.tolist()])
+        flat = flat.to(unpack_device(self.keys))
+        return self._map_entries(lambda t: t.index_select(2, flat), self.counts.index_select(0, index))
+
+    def to(self, device: torch.device | str) -> RaggedBlock:
+        return self._map_entries(lambda t: t.to(device), self.counts.to(device))
 
 
 def kept_block(

@@ -18,6 +18,7 @@ base class a `RawStorage`, which only reads the blocks back (``read_all``): ``up
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from typing import Any
@@ -36,6 +37,8 @@ from .region import FitContext, Region, gather_entries
 from .settings import LossyConfig
 
 NEG_INF = float("-inf")
+#: replay queries scored at once (`LossyLayer._score_replay`): bounds the ``[rows, entries]`` weights per head
+REPLAY_ROWS = 256
 
 
 class LossyLayer(CompressedLayer):
@@ -73,13 +76,24 @@ class LossyLayer(CompressedLayer):
             layer_idx=layer_idx,
         )
         self.model = model
-        self.q_heads = 0 if model is None else model.config.get_text_config(decoder=True).num_attention_heads
+        text = None if model is None else model.config.get_text_config(decoder=True)
+        self.q_heads = 0 if text is None else text.num_attention_heads
+        #: the model's layer count, for a method with layer budgets (None without a model: uniform budgets)
+        self.layer_count = None if text is None else getattr(text, "num_hidden_layers", None)
         self.attached = self.model is not None
         if self.attached:
             # the model gets its attention implementation back once every lossy layer using it is released
             weakref.finalize(self, release, weakref.ref(self.model), acquire(self.model))
         self.pending = False
         self.since_summary = 0
+        #: a context replay in progress (`methods.kvzip.compress_context`): "hold" (no summary, the context is held
+        #: whole) or "score" (this layer's forwards are the replay: they score the entries held before it)
+        self.replay: str | None = None
+        #: ``[b, h, held]`` float32: the most attention any replay query gave each entry held before the replay
+        self.replay_scores: torch.Tensor | None = None
+        #: the share of what the uniform budget leaves beyond sinks, window and queries this layer keeps (set by a
+        #: prune across layers, KVzip's); None: the method's `layer_share`, or the uniform budget
+        self.budget_share: float | None = None
         self.summary_seconds: list[float] = []
         self.scaling: float | None = None
         self._new_valid: torch.Tensor | None = None
@@ -120,6 +134,7 @@ class LossyLayer(CompressedLayer):
         self.expected_kv = keys.shape[-2]
         if (
             self.compresses
+            and self.replay is None
             and self.held_bytes() > self.budget_bytes()
             and (count > 1 or self.since_summary >= self.lossy.interval)
         ):
@@ -214,7 +229,9 @@ class LossyLayer(CompressedLayer):
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
         current = (query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
-        if self.pending:
+        if self.replay == "score":
+            self._score_replay(query, count)
+        elif self.pending:
             self.summarize(current)  # this forward's queries are used where they are, never kept
         else:
             self.query_buffer.add(*current)
@@ -233,8 +250,24 @@ class LossyLayer(CompressedLayer):
                            self.residual_values.shape[-1])
 
     def budget_bytes(self) -> int:
-        """Bytes per batch row this layer may hold after a summary."""
-        return budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
+        """Bytes per batch row this layer may hold after a summary.
+
+        A method with layer budgets (`registry.LossyMethod.layer_share`, PyramidKV) shares out what the uniform budget
+        leaves beyond what every layer keeps anyway (sinks, recent window, the kept queries' room), as PyramidKV's
+        budgets apply beyond its observation window: ``fixed + share * (uniform - fixed)``, so the layers together
+        hold what uniform budgets would."""
+        uniform = budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
+        share = self.budget_share
+        if share is None and self.method.layer_share is not None and self.layer_count:
+            share = self.method.layer_share(self.layer_idx, self.layer_count)
+        fixed = self.fixed_bytes()
+        if share is None or uniform <= fixed:
+            return uniform
+        return fixed + math.floor((uniform - fixed) * share)
+
+    def fixed_bytes(self) -> int:
+        """Bytes per row every layer keeps whatever its share: sinks, recent window, the kept queries' room."""
+        return (self.lossy.sinks + self.residual_tokens) * self.token_bytes + self.query_reserve()
 
     def held_bytes(self) -> int:
         """Bytes per batch row held now: everything in `total_held_bytes`, spread over the rows."""
@@ -267,8 +300,16 @@ class LossyLayer(CompressedLayer):
         self.since_summary = 0
         budget = max(0, self.budget_bytes() - self.query_reserve())
         per_token = self.token_bytes
+        scores = self.replay_scores
+        self.replay_scores = None
         if self.sink_block is None:
-            self._make_sink_block(budget // per_token)
+            prior = sum(block.entries for block in self.blocks)
+            rest = self._make_sink_block(budget // per_token)
+            if scores is not None and rest is not None:  # the sinks left the residual: so do their scores
+                scores = torch.cat([scores[..., :prior], torch.gather(
+                    scores[..., prior:], 2, rest[:, None, :].expand(-1, scores.shape[1], -1))], dim=-1)
+        elif scores is not None:
+            scores = scores[..., self.sink_block.entries:]
         sink_bytes = 0 if self.sink_block is None else self.sink_block.nbytes() // max(self.rows, 1)
         window = min(self.residual_tokens, self.residual_length)
         # the padding mask is kept (and paid for, one byte per token) only while the window still holds padding
@@ -277,8 +318,9 @@ class LossyLayer(CompressedLayer):
         window = max(0, min(window, (budget - sink_bytes) // (per_token + valid_bytes)))
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
+        positions = None
         if self.method.needs_queries:
-            queries, weight = self._reference_queries(current)
+            queries, weight, positions = self._reference_queries(current)
         else:  # streaming and plain SVD never look at queries
             queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
         ctx = FitContext(
@@ -290,6 +332,10 @@ class LossyLayer(CompressedLayer):
             self.scaling or self.residual_keys.shape[-1] ** -0.5,
             self.attached,
             self.lossy,
+            positions,
+            self.seen_tokens,
+            _rope_inv_freq(self.model),
+            None if scores is None else scores[..., : region.entries],
         )
         middle = max(0, budget - sink_bytes - window * (per_token + valid_bytes))
         made = self.method.compress(region, middle, ctx)
@@ -305,13 +351,14 @@ class LossyLayer(CompressedLayer):
         self.query_buffer.clear()
         self.summary_seconds.append(time.perf_counter() - start)
 
-    def _make_sink_block(self, max_tokens: int) -> None:
-        """The first ``sinks`` real (non-padding) tokens of each row, taken out of the residual for good."""
+    def _make_sink_block(self, max_tokens: int) -> torch.Tensor | None:
+        """The first ``sinks`` real (non-padding) tokens of each row, taken out of the residual for good; returns the
+        residual entries that stay (``[b, length - sinks]`` indices), None if no sink was taken."""
         length = self.residual_length
         old = length - min(self.residual_tokens, length)
         count = min(self.lossy.sinks, old, max(0, max_tokens))
         if count <= 0:
-            return
+            return None
         live = self._residual_live()
         order = torch.arange(length, device=live.device).expand(live.shape[0], -1)
         # real tokens of the old part first, in order: the first `count` are each row's sinks
@@ -332,6 +379,32 @@ class LossyLayer(CompressedLayer):
         self.residual_values = _gather_rows(self.residual_values, rest)
         if self.residual_valid is not None:
             self.residual_valid = torch.gather(self.residual_valid, 1, rest)
+        return rest
+
+    def _score_replay(self, query: torch.Tensor, count: int) -> None:
+        """A replay forward (KVzip): keep, per entry held before the replay, the most attention any replay query (of
+        any head of its group) gives it, softmax over everything the query sees (held entries, the replay so far)."""
+        keys = self.keys  # every held entry, then the replay's tokens (all still exact in the residual)
+        held = self.replay_scores.shape[-1] if self.replay_scores is not None else keys.shape[-2] - count
+        total = keys.shape[-2]
+        bias = self._held_bias(total - count)
+        heads = keys.shape[1]
+        grouped = group_by_kv_head(query.float(), heads)  # [b, h, g * q, d]
+        groups = grouped.shape[-2] // count
+        scale = self.scaling or keys.shape[-1] ** -0.5
+        best = torch.zeros(keys.shape[0], heads, held, device=keys.device)
+        # the query at replay position i sees every earlier entry and itself: causal over the last `count` columns
+        causal = torch.ones(count, count, dtype=torch.bool, device=keys.device).tril()
+        for start in range(0, count, REPLAY_ROWS):
+            rows = torch.arange(start, min(count, start + REPLAY_ROWS), device=keys.device)
+            q = grouped.view(*grouped.shape[:2], groups, count, -1)[..., rows, :]
+            logits = (q * scale) @ keys.float().transpose(-1, -2)[:, :, None]  # [b, h, g, r, total]
+            if bias is not None:
+                logits[..., : total - count] += bias[:, :, None, None, :]
+            logits[..., total - count :].masked_fill_(~causal[rows], float("-inf"))
+            weights = torch.softmax(logits, dim=-1)[..., :held]
+            best = torch.maximum(best, weights.amax(dim=(2, 3)))
+        self.replay_scores = best if self.replay_scores is None else torch.maximum(self.replay_scores, best)
 
     def _region(self, window: int) -> Region:
         """Everything between the sinks and the last ``window`` residual tokens."""
@@ -360,8 +433,9 @@ class LossyLayer(CompressedLayer):
 
     def _reference_queries(
         self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([b, h, m, d] float32, [b, h, m])``: queries (moved to future positions) and their weights."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``([b, h, m, d] float32, [b, h, m], positions)``: queries (moved to future positions, or at their own for a
+        method registered with ``own_positions``, then with their ``[m / groups]`` positions) and their weights."""
         heads = self.residual_keys.shape[1]
         if self.attached and (current is not None or len(self.query_buffer)):
             queries, positions, valid = self.query_buffer.read(current, self.lossy.reference_queries)
@@ -371,14 +445,15 @@ class LossyLayer(CompressedLayer):
             count = queries.shape[-2]
             positions = torch.arange(self.seen_tokens - count, self.seen_tokens, device=queries.device)
             valid = self._residual_live()[:, -count:]
-        queries = reposition(
-            queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
-            inv_freq=_rope_inv_freq(self.model),
-        )
+        if not self.method.own_positions:
+            queries = reposition(
+                queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
+                inv_freq=_rope_inv_freq(self.model),
+            )
         grouped = group_by_kv_head(queries, heads)
         groups = grouped.shape[-2] // valid.shape[-1]
         weight = valid.float().repeat(1, groups)[:, None, :].expand(-1, heads, -1)
-        return grouped, weight
+        return grouped, weight, positions if self.method.own_positions else None
 
     # ------------------------------------------------------------------ biases
 
@@ -420,6 +495,7 @@ class LossyLayer(CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.replay = self.replay_scores = self.budget_share = None
         self.residual_valid = None
         self.sink_block = None
         self.pending = False

@@ -14,7 +14,7 @@ The summary keeps entries ``j`` with key ``k_j``, weight ``w_j = exp(bias_j)`` a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -155,7 +155,8 @@ def fit_row(
             target = (kernel.output * summary_z[..., None] - kernel.context_n) * row_scale[..., None]
             w = weight[0]
             rhs = w[..., None] * linear(columns, target[0].transpose(-1, -2))
-            values = ridge_solve(gram * w[..., :, None] * w[..., None, :], rhs, ridge=ridge, prior=prior[0],
+            # diag(w) G diag(w) with one t x t temporary, not two
+            values = ridge_solve((gram * w[..., :, None]).mul_(w[..., None, :]), rhs, ridge=ridge, prior=prior[0],
                                  design=lambda: scaled[0] * w[..., None, :], target=target[0])[None].float()
     except FloatingPointError:
         values = prior
@@ -188,13 +189,8 @@ def row(region: Region, index: int) -> Region:
 def row_context(ctx: FitContext, index: int) -> FitContext:
     """Batch row ``index`` of ``ctx``."""
     sl = slice(index, index + 1)
-    return FitContext(
-        ctx.queries[sl],
-        ctx.query_weight[sl],
-        ctx.context_keys[sl],
-        ctx.context_values[sl],
-        ctx.context_bias[sl],
-        ctx.scaling,
-        ctx.attached,
-        ctx.config,
+    return replace(
+        ctx, queries=ctx.queries[sl], query_weight=ctx.query_weight[sl], context_keys=ctx.context_keys[sl],
+        context_values=ctx.context_values[sl], context_bias=ctx.context_bias[sl],
+        scores=None if ctx.scores is None else ctx.scores[sl],
     )

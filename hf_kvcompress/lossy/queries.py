@@ -131,11 +131,18 @@ def _tail(
 def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate RoPE'd vectors ``x`` (``[..., m, d]``) forward by ``shift`` (``[m]``) positions (half-split layout,
     as Llama/Qwen apply it). Only the first ``2 * len(inv_freq)`` channels rotate (partial rotary)."""
-    rot = 2 * inv_freq.shape[0]
     # float64 angles: shifts of thousands of positions times inv_freq ~ 1 lose phase in float32
     angle = shift.to(torch.float64)[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)[None, :]
-    cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(x.dtype)
+    return apply_rope(x, angle.cos(), angle.sin())
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[..., m, d]``) times the RoPE-shaped matrix with ``cos`` / ``sin`` (``[m, f]`` or ``[f]``, one per
+    frequency) on each channel pair ``(i, i + f)`` (half-split layout): a rotation when ``cos**2 + sin**2 = 1``, an
+    average of rotations otherwise (Expected Attention). Only the first ``2 f`` channels change (partial rotary)."""
+    rot = 2 * cos.shape[-1]
+    cos = torch.cat([cos, cos], dim=-1).to(x.dtype)
+    sin = torch.cat([sin, sin], dim=-1).to(x.dtype)
     head, tail = x[..., :rot], x[..., rot:]
     half = rot // 2
     rotated_half = torch.cat([-head[..., half:], head[..., :half]], dim=-1)

@@ -56,7 +56,11 @@ class FitContext:
     of its attention the region really gets; ``scaling``: the attention scale; ``attached``: a model is attached,
     so the lossy attention function applies per-entry biases and builds each layer's mask (layers may then hold
     different numbers of entries; without it every layer must hold the same number); ``config``: the lossy
-    parameters.
+    parameters. For a method registered with ``own_positions`` (`registry.LossyMethod`): the queries stay at their
+    own positions, ``positions`` (``[m']``, ``m' = query count / query-head group``: the same for every head of a
+    group, whose queries lie group after group along the query axis) says which, ``now`` is the number of
+    positions seen and ``inv_freq`` the model's RoPE frequencies (None without RoPE). ``scores``: ``[b, h, n]`` the
+    region's scores from a context replay (KVzip, `methods.kvzip.compress_context`), None without one.
     """
 
     queries: torch.Tensor
@@ -67,6 +71,10 @@ class FitContext:
     scaling: float
     attached: bool
     config: LossyConfig
+    positions: torch.Tensor | None = None
+    now: int = 0
+    inv_freq: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     def logits(self, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, h, m, n]`` float32 attention logits of the reference queries against ``keys``."""

@@ -27,25 +27,37 @@ ENTRY_FORMATS: tuple[str, ...] = ("model", "int8", "fp8", "int4", "mixed")
 class LossyMethod:
     """One registered method: its ``LossyConfig.method`` name, its ``compress`` function, the paper (or page) it
     comes from, and whether it scores entries by the model's queries (then `CompressedCache` refuses it without a
-    model: the cache alone never sees queries, and key stand-ins lose to the query-free methods, docs/lossy.md)."""
+    model: the cache alone never sees queries, and key stand-ins lose to the query-free methods, docs/lossy.md).
+
+    ``own_positions``: the method gets the reference queries at the positions they were computed at, with those
+    positions (`region.FitContext.positions`), instead of moved over the next ``query_horizon`` positions (the
+    papers of SnapKV, TOVA and Expected Attention score with the prompt's own queries). ``layer_share``: ``(layer,
+    layers) -> share`` of the uniform per-layer budget this layer gets (PyramidKV's layer budgets); the shares of a
+    model's layers sum to its layer count, so the whole cache keeps the same bytes. None: every layer gets the
+    uniform budget."""
 
     name: str
     compress: Compress
     paper: str
     needs_queries: bool
+    own_positions: bool = False
+    layer_share: Callable[[int, int], float] | None = None
 
 
 #: name -> method, in the order ``methods/__init__.py`` imports them
 METHODS: dict[str, LossyMethod] = {}
 
 
-def register(name: str, *, paper: str, needs_queries: bool) -> Callable[[Compress], Compress]:
-    """Decorator: register ``compress`` as lossy method ``name``."""
+def register(
+    name: str, *, paper: str, needs_queries: bool, own_positions: bool = False,
+    layer_share: Callable[[int, int], float] | None = None,
+) -> Callable[[Compress], Compress]:
+    """Decorator: register ``compress`` as lossy method ``name`` (traits: `LossyMethod`)."""
 
     def add(compress: Compress) -> Compress:
         if name in METHODS:
             raise ValueError(f"lossy method {name!r} is registered twice")
-        METHODS[name] = LossyMethod(name, compress, paper, needs_queries)
+        METHODS[name] = LossyMethod(name, compress, paper, needs_queries, own_positions, layer_share)
         return compress
 
     return add

@@ -99,11 +99,10 @@ def ridge_solve(
     out_dtype = torch.promote_types(gram.dtype, torch.float32)
     lam = ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None, None]
     x0 = torch.zeros_like(rhs) if prior is None else prior.to(rhs.dtype)
-    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
     x = torch.empty(rhs.shape, dtype=out_dtype, device=rhs.device)
     todo = torch.ones(gram.shape[0], dtype=torch.bool, device=gram.device)
     if gram.dtype != torch.float64:
-        chol, info = torch.linalg.cholesky_ex(gram.float() + lam.float() * eye)
+        chol, info = torch.linalg.cholesky_ex(_plus_diagonal(gram.float(), lam.float()))
         pivots = chol.diagonal(dim1=-2, dim2=-1).abs()
         ratio = pivots.amax(-1) / pivots.amin(-1).clamp_min(1e-30)
         x32 = torch.cholesky_solve((rhs + lam * x0).float(), chol)
@@ -123,8 +122,7 @@ def ridge_solve(
     else:
         a = y = None
         g64, r64, lam64 = gram[idx].double(), rhs[idx].double(), lam[idx].double()
-    eye64 = eye.double()
-    chol, info = torch.linalg.cholesky_ex(g64 + lam64 * eye64)
+    chol, info = torch.linalg.cholesky_ex(_plus_diagonal(g64, lam64))
     SOLVE_COUNTS["float64"] += len(idx)
     if bool((info == 0).all()):
         x[idx] = torch.cholesky_solve(r64 + lam64 * x0_64, chol).to(out_dtype)
@@ -133,11 +131,21 @@ def ridge_solve(
     if a is None:
         raise FloatingPointError("ridge_solve: singular system and no design to fall back on")
     SOLVE_COUNTS["gelsd"] += len(idx)
-    root = lam64.sqrt() * eye64.expand_as(g64)
+    root = lam64.sqrt() * torch.eye(t, dtype=torch.float64, device=g64.device).expand_as(g64)
     stacked_a = torch.cat([a, root], dim=-2)
     stacked_y = torch.cat([y, lam64.sqrt() * x0_64], dim=-2)
     x[idx] = torch.linalg.lstsq(stacked_a.cpu(), stacked_y.cpu(), driver="gelsd").solution.to(x.device, out_dtype)
     return x
+
+
+def _plus_diagonal(gram: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``gram + lam I`` (``lam`` ``[G, 1, 1]``) as one new ``[G, t, t]`` tensor: the same values as adding ``lam``
+    times an identity, without the identity and the product, two more ``t x t`` temporaries per head (a chunked
+    prefill's summaries fit ~1,900 entries per head at 8k tokens: 14 MB each; docs/results/lossy.md, "Chunked
+    prefill")."""
+    out = gram.clone() if gram.is_contiguous() else gram.contiguous()
+    out.diagonal(dim1=-2, dim2=-1).add_(lam[..., 0])
+    return out
 
 
 def nnls(

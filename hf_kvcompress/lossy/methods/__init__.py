@@ -5,6 +5,8 @@ import line below (the registry line). Every method works per batch row and KV h
 between the sinks and the recent window) and returns the blocks that replace it within the bytes left for it."""
 
 from ..registry import METHODS
-from . import streaming, summary, svd, topk  # noqa: F401 (importing a method module registers it)
+
+# importing a method module registers it
+from . import adakv, expected_attention, kvzip, pyramidkv, snapkv, streaming, summary, svd, topk, tova  # noqa: F401
 
 __all__ = ["METHODS"]

@@ -1,0 +1,145 @@
+"""KVzip (Kim et al. 2025, https://arxiv.org/abs/2505.23416): score each cached entry by how much the model needs it
+to *reconstruct the context*: after the context, feed a repeat prompt ("Repeat the previous context:") followed by
+the context again; an entry's score is the largest attention weight any query of that replay (any query head of its
+KV head's group) gives it; then prune across all layers and heads at once, keeping the best-scored entries of the
+whole cache.
+
+Two ways in:
+- `compress_context(model, cache, context_ids, repeat_ids)`: the paper's method. The context is prefilled with no
+  summary (held whole: KVzip needs the whole context before its replay; with ``chunk_size`` the prefill and the
+  replay run in chunks, which bounds the activations, not the cache), the replay scores every held entry
+  (`LossyLayer._score_replay`; the replay's own entries are cropped off afterwards), one threshold over the scores of
+  every layer's region (all rows' selections averaged per layer) sets each layer's share of the budget
+  (`LossyLayer.budget_share`), and each layer then keeps its best entries, per head as many as pass (heads hold
+  different numbers: `blocks.RaggedBlock`). Batches must not be padded (refused).
+- As a registered method (``LossyConfig(method="kvzip")``) in `generate` or a chunked prefill, with no replay: every
+  summary scores the region by the largest attention weight the reference queries (the forward's own, at their
+  positions) give each entry, the same max rule on the queries at hand, and prunes across the layer's heads (not
+  across layers: the layers summarise one after the other inside the forward). After `compress_context` the later
+  summaries (every ``interval`` tokens) keep each layer's share and score this way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...layer.hybrid import RecurrentStateMixin
+from ...layer.storage import Block
+from ..blocks import RaggedBlock
+from ..budget import entry_bytes
+from ..matching import Kernel
+from ..region import FitContext, Region
+from ..registry import register
+from .adakv import adaptive_keep
+
+#: the repeat prompt of the paper (fed before the context's second pass; tokenize it with the model's tokenizer)
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+
+
+def max_attention(region: Region, ctx: FitContext) -> torch.Tensor:
+    """``[b, h, n]``: the largest attention weight (softmax over everything the layer holds) any valid reference
+    query of the KV head's group gives each region entry."""
+    kernel = Kernel(region, ctx)
+    weights = kernel.region_exp / kernel.full_z[..., None].clamp_min(1e-30)
+    return weights.masked_fill(~(ctx.query_weight > 0)[..., None], 0.0).amax(dim=-2)
+
+
+def _per_entry(region: Region, fmt: str) -> int:
+    return entry_bytes(1, region.keys.shape[-1], region.keys.element_size(), with_bias=False, fmt=fmt,
+                       value_dim=region.values.shape[-1])
+
+
+@register("kvzip", paper="https://arxiv.org/abs/2505.23416", needs_queries=True, own_positions=True)
+def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
+    """Keep the best-scored entries of all heads of ``region`` together within ``budget`` bytes per batch row: the
+    replay's scores when a replay ran (`compress_context`), else the reference queries' largest weights."""
+    _, h, n, _ = region.keys.shape
+    if n == 0:
+        return []
+    total = min(h * n, (budget - h * 4) // _per_entry(region, ctx.config.entry_format))  # counts: int32 per head
+    if total <= 0:
+        return []
+    score = max_attention(region, ctx) if ctx.scores is None else ctx.scores.to(region.keys.device).float()
+    keep = adaptive_keep(score.masked_fill(~region.live, float("-inf")), total, safeguard=0.0)
+    return [RaggedBlock.from_mask(region.keys, region.values, keep, tokens=region.tokens, fmt=ctx.config.entry_format)]
+
+
+@torch.no_grad()
+def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.Tensor, *,
+                     chunk_size: int | None = None) -> None:
+    """Prefill ``context_ids`` (``[b, t]``, no padding) into ``cache`` (a lossy `CompressedCache` with method
+    ``kvzip`` built with ``model``), replay ``repeat_ids`` (``[b, r]`` or ``[r]``: the tokenized `REPEAT_PROMPT`) and
+    the context to score every entry, and prune the whole cache to its budget at once (see the module docstring)."""
+    layers = [layer for layer in cache.layers if getattr(layer, "replay", False) is None
+              and getattr(getattr(layer, "method", None), "name", None) == "kvzip"]
+    if not layers:
+        raise ValueError("compress_context: the cache has no lossy layer with method 'kvzip' "
+                         "(CompressedCache(CompressionConfig(mode='lossy', lossy=LossyConfig(method='kvzip')), model=model))")
+    # the replay's tokens are cropped off afterwards: a sliding window would have let context entries go for them,
+    # a recurrent state would keep them
+    others = sorted({type(layer).__name__ for layer in cache.layers
+                     if not any(layer is kept for kept in layers) or isinstance(layer, RecurrentStateMixin)})
+    if others:
+        raise ValueError(f"compress_context: the cache also holds {', '.join(others)} layers, which the replay would "
+                         "change in a way cropping cannot undo (sliding windows drop context entries, recurrent "
+                         "states absorb the replay); KVzip's replay needs full-attention layers only")
+    if context_ids.dim() != 2 or context_ids.shape[-1] < 1:
+        raise ValueError(f"compress_context: context_ids must be [batch, tokens] with tokens >= 1, got {list(context_ids.shape)}")
+    repeat_ids = repeat_ids.expand(context_ids.shape[0], -1) if repeat_ids.dim() == 1 else repeat_ids
+    step = chunk_size or context_ids.shape[-1] + repeat_ids.shape[-1]
+    try:
+        for layer in layers:
+            layer.replay = "hold"
+        _forward(model, cache, context_ids, step)
+        end = cache.get_seq_length()
+        for layer in layers:
+            layer.replay, layer.replay_scores = "score", None
+        _forward(model, cache, torch.cat([repeat_ids.to(context_ids.device), context_ids], dim=-1), step)
+        cache.crop(end - cache.get_seq_length())  # the replay's own entries (exact, in the residual) go
+    finally:
+        for layer in layers:
+            layer.replay = None
+    _share_budget(layers)
+    for layer in layers:
+        if layer.compresses and layer.held_bytes() > layer.budget_bytes():
+            layer.summarize()
+        layer.replay_scores = None
+
+
+def _forward(model, cache, ids: torch.Tensor, step: int) -> None:
+    for start in range(0, ids.shape[-1], step):
+        model(ids[:, start : start + step], cache=cache, logits_to_keep=1)
+
+
+def _share_budget(layers: list[Any]) -> None:
+    """One threshold over every layer's region scores (per batch row; the rows' counts averaged per layer) sets each
+    layer's `budget_share`: the layers together keep what their uniform budgets would."""
+    parts, room = [], 0
+    for layer in layers:
+        layer.budget_share = None  # the uniform budget, to share out
+        scores = layer.replay_scores
+        sinks = layer.sink_block.entries if layer.sink_block is not None else min(layer.lossy.sinks, scores.shape[-1])
+        window = min(layer.residual_tokens, scores.shape[-1] - sinks)
+        keys, values = layer.residual_keys, layer.residual_values
+        per_entry = entry_bytes(1, keys.shape[-1], keys.element_size(), with_bias=False,
+                                fmt=layer.lossy.entry_format, value_dim=values.shape[-1])
+        free = max(0, layer.budget_bytes() - layer.fixed_bytes())
+        parts.append((layer, scores[..., sinks : scores.shape[-1] - window], free, per_entry))
+        room += max(0, free - 4 * keys.shape[1])  # less the block's counts
+    rows = parts[0][1].shape[0]
+    flat = torch.cat([region.reshape(rows, -1) for _, region, _, _ in parts], dim=-1)
+    per_entry = max(part[3] for part in parts)
+    total = min(flat.shape[-1], room // per_entry)
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    if total > 0:
+        keep.scatter_(-1, flat.topk(total, dim=-1).indices, True)
+    at = 0
+    for layer, region, free, _ in parts:
+        count = region[0].numel()
+        taken = keep[:, at : at + count].sum(-1).float().mean().item()
+        at += count
+        counts = 4 * layer.residual_keys.shape[1]
+        # half a byte over: the layer's floor of ``free * share`` must not lose the last entry to rounding
+        layer.budget_share = (taken * per_entry + counts + 0.5) / free if free > 0 else 1.0
