@@ -70,6 +70,34 @@ def run_decoder(
     return cache, captured
 
 
+class _FirstKeys(DynamicCache):
+    """A cache that stops the forward at the first K/V it is handed: the first attention layer's keys (after
+    its norm and RoPE, as a cache holds them), what `first_keys` returns."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.captured: tuple[int, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.captured = (layer_idx, key_states.detach())
+        raise _StopForward
+
+
+def first_keys(model: torch.nn.Module, token_ids: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """The keys the first K/V-holding layer computes for ``token_ids`` ``[batch, tokens]`` (positions from 0):
+    ``(layer index, [batch, kv heads, tokens, head dim])``, or None when no layer hands its K/V to the cache.
+    Only the layers up to that one run (the embeddings and, for Llama-style models, one K projection): any
+    decoder transformers runs, through its own forward (norms, RoPE variants, embedding scales)."""
+    cache = _FirstKeys(model.config.get_text_config(decoder=True))
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    try:
+        with torch.no_grad():
+            decoder(input_ids=token_ids.to(model.device), cache=cache, use_cache=True)
+    except _StopForward:
+        pass
+    return cache.captured
+
+
 class CacheExtras(ExtrasSource):
     """Extras cut out of per-layer ``[batch, heads, tokens, dim]`` K/V and a ``[batch, tokens, hidden]``
     hidden state computed for the whole sequence (``hidden`` is the extra named `HIDDEN`)."""
