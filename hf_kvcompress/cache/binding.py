@@ -45,21 +45,31 @@ def first_disagreement(expected: torch.Tensor, got: torch.Tensor) -> int | None:
 
 
 def binding_problem(model: torch.nn.Module, token_ids: torch.Tensor, layer: int, keys: torch.Tensor,
-                    start: int = 0) -> str | None:
-    """Why ``keys`` (``[rows, heads, tokens, dim]``, layer ``layer``'s keys of tokens ``start ..``) are not
-    what ``model`` computes for ``token_ids`` ``[rows, tokens]`` there, or None when they are."""
+                    start: int = 0) -> tuple[int, str] | None:
+    """Whether ``keys`` (``[rows, heads, tokens, dim]``, layer ``layer``'s keys of tokens ``start ..``) are what
+    ``model`` computes for ``token_ids`` ``[rows, tokens]`` there: None when they are, else the first token (an
+    index into ``token_ids``) where they are not, and why."""
     vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
     if token_ids.numel() and (int(token_ids.min()) < 0 or (vocab and int(token_ids.max()) >= vocab)):
-        return f"token ids outside the model's vocabulary of {vocab}"
+        return 0, f"token ids outside the model's vocabulary of {vocab}"
     found = first_keys(model, token_ids)
     if found is None:
-        return None  # no layer hands the cache its K/V: nothing to bind (`bindable` says so at construction)
+        return None  # no layer hands the cache its K/V: nothing to bind (`bindable` says so)
     index, expected = found
     if index != layer:
-        return f"the model's first K/V layer is {index}, the keys given are of layer {layer}"
+        return start, f"the model's first K/V layer is {index}, the keys given are of layer {layer}"
     stop = start + keys.shape[2]
     token = first_disagreement(expected[:, :, start:stop], keys.to(expected.device))
     if token is None:
         return None
-    return (f"layer {layer}'s keys of token {start + token} are not what the model computes for the token ids "
-            "(K/V of other tokens, or of another model)")
+    return start + token, (f"layer {layer}'s keys of token {start + token} are not what the model computes for "
+                           "the token ids (K/V of other tokens, or of another model)")
+
+
+def bindable(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s K/V cannot be bound to their tokens (no layer hands its K/V to the cache in a forward of
+    one token), or None."""
+    if first_keys(model, torch.zeros(1, 1, dtype=torch.long)) is None:
+        return (f"{type(model).__name__} hands no K/V to the cache in its forward, so its layer-0 keys cannot be "
+                "recomputed to bind stored K/V to their tokens")
+    return None

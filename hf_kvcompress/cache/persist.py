@@ -460,7 +460,7 @@ def _check_binding(target: CompressedCache, model: torch.nn.Module, token_ids: t
     keys = layer.keys  # a sealed block decodes here: a stream edited behind the checksum fails in load
     problem = binding_problem(model, token_ids, index, keys, start=layer.seen_tokens - keys.shape[2])
     if problem is not None:
-        raise CacheFileError(f"{problem}; the file was edited or saved from another model")
+        raise CacheFileError(f"{problem[1]}; the file was edited or saved from another model")
 
 
 def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,
