@@ -58,16 +58,23 @@ def run_decoder(
 
         handles.append(layers[k - 1].register_forward_hook(hook))
     cache = DynamicCache()
+    try:
+        _forward(model, token_ids, cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return cache, captured
+
+
+def _forward(model: torch.nn.Module, token_ids: torch.Tensor, cache: DynamicCache) -> None:
+    """One forward of the decoder over ``token_ids`` into ``cache``, which a hook or the cache may end early
+    (`_StopForward`)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     try:
         with torch.no_grad():
             decoder(input_ids=token_ids.to(model.device), cache=cache, use_cache=True)
     except _StopForward:
         pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return cache, captured
 
 
 class _FirstKeys(DynamicCache):
@@ -89,12 +96,7 @@ def first_keys(model: torch.nn.Module, token_ids: torch.Tensor) -> tuple[int, to
     Only the layers up to that one run (the embeddings and, for Llama-style models, one K projection): any
     decoder transformers runs, through its own forward (norms, RoPE variants, embedding scales)."""
     cache = _FirstKeys(model.config.get_text_config(decoder=True))
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    try:
-        with torch.no_grad():
-            decoder(input_ids=token_ids.to(model.device), cache=cache, use_cache=True)
-    except _StopForward:
-        pass
+    _forward(model, token_ids, cache)
     return cache.captured
 
 

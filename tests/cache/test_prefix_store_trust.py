@@ -360,13 +360,13 @@ def test_temporary_files_count_toward_max_bytes_until_their_writer_is_gone(tmp_p
 def test_argument_errors_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="max_bytes must be a positive int"):
         open_store(tmp_path, max_bytes=0)
-    with pytest.raises(TypeError, match="path must be a str or os.PathLike folder, got int"):
+    with pytest.raises(TypeError, match=r"path must be a str or os\.PathLike folder, got int"):
         PrefixStore(llama(F32), path=123)
     with pytest.raises(TypeError, match="model must be a transformers model, got NoneType"):
         PrefixStore(None, path=tmp_path)
     a_file = tmp_path / "afile"
     a_file.write_text("")
-    with pytest.raises(ValueError, match="path .*afile' is not a folder"):
+    with pytest.raises(ValueError, match=r"path .*afile' is not a folder"):
         PrefixStore(llama(F32), path=a_file)
     store = open_store(tmp_path / "store")
     with pytest.raises(ValueError, match=r"ids must be token ids in \[0, 2\*\*63\), got 9223372036854775808"):
