@@ -269,8 +269,10 @@ class PrefixStore:
         keys = self.keys(row[:common])
         paths = [self._path(key) for key in keys]
         todo = [i for i, path in enumerate(paths) if not _is_regular(path)]
-        if not todo or not _own_folder(self.folder, create=True):
-            _touch_chain(paths if todo == [] else [])
+        if not todo:  # all held: marked used
+            _touch_chain(paths)
+            return 0
+        if not _own_folder(self.folder, create=True):
             return 0
         stop = (todo[-1] + 1) * self.chunk_tokens
         whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: _layer_kv(cache.layers[0], stop)}
@@ -493,11 +495,12 @@ class PrefixStore:
         cursor = [0]
         for i, entry in enumerate(layers):
             entry = _dict(entry, f"layer {i}", {"layer", "heads", "key_dim", "value_dim", "blocks"})
-            if (entry["layer"], entry["heads"], entry["key_dim"], entry["value_dim"]) != (i, heads, dim, dim):
+            if (entry["layer"], entry["heads"], entry["key_dim"]) != (i, heads, dim):  # as `_check_kv` checks puts
                 raise CacheFileError(f"layer entry {i} names layer {entry['layer']!r} of {entry['heads']!r} heads x "
-                                     f"{entry['key_dim']!r} / {entry['value_dim']!r}, the model {heads} x {dim}")
-            _check_blocks(entry["blocks"], f"layer {i}", first, first + self.chunk_tokens, 1, heads, dim,
-                          self.config, cursor)
+                                     f"{entry['key_dim']!r}, the model {heads} x {dim}")
+            value_dim = _int(entry["value_dim"], f"layer {i} value_dim", 1, 1 << 16)
+            _check_blocks(entry["blocks"], f"layer {i}", first, first + self.chunk_tokens, 1, heads,
+                          max(dim, value_dim), self.config, cursor)
             if any(b["tokens"] != self.config.block_tokens for b in entry["blocks"]):
                 raise CacheFileError(f"layer {i}: blocks of another size than block_tokens")
         if cursor[0] != len(payload):
