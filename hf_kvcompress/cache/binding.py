@@ -67,9 +67,15 @@ def binding_problem(model: torch.nn.Module, token_ids: torch.Tensor, layer: int,
 
 
 def bindable(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s K/V cannot be bound to their tokens (no layer hands its K/V to the cache in a forward of
-    one token), or None."""
-    if first_keys(model, torch.zeros(1, 1, dtype=torch.long)) is None:
+    """Why ``model``'s K/V cannot be bound to their tokens, or None: no layer hands its K/V to the cache in a
+    forward, or its first K/V layer's keys do not depend on the token (two tokens, one forward of one position
+    each: a degenerate first layer, as in some tiny random models)."""
+    vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None) or 2
+    found = first_keys(model, torch.tensor([[vocab // 3], [2 * vocab // 3]]))
+    if found is None:
         return (f"{type(model).__name__} hands no K/V to the cache in its forward, so its layer-0 keys cannot be "
                 "recomputed to bind stored K/V to their tokens")
+    if torch.equal(found[1][0], found[1][1]):
+        return (f"{type(model).__name__}'s first K/V layer (layer {found[0]}) computes the same keys for different "
+                "tokens, so its keys cannot bind stored K/V to their tokens")
     return None

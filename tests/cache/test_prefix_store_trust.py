@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_file_testutil import reseal, split
-from helpers import random_ids, same_bits
+from helpers import fresh_tiny_model, random_ids, same_bits
 from test_prefix_store import (
     CHUNK,
     CONFIG,
@@ -443,3 +443,13 @@ def test_saved_file_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
         out.truncate(16 << 30)
     with pytest.raises(CacheFileError, match="bad magic"):
         CompressedCache.load(zeros, model=llama(F32))
+
+
+def test_a_model_whose_first_keys_ignore_the_tokens_cannot_be_bound(tmp_path):
+    """Refused at construction, saying why (a zeroed K projection: every token's layer-0 keys are 0)."""
+    model = fresh_tiny_model("llama-gqa", F32, layers=2)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.zero_()
+    with pytest.raises(ValueError, match="computes the same keys for different tokens"):
+        PrefixStore(model, path=tmp_path)
+    assert list(tmp_path.iterdir()) == []
