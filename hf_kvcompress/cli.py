@@ -172,7 +172,10 @@ def cmd_store(args: argparse.Namespace) -> int:
     if root.exists() and not root.is_dir():
         raise CliError(f"--path {str(root)!r} is not a folder")
     if args.action == "clear":
-        removed = clear_prefixes(root)
+        try:
+            removed = clear_prefixes(root)
+        except ValueError as err:  # a folder that is not a store's: nothing removed
+            raise CliError(str(err)) from err
         print(f"removed {_human(removed)} ({removed} bytes) of stored prefixes from {root}")
         return 0
     usage = folder_usage(root)

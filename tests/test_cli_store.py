@@ -10,6 +10,7 @@ from helpers import random_ids, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressionConfig, PrefixStore
+from hf_kvcompress.cache.store import MARKER
 from hf_kvcompress.cli import main
 
 CONFIG = CompressionConfig(mode="lossless", block_tokens=16)
@@ -80,7 +81,7 @@ def test_clear_removes_chunks_and_temporary_files(filled, capsys, no_model_loads
     total = f32.stats()["bytes"] + bf16.stats()["bytes"] + 1000
     out = run(capsys, "clear", "--path", str(root))
     assert out == f"removed {total / 1024:.1f} KiB ({total} bytes) of stored prefixes from {root}\n"
-    assert list(root.rglob("*")) == []
+    assert list(root.rglob("*")) == [root / MARKER]  # still a store's folder
     assert run(capsys, "du", "--path", str(root)) == (f"{root}: 0 B (0 bytes) in 0 chunks, 0 model folders, "
                                                        "0 temporary files\n")
     assert run(capsys, "ls", "--path", str(root)) == f"{root}: no stored prefixes\n"

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import stat
 import struct
 from array import array
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
 from ..predictors.rerun import decoder_layers
 from ..version import __version__
+from .binding import binding_problem
 from .coded import CodedBlock, CodedRow, LosslessCoding, PredictorMismatchError, coding_over
 
 
@@ -422,6 +425,8 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
             for held in target.kv_layers():
                 if held.blocks and target.lossless is not None:
                     target.lossless.read_all(held.blocks)
+        if model is not None:
+            _check_binding(target, model, token_ids)
     except PredictorMismatchError as err:
         here = reproducibility()
         why = (f"saved with {header['reproducibility']}, loading with {here}" if header["reproducibility"] != here
@@ -439,6 +444,26 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
         raise CacheFileError(f"decoded {target.kv_layers()[0].rows} batch rows, the header says {rows}")
     target.token_ids = token_ids
     return target
+
+
+def _check_binding(target: CompressedCache, model: torch.nn.Module, token_ids: torch.Tensor | None) -> None:
+    """The file's first K/V layer must hold the keys ``model`` computes for the file's token ids (`binding`): a
+    file whose ids were edited, or that holds another model's K/V of the same shapes, is refused. Files of one
+    row that record their ids (`save` records them when the model was attached from the first forward); a batch
+    is not bound (left padding moves its positions), nor a lossy target (its layers hold summaries)."""
+    if token_ids is None or token_ids.shape[0] != 1:
+        return
+    index, layer = next(((i, held) for i, held in enumerate(target.layers)
+                         if isinstance(held, CompressedLayer) and held.is_initialized), (0, None))
+    if layer is None or any(not block.exact for block in layer.blocks):
+        return
+    keys = layer.keys  # a sealed block decodes here: a stream edited behind the checksum fails in load
+    try:
+        problem = binding_problem(model, token_ids, index, keys, start=layer.seen_tokens - keys.shape[2])
+    except (RuntimeError, IndexError, TypeError) as err:  # the model's forward on the file's ids
+        raise CacheFileError(f"cannot recompute layer {index}'s keys for the file's token ids: {err}") from err
+    if problem is not None:
+        raise CacheFileError(f"{problem[1]}; the file was edited or saved from another model")
 
 
 def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,
@@ -653,12 +678,49 @@ def _check_listed(listed: torch.Tensor | None, where: str, streams: int, element
         raise CacheFileError(f"{where}: listed elements {problem} ({streams} streams of {elements} elements)")
 
 
-def _read(path: Path) -> _Saved:
-    """Read the file; verify magic, version and the SHA-256 over everything; parse and check the header."""
+def open_regular(path: Path, *, follow_links: bool = True) -> tuple[int, int]:
+    """An open descriptor of ``path`` and its size, if it is a regular file: a FIFO, device or folder there is
+    refused without blocking or reading (``follow_links=False``: a symbolic link too). Raises `CacheFileError`."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise CacheFileError(f"cannot read the file: {err}") from err
+        fd = os.open(path, flags)
+    except OSError as err:  # ELOOP: a link where links are refused
+        raise CacheFileError(f"cannot read the file ({type(err).__name__}: {err.strerror})") from err
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheFileError("not a regular file (a FIFO, device or folder)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def read_exactly(fd: int, count: int) -> bytes:
+    """Up to ``count`` bytes of ``fd`` from where it stands (fewer only if the file ends sooner)."""
+    parts, left = [], count
+    while left > 0:
+        try:
+            part = os.read(fd, min(left, 1 << 24))
+        except OSError as err:
+            raise CacheFileError(f"cannot read the file: {err}") from err
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _read(path: Path) -> _Saved:
+    """Read the file (a regular file; its first bytes must be a cache file's before the rest is read); verify
+    magic, version and the SHA-256 over everything; parse and check the header."""
+    fd, size = open_regular(path)
+    try:
+        data = read_exactly(fd, min(size, _PREFIX.size))
+        if data[:8] != LEGACY_MAGIC and data.startswith(MAGIC):  # else refused below, the rest never read
+            data += read_exactly(fd, size - len(data))
+    finally:
+        os.close(fd)
     if data[:8] == LEGACY_MAGIC:
         raise CacheFileError(
             "cache file format version 1 (saved by an earlier hf_kvcompress; its header is not checksummed): "
@@ -677,11 +739,16 @@ def _read(path: Path) -> _Saved:
     end = _PREFIX.size + size
     if size > MAX_HEADER or end > len(data) - _DIGEST:
         raise CacheFileError(f"header of {size} bytes does not fit a file of {len(data)}")
-    try:
+    try:  # any exception: a 4,300-digit integer is a ValueError of its own, deep nesting a RecursionError
         header = json.loads(data[_PREFIX.size : end].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except Exception as err:
         raise CacheFileError(f"corrupt header ({type(err).__name__}: {err})") from err
-    saved = _check_header(header, data[end : len(data) - _DIGEST])
+    try:
+        saved = _check_header(header, data[end : len(data) - _DIGEST])
+    except CacheFileError:
+        raise
+    except Exception as err:  # a check that met a value of a type it did not expect: still the loader's error
+        raise CacheFileError(f"bad header ({type(err).__name__}: {err})") from err
     if saved.header["version"] != version:
         raise CacheFileError(f"the header says version {saved.header['version']}, the file's prefix {version}")
     return saved

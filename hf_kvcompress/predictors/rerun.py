@@ -58,16 +58,46 @@ def run_decoder(
 
         handles.append(layers[k - 1].register_forward_hook(hook))
     cache = DynamicCache()
+    try:
+        _forward(model, token_ids, cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return cache, captured
+
+
+def _forward(model: torch.nn.Module, token_ids: torch.Tensor, cache: DynamicCache) -> None:
+    """One forward of the decoder over ``token_ids`` into ``cache``, which a hook or the cache may end early
+    (`_StopForward`)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     try:
         with torch.no_grad():
             decoder(input_ids=token_ids.to(model.device), cache=cache, use_cache=True)
     except _StopForward:
         pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return cache, captured
+
+
+class _FirstKeys(DynamicCache):
+    """A cache that stops the forward at the first K/V it is handed: the first attention layer's keys (after
+    its norm and RoPE, as a cache holds them), what `first_keys` returns."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.captured: tuple[int, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.captured = (layer_idx, key_states.detach())
+        raise _StopForward
+
+
+def first_keys(model: torch.nn.Module, token_ids: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """The keys the first K/V-holding layer computes for ``token_ids`` ``[batch, tokens]`` (positions from 0):
+    ``(layer index, [batch, kv heads, tokens, head dim])``, or None when no layer hands its K/V to the cache.
+    Only the layers up to that one run (the embeddings and, for Llama-style models, one K projection): any
+    decoder transformers runs, through its own forward (norms, RoPE variants, embedding scales)."""
+    cache = _FirstKeys(model.config.get_text_config(decoder=True))
+    _forward(model, token_ids, cache)
+    return cache.captured
 
 
 class CacheExtras(ExtrasSource):

@@ -529,7 +529,9 @@ def test_put_codes_a_dynamic_cache_and_takes_a_compressed_caches_blocks(tmp_path
     assert all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
     encodes.clear()
     cache = from_compressed.cache_for(ids)
-    assert encodes == [] and cache.lossless.decodes == 0  # adopted as coded
+    # adopted as coded; each block decoded once by the lookup (its streams checked, layer 0 bound to the ids)
+    assert encodes == [] and cache.lossless.decodes == 3 * LAYERS * CHUNK // BLOCK
+    assert all(block.verified for layer in cache.kv_layers() for block in layer.blocks)
     assert holds_prefix(cache, reference, 3 * CHUNK)
 
 
@@ -563,7 +565,7 @@ def test_folder_usage_and_clear(tmp_path):
     bf16, f32 = open_store(tmp_path, llama(BF16)), open_store(tmp_path, llama(F32))
     bf16.put(ids[:, : 2 * CHUNK], prefill(llama(BF16), ids[:, : 2 * CHUNK]))
     f32.put(ids[:, :CHUNK], prefill(llama(F32), ids[:, :CHUNK]))
-    leftover = bf16.folder / ".0123.abc.tmp"
+    leftover = bf16.folder / ".0123456789abcdef.abc_12xy.tmp"  # a name mkstemp gives
     leftover.write_bytes(b"x" * 100)
     usage = {entry["folder"]: entry for entry in folder_usage(tmp_path)}
     assert set(usage) == {bf16.folder.name, f32.folder.name}
@@ -573,7 +575,7 @@ def test_folder_usage_and_clear(tmp_path):
     assert usage[f32.folder.name]["last_used"] == max(f.stat().st_mtime for f in f32.folder.glob("*.kvp"))
     total = chunk_bytes(tmp_path)
     assert clear(tmp_path) == total + 100
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [tmp_path / store_module.MARKER]  # still a store's folder
     assert folder_usage(tmp_path) == [] and folder_usage(tmp_path / "missing") == []
     assert clear(tmp_path / "missing") == 0
 
@@ -709,7 +711,8 @@ def test_two_processes_put_and_read_the_same_prefixes_concurrently(tmp_path):
 def test_writer_killed_mid_chunk_leaves_nothing_that_loads(tmp_path, caplog):
     """SIGKILL while a chunk's temporary file holds half its bytes: the chunk written before it is whole, the
     half-written one is a temporary file no lookup reads (no warning: it is not a chunk), which a later eviction
-    removes once stale; the chunks are written again by the next put."""
+    removes as soon as nobody holds its lock (the kernel dropped the killed writer's); the chunks are written again
+    by the next put."""
     root = tmp_path / "store"
     child = spawn("killed", root, stderr=tmp_path / "stderr")
     try:
@@ -734,10 +737,10 @@ def test_writer_killed_mid_chunk_leaves_nothing_that_loads(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert holds_prefix(store.cache_for(ids), reference, CHUNK)
     assert caplog.records == []
-    assert store.evict() == 0 and leftover.exists()  # a writer may still be writing it
-    old = time.time() - store_module.STALE_SECONDS - 60
+    assert store.evict() == 0 and leftover.exists()  # younger than the grace: its writer may not have locked it yet
+    old = time.time() - store_module.TEMP_GRACE_SECONDS - 1
     os.utime(leftover, (old, old))
     size = leftover.stat().st_size
-    assert store.evict() == size and temp_files(root) == []
+    assert store.evict() == size and temp_files(root) == []  # unlocked: its writer is gone (not an hour later)
     assert store.put(ids[:, : 3 * CHUNK], reference) == 2 * CHUNK
     assert holds_prefix(store.cache_for(ids), reference, 3 * CHUNK)
