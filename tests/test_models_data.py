@@ -87,6 +87,31 @@ def test_a_cached_hub_model_loads_offline_without_retries(monkeypatch, caplog):
         models.resolve_model_source("a/b/c")
 
 
+def test_an_unreachable_hub_is_one_line_without_a_chained_traceback(tmp_path, monkeypatch):
+    """The README's hub snippet with no network and no cached copy: the one-line `UnknownModelError`, not the
+    hub's 70-line connection traceback chained before it; a folder without a model alike."""
+    import traceback
+
+    import huggingface_hub
+
+    def unreachable(repo_id, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    with pytest.raises(models.UnknownModelError) as info:
+        models.load_model("org/not-cached")
+    assert str(info.value) == ("model 'org/not-cached': cannot reach the Hugging Face hub ([Errno -2] Name or "
+                               "service not known) and it is not in the hub's cache; pass a local folder, or "
+                               "download it once online")
+    with pytest.raises(ValueError, match="could not load model") as empty:
+        models.load_model(tmp_path)
+    for err in (info.value, empty.value):
+        shown = "".join(traceback.format_exception(err))
+        assert "During handling" not in shown and "direct cause" not in shown, shown
+
+
 def test_pip_downloads_say_what_they_fetch_first(tmp_path, monkeypatch, caplog):
     """First-use downloads print a note before pip runs (pip itself is quiet); a second call downloads nothing."""
     from hf_kvcompress import downloads
