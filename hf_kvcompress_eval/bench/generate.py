@@ -11,7 +11,7 @@ RSS during the decode steps above the RSS before the cache was built (cache and 
 building's own peak is recorded in the JSON) against DynamicCache's.
 
     hf-kvcompress bench generate [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
-        [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out results/generate]
+        [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out DIR]
 
 Writes bench_generate.json, bench_generate.md and bench_generate.png.
 

@@ -18,7 +18,7 @@ route equal (bitwise) those of DynamicCache reusing the same prefix (prefill the
 generate the whole prompt from a `copy.deepcopy` of it: transformers' prompt-reuse pattern). Writes
 ``results.json`` first, then ``prefix_store.png``.
 
-    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out results/prefix]
+    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out DIR]
 """
 
 from __future__ import annotations

@@ -71,6 +71,18 @@ def test_bench_help_lists_every_bench(capsys):
     assert all(name in shown for name in BENCHES)
 
 
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_bench_help_never_suggests_writing_into_tracked_results(name, capsys):
+    """Following a bench's --help must not overwrite the published runs in results/: it names eval-results/."""
+    import re
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", name, "--help"])
+    shown = capsys.readouterr().out
+    assert done.value.code == 0 and f"eval-results/bench/{name}" in shown
+    assert re.findall(r"(?<![\w/-])results/", shown) == [], shown
+
+
 def test_bench_options_are_checked(capsys):
     with pytest.raises(SystemExit) as done:
         main(["bench", "generate", "--no-such-option"])
