@@ -191,7 +191,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     """List, measure or clear the prefix store's folder (`hf_kvcompress.PrefixStore`): one subfolder per model
     and settings, holding its chunks (``*.kvp``) and killed writers' temporary files (``*.tmp``)."""
     from .cache.store import clear as clear_prefixes
-    from .cache.store import folder_usage
+    from .cache.store import folder_model, folder_usage
     from .downloads import cache_dir
 
     root = Path(args.path).expanduser() if args.path else cache_dir() / "prefixes"
@@ -211,10 +211,12 @@ def cmd_store(args: argparse.Namespace) -> int:
     if not usage:
         print(f"{root}: no stored prefixes")
         return 0
-    print(f"{'folder':<32}  {'chunks':>7}  {'MiB':>9}  {'last used':<19}  temporary files")
+    print(f"{'folder':<32}  {'chunks':>7}  {'MiB':>9}  {'last used':<19}  {'temporary':>9}  model (from its chunks)")
     for e in usage:
         last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["last_used"])) if e["last_used"] else "-"
-        print(f"{e['folder']:<32}  {e['chunks']:>7}  {e['bytes'] / 2**20:>9.2f}  {last:<19}  {e['temporary_files']}")
+        model = folder_model(root / e["folder"]) or "-"
+        print(f"{e['folder']:<32}  {e['chunks']:>7}  {e['bytes'] / 2**20:>9.2f}  {last:<19}  "
+              f"{e['temporary_files']:>9}  {model}")
     return 0
 
 
