@@ -187,3 +187,13 @@ def test_importing_the_library_leaves_datasets_unloaded():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+def test_the_library_names_the_codecs_table_folder(tmp_path, monkeypatch):
+    """Built codec tables are kept in ``$HF_KVCOMPRESS_CACHE/codec`` once the cache's coding is imported
+    (`blockcoder` sets the folder; `import hf_kvcompress` alone imports no torch, so it no longer does)."""
+    from hf_kvcompress import CompressedCache  # noqa: F401  (imports the block coder)
+    from hf_kvcompress.codec import tables
+
+    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(tmp_path))
+    assert tables._cache_path(tables.TABLES_SHA256) == tmp_path / "codec" / f"tables-{tables.TABLES_SHA256[:16]}.npz"
