@@ -500,13 +500,15 @@ def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any, 
     the cache's length, so none (transformers then fails with a raw reshape error) or positions that restart).
     A longer prompt that does not start with the cached tokens looks like a continuation from here (the forward
     sees only its tail): README "Quick start" says to use a new cache or `reset()`."""
-    held = cache.token_ids.shape[1] if cache.token_ids is not None else cache.get_seq_length()
+    held = max((layer.seen_tokens for layer in cache.kv_layers()), default=0)  # positions, kept or summarised
     if not held:
         return
     advice = ("generate() continues the sequence a cache holds, so its input must be the cached tokens "
               "(cache.token_ids) followed by new ones; for another prompt use a new cache or call cache.reset()")
     if ids.shape[1] == 0:
         raise ValueError(f"CompressedCache holds {held} tokens and this forward passes none after them: {advice}")
+    if cache.token_ids is None or cache.token_ids.shape[1] != held:
+        return  # filled through update() (a replay, a copy): ids recorded for part of it at most, no reference
     padded = cache.saw_padding or (isinstance(mask, torch.Tensor) and bool((mask == 0).any()))
     if isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[1] and not padded:
         first = int(positions[0, 0])
