@@ -142,6 +142,7 @@ def test_missing_local_text_sources_are_named_before_reading(source):
     assert data.check_source("someone/some-dataset") is None  # a hub name: checked when loaded
 
 
+@pytest.mark.slow  # 16 s on 2 loaded cores (2026-12-04): imports every module in a fresh process
 def test_importing_the_library_fetches_and_writes_nothing(tmp_path):
     """Assets are fetched only by explicit calls at the edges (load_model(), the CLI, first-use calibration):
     importing every module and computing the cache paths runs no pip and creates no folder."""
