@@ -137,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0 = the library's thread plan)")
     parser.add_argument("--workers", type=int, default=None,
                         help="LosslessConfig.workers: codec threads per block batch (default: the config's, "
-                             "i.e. every core the process may run on)")
+                             "i.e. the thread plan's: every core the process may run on, or HF_KVCOMPRESS_THREADS)")
 
 
 def run(args: argparse.Namespace) -> int:
