@@ -489,12 +489,12 @@ class _TokenRecorder:
                 f"CompressedCache holds {cache.token_ids.shape[0]} batch row(s), this forward passes {ids.shape[0]}: "
                 "a cache serves the batch it was filled with; use a new cache (or cache.reset()) for another batch"
             )
-        _check_continues(cache, ids, kwargs.get("position_ids"), mask)
+        _check_continues(cache, ids, kwargs.get("position_ids"))
         cache.token_ids = ids if cache.token_ids is None else torch.cat([cache.token_ids, ids], dim=1)
         return None
 
 
-def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any, mask: Any) -> None:
+def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any) -> None:
     """Refuse, before the forward runs, inputs that do not continue the sequence the cache holds: what a reused
     cache gets from ``generate()`` with another prompt of at most its length (``generate`` passes the tokens past
     the cache's length, so none (transformers then fails with a raw reshape error) or positions that restart).
@@ -509,8 +509,8 @@ def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any, 
         raise ValueError(f"CompressedCache holds {held} tokens and this forward passes none after them: {advice}")
     if cache.token_ids is None or cache.token_ids.shape[1] != held:
         return  # filled through update() (a replay, a copy): ids recorded for part of it at most, no reference
-    padded = cache.saw_padding or (isinstance(mask, torch.Tensor) and bool((mask == 0).any()))
-    if isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[1] and not padded:
+    # padded rows (recorded by the caller from this forward's mask too) start their positions later: not checked
+    if isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[1] and not cache.saw_padding:
         first = int(positions[0, 0])
         if first != held:
             raise ValueError(f"CompressedCache holds {held} tokens but this forward's positions start at {first}: "
