@@ -1,12 +1,51 @@
-"""hf_kvcompress: KV-cache compression for Hugging Face transformers."""
+"""hf_kvcompress: KV-cache compression for Hugging Face transformers.
 
-from . import codec, downloads
-from .cache import CompressedCache, PrefixStore
-from .config import CompressionConfig, LosslessConfig, LossyConfig
+The public names load on first use (PEP 562): ``import hf_kvcompress`` imports neither torch nor transformers, so
+``hf-kvcompress --version`` and ``--help`` answer at once; ``from hf_kvcompress import CompressedCache`` loads what
+it needs."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .version import __version__
 
-# The codec knows no application folders; the library keeps its built tables with its other files (a path read
-# when the tables are first built, so importing creates nothing).
-codec.set_table_cache(lambda: downloads.cache_dir() / "codec")
+#: public name -> the module that defines it (a module name alone: the module itself)
+_PUBLIC = {
+    "CompressedCache": ".cache",
+    "PrefixStore": ".cache",
+    "CompressionConfig": ".config",
+    "LosslessConfig": ".config",
+    "LossyConfig": ".config",
+    "configure_threads": ".threads",
+    "codec": ".codec",
+    "downloads": ".downloads",
+}
 
-__all__ = ["CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "PrefixStore", "__version__"]
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+    from . import codec as codec
+    from . import downloads as downloads
+    from .cache import CompressedCache, PrefixStore
+    from .config import CompressionConfig, LosslessConfig, LossyConfig
+    from .threads import configure_threads
+
+
+def __getattr__(name: str) -> Any:
+    where = _PUBLIC.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(where, __name__)
+    value = module if where == f".{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
+
+__all__ = [
+    "CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "PrefixStore", "__version__",
+    "configure_threads",
+]

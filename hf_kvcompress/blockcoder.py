@@ -31,10 +31,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import CodecConfig, CorruptStreamError, coder_of, decode, decode_batch, encode, encode_batch
+from .codec import (
+    CodecConfig,
+    CorruptStreamError,
+    coder_of,
+    decode,
+    decode_batch,
+    encode,
+    encode_batch,
+    set_table_cache,
+)
 from .codec.params import settle
 from .codec.symbols import format_of
+from .downloads import cache_dir
 from .predictors.base import Predictor, PredictorSession, stream_order
+
+# The codec knows no application folders; the library keeps its built tables with its other files (a path read
+# when the tables are first built, so importing creates nothing). Set here, where every library path that codes
+# a block passes (the cache, save / load, the chunk coder, the prefix store), so that `import hf_kvcompress`
+# itself stays light (its names load on first use).
+set_table_cache(lambda: cache_dir() / "codec")
 
 # The per-stream std scale, in quarter octaves (std * 2^(s/4)), one byte per stream: a format constant (saved files
 # hold it and persist.py refuses codes outside it). The range, std x 2^-8 .. 2^15.75, is a choice, not a tuned value:

@@ -1,8 +1,14 @@
-"""The ``hf-kvcompress`` command line."""
+"""The ``hf-kvcompress`` command line.
+
+``--version`` and ``--help`` answer without importing torch or transformers (seconds on a small CPU): this module
+imports only the standard library at the top, and each command imports the library when it runs. Every command
+but ``store`` first applies the library's thread plan (`hf_kvcompress.threads`: torch's threads and the codec's
+workers within the cores this process may use; ``HF_KVCOMPRESS_THREADS=N`` overrides)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
@@ -10,23 +16,15 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import transformers
-from transformers import DynamicCache
-
-from .cache import CompressedCache
-from .cache.store import clear as clear_prefixes
-from .cache.store import folder_usage
-from .calibration import META_FILE, Calibration, CalibrationError, calibration_dir
-from .config import CompressionConfig
-from .data import check_source, token_ids
-from .downloads import cache_dir, writable_folder
 from .errors import CliError
-from .generation import greedy_generate
-from .models import load_model
-from .predictors.registry import FITTED
 from .version import __version__
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import CompressionConfig
 
 #: the evaluation harness: a separate top-level package (kept outside the library, as kvpress does), installed
 #: from the same source tree; `hf-kvcompress eval` and `hf-kvcompress bench` import it on demand
@@ -41,6 +39,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace, split: str = "evaluation"):
     """The model and tokenizer; the ``--dataset`` is checked first, so a bad path fails before the slow load."""
+    import torch
+
+    from .data import check_source
+    from .models import load_model
+
     try:
         check_source(args.dataset, split)
     except ValueError as err:
@@ -52,6 +55,8 @@ def _load(args: argparse.Namespace, split: str = "evaluation"):
 
 
 def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str = "evaluation") -> torch.LongTensor:
+    from .data import token_ids
+
     try:
         return token_ids(tokenizer, n_tokens, source=args.dataset, split=split)
     except ValueError as err:
@@ -59,6 +64,8 @@ def _prompt_ids(tokenizer, args: argparse.Namespace, n_tokens: int, split: str =
 
 
 def _writable(folder: Path, role: str) -> Path:
+    from .downloads import writable_folder
+
     try:
         return writable_folder(folder, role)
     except OSError as err:
@@ -67,6 +74,8 @@ def _writable(folder: Path, role: str) -> Path:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit sigma tables, predictor heads and marginals on calibration text; save them."""
+    from .calibration import META_FILE, Calibration, calibration_dir
+
     predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
     probe_layers = [int(k) for k in args.probe_layers.split(",") if k.strip()]
     if args.out:  # before the model loads: a folder that cannot be written fails at once
@@ -92,6 +101,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Generate with a CompressedCache on the default model and text; print the text and the cache stats."""
+    import torch
+    from transformers import DynamicCache
+
+    from .cache import CompressedCache
+    from .calibration import META_FILE, CalibrationError
+    from .config import CompressionConfig
+    from .generation import greedy_generate
+
     try:
         config = CompressionConfig(
             mode=args.mode, block_tokens=args.block_tokens, residual_tokens=args.residual_tokens
@@ -115,6 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     run = greedy_generate(model, ids, cache, args.new_tokens, progress=f"generating ({args.mode})")
     new_text = tokenizer.decode(run.sequences[0, ids.shape[1] :], skip_special_tokens=True)
     print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}  dtype: {args.dtype}  mode: {args.mode}")
+    print(f"threads: {args.thread_plan} (override: HF_KVCOMPRESS_THREADS=N)")
     if args.mode == "lossless":
         print(f"calibration: {cache.calibration_note}")
     print(f"prompt ({ids.shape[1]} tokens), last lines:")
@@ -144,6 +162,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _warm_up(model, ids: torch.LongTensor, config: CompressionConfig, calibration) -> float:
     """Seconds of a throwaway cache like the demo's through one sealed block and one decode step: the codec's
     one-time costs (numba compiling or loading its kernels, building its tables) land here, not in the tok/s."""
+    import torch
+
+    from .cache import CompressedCache
+
     start = time.perf_counter()
     cache = CompressedCache(config, model=model, calibration=calibration)
     with torch.inference_mode():
@@ -168,6 +190,10 @@ def _human(size: int) -> str:
 def cmd_store(args: argparse.Namespace) -> int:
     """List, measure or clear the prefix store's folder (`hf_kvcompress.PrefixStore`): one subfolder per model
     and settings, holding its chunks (``*.kvp``) and killed writers' temporary files (``*.tmp``)."""
+    from .cache.store import clear as clear_prefixes
+    from .cache.store import folder_model, folder_usage
+    from .downloads import cache_dir
+
     root = Path(args.path).expanduser() if args.path else cache_dir() / "prefixes"
     if root.exists() and not root.is_dir():
         raise CliError(f"--path {str(root)!r} is not a folder")
@@ -188,22 +214,48 @@ def cmd_store(args: argparse.Namespace) -> int:
     if not usage:
         print(f"{root}: no stored prefixes")
         return 0
-    print(f"{'folder':<32}  {'chunks':>7}  {'MiB':>9}  {'last used':<19}  temporary files")
+    print(f"{'folder':<32}  {'chunks':>7}  {'MiB':>9}  {'last used':<19}  {'temporary':>9}  model (from its chunks)")
     for e in usage:
         last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["last_used"])) if e["last_used"] else "-"
-        print(f"{e['folder']:<32}  {e['chunks']:>7}  {e['bytes'] / 2**20:>9.2f}  {last:<19}  {e['temporary_files']}")
+        model = folder_model(root / e["folder"]) or "-"
+        print(f"{e['folder']:<32}  {e['chunks']:>7}  {e['bytes'] / 2**20:>9.2f}  {last:<19}  "
+              f"{e['temporary_files']:>9}  {model}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: each command's one-line help (the top-level ``--help`` lists them without building their parsers)
+COMMANDS = {
+    "demo": "generate with CompressedCache on the default model and print its stats",
+    "calibrate": "fit sigma tables, predictor heads and marginals on calibration text",
+    "store": "list, measure or clear the prefix store (PrefixStore) on disk",
+    "eval": "measure what compression costs",
+    "bench": "run a maintained benchmark (generate, codec, prefix, lmcache, kernels)",
+}
+
+
+def _installed(name: str) -> str:
+    """A distribution's version from its metadata (importing torch or transformers for it takes seconds)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(prog="hf-kvcompress", description="KV-cache compression for transformers")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks")
     parser.add_argument("--version", action="version",
-                        version=f"hf-kvcompress {__version__} (transformers {transformers.__version__}, "
-                                f"torch {torch.__version__})")
-    sub = parser.add_subparsers(dest="command", required=True)
+                        version=f"hf-kvcompress {__version__} (transformers {_installed('transformers')}, "
+                                f"torch {_installed('torch')})")
+    return parser, parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="generate with CompressedCache on the default model and print its stats")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole parser: every command's options (imports the predictor registry and the harness)."""
+    from .predictors.registry import FITTED
+
+    parser, sub = _top_parser()
+    demo = sub.add_parser("demo", help=COMMANDS["demo"])
     _add_model_args(demo)
     demo.add_argument("--mode", default="lossless", choices=["none", "lossless", "lossy"])
     demo.add_argument("--prompt-tokens", type=int, default=300)
@@ -216,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="calibration folder, or 'none' (default: the model's, fitted on first use)")
     demo.set_defaults(func=cmd_demo)
 
-    cal = sub.add_parser("calibrate", help="fit sigma tables, predictor heads and marginals on calibration text")
+    cal = sub.add_parser("calibrate", help=COMMANDS["calibrate"])
     _add_model_args(cal)
     cal.add_argument("--split", default="calibration", help="text split (default: calibration)")
     cal.add_argument("--tokens", type=int, default=16384, help="calibration tokens")
@@ -227,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
     cal.set_defaults(func=cmd_calibrate)
 
-    store = sub.add_parser("store", help="list, measure or clear the prefix store (PrefixStore) on disk")
+    store = sub.add_parser("store", help=COMMANDS["store"])
     store.add_argument("action", choices=["ls", "du", "clear"],
                        help="ls: one line per model folder; du: total bytes and chunks; clear: remove every chunk")
     store.add_argument("--path", default=None,
@@ -246,8 +298,8 @@ def _add_harness_parsers(sub) -> None:
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != EVAL_PACKAGE:
             raise
-        for name, what in (("eval", "measure what compression costs"), ("bench", "run a maintained benchmark")):
-            missing = sub.add_parser(name, help=f"{what} (needs the {EVAL_PACKAGE} package)")
+        for name in ("eval", "bench"):
+            missing = sub.add_parser(name, help=f"{COMMANDS[name]} (needs the {EVAL_PACKAGE} package)")
             missing.set_defaults(func=_eval_missing)  # takes any arguments (see main): the error is about the package
         return
     add_eval_parser(sub)
@@ -260,6 +312,12 @@ def _eval_missing(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg in COMMANDS for arg in argv):  # --version, --help, nothing: answered without the library
+        top, sub = _top_parser()
+        for name, text in COMMANDS.items():
+            sub.add_parser(name, help=text)
+        top.parse_args(argv)  # prints and exits: a command is required
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.func is not _eval_missing:
@@ -267,6 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.command != "store":  # eval and bench then set torch's threads their measurements use
+            from .threads import configure_threads
+
+            args.thread_plan = configure_threads()
         return func(args)
     except CliError as err:
         if args.verbose:

@@ -48,8 +48,9 @@ class LosslessConfig(JsonConfig):
             a stream as one window whatever it is); ``header="compact"`` (~40 bytes where the self-describing
             ``"full"`` takes ~450; ``lanes`` has its own ~24-byte header); ``mean_steps=4`` (0.002
             bit/scalar more than 8, coded ~20 % faster).
-        workers: how many threads or processes code a block's streams; None (the default) uses every core
-            the process may run on (its CPU affinity), an int fixes the count. With ``coder="lanes"``:
+        workers: how many threads or processes code a block's streams; None (the default) takes the thread
+            plan's codec workers (`hf_kvcompress.threads`: every core the process may run on, its CPU affinity,
+            or ``HF_KVCOMPRESS_THREADS`` / `configure_threads`), an int fixes the count. With ``coder="lanes"``:
             threads, over the block's streams, when encoding and decoding (``codec.encode_batch`` /
             ``decode_batch``'s ``threads``); the calling thread runs one share. With ``coder="ans"``: forked
             processes over the windows of one stream, when decoding only (``codec.decode``'s ``workers``),

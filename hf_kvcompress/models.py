@@ -106,9 +106,9 @@ def resolve_model_source(name_or_path: str | Path) -> tuple[str | Path, bool]:
         return text, True
     try:
         huggingface_hub.model_info(text, timeout=10)
-    except RepositoryNotFoundError as err:
+    except RepositoryNotFoundError:
         raise UnknownModelError(f"model {text!r} is not on the Hugging Face hub (or is private: log in with "
-                                "`hf auth login`)") from err
+                                "`hf auth login`)") from None  # the one line says it all: no chained traceback
     except HfHubHTTPError:
         return text, False  # e.g. a gated model: from_pretrained reports what access it needs
     except Exception as err:  # httpx's connection and timeout errors (not re-exported by the hub): unreachable
@@ -116,7 +116,7 @@ def resolve_model_source(name_or_path: str | Path) -> tuple[str | Path, bool]:
             logger.warning("the hub is unreachable (%s); using the cached copy of %s", err, text)
             return text, True
         raise UnknownModelError(f"model {text!r}: cannot reach the Hugging Face hub ({err}) and it is not in the "
-                                "hub's cache; pass a local folder, or download it once online") from err
+                                "hub's cache; pass a local folder, or download it once online") from None
     return text, False
 
 
@@ -148,7 +148,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
-        raise ValueError(f"could not load model {str(source)!r}: {err}") from err
+        raise ValueError(f"could not load model {str(source)!r}: {err}") from None  # err's text is the message
     model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

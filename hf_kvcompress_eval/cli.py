@@ -29,7 +29,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help="text of the run: hub dataset or local .txt/.json/.jsonl files (overrides the suite)")
     parser.add_argument("--calibration", default=None,
                         help="auto, fit, or a calibration folder (overrides the suite's [calibration] use)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (overrides the suite; 0 = default)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (overrides the suite; 0 = the library's thread plan)")
     parser.add_argument("--only", default=None, help=f"comma-separated sections to run, among {','.join(SECTIONS)}")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.set_defaults(func=cmd_eval)

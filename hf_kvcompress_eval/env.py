@@ -114,22 +114,6 @@ class PeakMemory:
             self.peak_bytes = max(0, peak - self.start) * 1024
 
 
-class threads:
-    """Set torch's intra-op threads for a ``with`` block (0 = leave as is)."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self.before = torch.get_num_threads()
-
-    def __enter__(self) -> threads:
-        if self.count:
-            torch.set_num_threads(self.count)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.before)
-
-
 def walk_held_bytes(root, skip=()) -> int:
     """Bytes reachable from ``root``, found without asking it: every tensor's whole storage (each storage
     once, so a view that pins a larger buffer counts that buffer) and every bytes object and `array.array`, through object

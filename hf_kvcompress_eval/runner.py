@@ -30,10 +30,11 @@ from hf_kvcompress.calibration import (
 from hf_kvcompress.data import check_source, token_ids
 from hf_kvcompress.downloads import writable_folder
 from hf_kvcompress.models import UnknownModelError, load_model
+from hf_kvcompress.threads import torch_threads
 
 from . import lossless as lossless_mod
 from . import lossy as lossy_mod
-from .env import machine, threads, versions
+from .env import machine, versions
 from .report import markdown, write_plots
 from .suite import Suite
 
@@ -241,7 +242,7 @@ def run_suite(suite: Suite, out: str | Path, *, progress: bool = True, echo: boo
     t0 = time.perf_counter()
     sections: dict[str, float] = {}
     results: dict[str, Any] = {"suite": suite.to_dict(), "suite_toml": suite.text, "versions": versions()}
-    with threads(suite.threads):
+    with torch_threads(suite.threads):
         results["machine"] = machine()
         tick = time.perf_counter()
         check_dataset_path(suite)

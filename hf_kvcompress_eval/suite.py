@@ -118,7 +118,8 @@ class LossySection:
 class Suite:
     name: str = "custom"
     description: str = ""
-    #: torch threads (0 = torch's default). One thread gives stable timings on a shared machine.
+    #: torch threads (0 = the library's thread plan, `hf_kvcompress.threads`). One thread gives stable timings on a
+    #: shared machine.
     threads: int = 1
     seed: int = 0
     model: ModelSection = field(default_factory=ModelSection)

@@ -77,10 +77,12 @@ def test_bad_subcommand_is_rejected(capsys):
 
 
 @pytest.mark.real_model
-def test_demo_runs_on_the_default_model(capsys):
+def test_demo_runs_on_the_default_model(capsys, monkeypatch):
+    monkeypatch.setenv("HF_KVCOMPRESS_THREADS", "2")
     code = main(["demo", "--mode", "none", "--prompt-tokens", "64", "--new-tokens", "8"])
     out = capsys.readouterr().out
     assert code == 0
+    assert "threads: 1 torch thread(s), 2 codec worker(s) (2 cores: HF_KVCOMPRESS_THREADS)" in out  # the plan it ran
     assert "identical_to_DynamicCache: True" in out
     assert "compression_ratio" in out
 

@@ -18,12 +18,12 @@ CONFIG = CompressionConfig(mode="lossless", block_tokens=16)
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    from hf_kvcompress import cli
+    from hf_kvcompress import models
 
     def load(*args, **kwargs):
         raise AssertionError("the store subcommand loaded a model")
 
-    monkeypatch.setattr(cli, "load_model", load)
+    monkeypatch.setattr(models, "load_model", load)
 
 
 def fill(root, dtype: torch.dtype, tokens: int) -> PrefixStore:
@@ -57,15 +57,31 @@ def run(capsys, *argv: str) -> str:
 def test_ls_has_one_line_per_model_folder(filled, capsys, no_model_loads):
     root, f32, bf16 = filled
     header, *lines = run(capsys, "ls", "--path", str(root)).splitlines()
-    assert header.split() == ["folder", "chunks", "MiB", "last", "used", "temporary", "files"]
+    assert header.split() == ["folder", "chunks", "MiB", "last", "used", "temporary", "model", "(from", "its",
+                              "chunks)"]
     assert len(lines) == 2
-    rows = {line.split()[0]: line.split() for line in lines}
+    rows = {line.split()[0]: line.split(maxsplit=6) for line in lines}
     assert set(rows) == {f32.folder.name, bf16.folder.name}
-    for store, chunks, temporary in ((f32, "2", "1"), (bf16, "1", "0")):
-        _, count, mib, day, clock, temps = rows[store.folder.name]
-        assert (count, temps) == (chunks, temporary)
+    config = tiny_model("llama-gqa").config
+    shape = f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads x {config.head_dim}"
+    for store, chunks, temporary, dtype in ((f32, "2", "1", "float32"), (bf16, "1", "0", "bfloat16")):
+        _, count, mib, day, clock, temps, model = rows[store.folder.name]
+        assert (count, temps, model) == (chunks, temporary, f"{dtype}, {shape}")
         assert float(mib) == pytest.approx(store.stats()["bytes"] / 2**20, abs=0.01)
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", day) and re.fullmatch(r"\d\d:\d\d:\d\d", clock)
+
+
+def test_ls_describes_a_folder_only_from_a_readable_chunk_header(filled, capsys, no_model_loads):
+    """A damaged newest chunk, or a folder of non-chunks, is listed with '-': never an error, never a read of an
+    unbounded header."""
+    import os
+
+    root, f32, _ = filled
+    newest = max(f32.folder.glob("*.kvp"), key=lambda p: p.stat().st_mtime)
+    newest.write_bytes(newest.read_bytes()[:8] + (2**31).to_bytes(4, "little") * 2)  # header length 2 GiB
+    os.utime(newest, (2e9, 2e9))
+    rows = {line.split()[0]: line for line in run(capsys, "ls", "--path", str(root)).splitlines()[1:]}
+    assert rows[f32.folder.name].endswith("  -")
 
 
 def test_du_gives_exact_and_human_readable_totals(filled, capsys, no_model_loads):
@@ -118,9 +134,9 @@ def test_missing_folder_is_empty_and_a_file_is_refused(tmp_path, capsys, no_mode
                                              (3 << 30, "3.0 GiB"), (2048 << 40, "2048.0 TiB")])
 def test_sizes_are_shown_in_binary_units(size, shown, tmp_path, monkeypatch, capsys, no_model_loads):
     """What ``store du`` prints for a folder of ``size`` bytes (the folder's usage stands in: no file of 2 PiB)."""
-    from hf_kvcompress import cli
+    from hf_kvcompress.cache import store
 
     usage = [{"folder": "m", "chunks": 1, "bytes": size, "temporary_files": 0, "last_used": None}]
-    monkeypatch.setattr(cli, "folder_usage", lambda root: usage)
+    monkeypatch.setattr(store, "folder_usage", lambda root: usage)  # the CLI imports it when the command runs
     assert run(capsys, "du", "--path", str(tmp_path)) == (f"{tmp_path}: {shown} ({size} bytes) in 1 chunks, "
                                                           "1 model folders, 0 temporary files\n")

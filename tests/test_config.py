@@ -107,3 +107,25 @@ def test_lossless_defaults_and_their_json_form_are_unchanged():
         "predictor": "generic", "save_predictor": "generic", "probe_layer": 8, "window": "fixed",
         "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": None, "decoded_budget": 0.05,
         "coder": "lanes"}
+
+
+def test_the_docs_have_a_row_for_every_config_field():
+    """docs/lossless.md has a field table for `CompressionConfig` and `LosslessConfig`, docs/lossy.md one for
+    `LossyConfig`: every field (``budget``, an init-only shortcut, included), no row for a field that is gone."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+
+    def rows(page: str, heading: str) -> list[str]:
+        text = (docs / page).read_text().split(heading, 1)[1]
+        table = re.search(r"\| field \| default \| meaning \|\n\|---\|---\|---\|\n((?:\|.*\n)+)", text)
+        return re.findall(r"^\| `(\w+)` \|", table[1], re.M)
+
+    def fields(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    assert rows("lossless.md", "`CompressionConfig`:\n") == [*fields(CompressionConfig), "budget"]  # + the InitVar
+    assert sorted(rows("lossless.md", "`LosslessConfig`:\n")) == sorted(fields(LosslessConfig))
+    assert sorted(rows("lossy.md", "## Configuration (`LossyConfig`)")) == sorted(fields(LossyConfig))

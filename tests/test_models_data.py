@@ -87,6 +87,31 @@ def test_a_cached_hub_model_loads_offline_without_retries(monkeypatch, caplog):
         models.resolve_model_source("a/b/c")
 
 
+def test_an_unreachable_hub_is_one_line_without_a_chained_traceback(tmp_path, monkeypatch):
+    """The README's hub snippet with no network and no cached copy: the one-line `UnknownModelError`, not the
+    hub's 70-line connection traceback chained before it; a folder without a model alike."""
+    import traceback
+
+    import huggingface_hub
+
+    def unreachable(repo_id, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    with pytest.raises(models.UnknownModelError) as info:
+        models.load_model("org/not-cached")
+    assert str(info.value) == ("model 'org/not-cached': cannot reach the Hugging Face hub ([Errno -2] Name or "
+                               "service not known) and it is not in the hub's cache; pass a local folder, or "
+                               "download it once online")
+    with pytest.raises(ValueError, match="could not load model") as empty:
+        models.load_model(tmp_path)
+    for err in (info.value, empty.value):
+        shown = "".join(traceback.format_exception(err))
+        assert "During handling" not in shown and "direct cause" not in shown, shown
+
+
 def test_pip_downloads_say_what_they_fetch_first(tmp_path, monkeypatch, caplog):
     """First-use downloads print a note before pip runs (pip itself is quiet); a second call downloads nothing."""
     from hf_kvcompress import downloads
@@ -117,6 +142,7 @@ def test_missing_local_text_sources_are_named_before_reading(source):
     assert data.check_source("someone/some-dataset") is None  # a hub name: checked when loaded
 
 
+@pytest.mark.slow  # 16 s on 2 loaded cores (2026-12-04): imports every module in a fresh process
 def test_importing_the_library_fetches_and_writes_nothing(tmp_path):
     """Assets are fetched only by explicit calls at the edges (load_model(), the CLI, first-use calibration):
     importing every module and computing the cache paths runs no pip and creates no folder."""
@@ -162,3 +188,13 @@ def test_importing_the_library_leaves_datasets_unloaded():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+def test_the_library_names_the_codecs_table_folder(tmp_path, monkeypatch):
+    """Built codec tables are kept in ``$HF_KVCOMPRESS_CACHE/codec`` once the cache's coding is imported
+    (`blockcoder` sets the folder; `import hf_kvcompress` alone imports no torch, so it no longer does)."""
+    from hf_kvcompress import CompressedCache  # noqa: F401  (imports the block coder)
+    from hf_kvcompress.codec import tables
+
+    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(tmp_path))
+    assert tables._cache_path(tables.TABLES_SHA256) == tmp_path / "codec" / f"tables-{tables.TABLES_SHA256[:16]}.npz"

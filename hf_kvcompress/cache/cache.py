@@ -70,6 +70,12 @@ class CompressedCache(Cache):
             config = CompressionConfig()
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"CompressedCache: config must be a CompressionConfig, got {type(config).__name__}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"CompressedCache: model must be the model object (a torch.nn.Module, e.g. from "
+                            f"load_model()), got {type(model).__name__} {model!r:.60}")
+        if model_config is not None and not isinstance(model_config, PretrainedConfig):
+            raise TypeError(f"CompressedCache: model_config must be a transformers PretrainedConfig, got "
+                            f"{type(model_config).__name__}")
         if config.mode == "lossy":  # before any slow work: a query-scored method needs the model
             require_model(config.lossy, model)
         if model is not None and model_config is None:
@@ -288,7 +294,10 @@ class CompressedCache(Cache):
         """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
         token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"context"``;
         ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
-        resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use)."""
+        resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use).
+        Raises ``ValueError`` for a cache that cannot be saved (empty, lossy) and ``OSError`` for a path that
+        cannot be written (``FileNotFoundError``: no such folder; ``IsADirectoryError``: a folder), both before
+        any coding."""
         name = predictor or self.config.lossless.save_predictor
         if self._calibration_pending and reads_calibration(name):
             self.resolve_calibration()
@@ -480,8 +489,32 @@ class _TokenRecorder:
                 f"CompressedCache holds {cache.token_ids.shape[0]} batch row(s), this forward passes {ids.shape[0]}: "
                 "a cache serves the batch it was filled with; use a new cache (or cache.reset()) for another batch"
             )
+        _check_continues(cache, ids, kwargs.get("position_ids"))
         cache.token_ids = ids if cache.token_ids is None else torch.cat([cache.token_ids, ids], dim=1)
         return None
+
+
+def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any) -> None:
+    """Refuse, before the forward runs, inputs that do not continue the sequence the cache holds: what a reused
+    cache gets from ``generate()`` with another prompt of at most its length (``generate`` passes the tokens past
+    the cache's length, so none (transformers then fails with a raw reshape error) or positions that restart).
+    A longer prompt that does not start with the cached tokens looks like a continuation from here (the forward
+    sees only its tail): README "Quick start" says to use a new cache or `reset()`."""
+    held = max((layer.seen_tokens for layer in cache.kv_layers()), default=0)  # positions, kept or summarised
+    if not held:
+        return
+    advice = ("generate() continues the sequence a cache holds, so its input must be the cached tokens "
+              "(cache.token_ids) followed by new ones; for another prompt use a new cache or call cache.reset()")
+    if ids.shape[1] == 0:
+        raise ValueError(f"CompressedCache holds {held} tokens and this forward passes none after them: {advice}")
+    if cache.token_ids is None or cache.token_ids.shape[1] != held:
+        return  # filled through update() (a replay, a copy): ids recorded for part of it at most, no reference
+    # padded rows (recorded by the caller from this forward's mask too) start their positions later: not checked
+    if isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[1] and not cache.saw_padding:
+        first = int(positions[0, 0])
+        if first != held:
+            raise ValueError(f"CompressedCache holds {held} tokens but this forward's positions start at {first}: "
+                             f"its input does not continue the cached sequence; {advice}")
 
 
 

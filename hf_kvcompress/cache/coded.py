@@ -11,7 +11,6 @@ layer above can need them (`pool`).
 from __future__ import annotations
 
 import functools
-import os
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,15 +44,8 @@ from ..errors import PredictorMismatchError
 from ..layer.storage import Block, Storage, owned
 from ..predictors import make_predictor
 from ..predictors.base import KINDS, BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
+from ..threads import available_cores, thread_plan
 from .pool import DecodedPool, flat_values, values_tensors
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS reports it)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -157,7 +149,7 @@ class LosslessCoding:
         self.codec_config = codec_config
         self.find_block = find_block
         self.marginals = marginals
-        self.workers = workers if workers is not None else available_cores()  # LosslessConfig.workers=None
+        self.workers = workers if workers is not None else thread_plan().codec  # LosslessConfig.workers=None
         self.extras_source: ExtrasSource | None = None
         self.layer_count = layer_count or (lambda: None)
         self.depth = predictor.below_depth()

@@ -105,6 +105,11 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
                progress: bool = False) -> Path:
     """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
     ``save_predictor``)."""
+    target = Path(path)
+    if target.is_dir():  # before any coding: open() would raise a bare IsADirectoryError after it
+        raise IsADirectoryError(f"save: {str(target)!r} is a folder; pass a file path, e.g. {str(target / 'cache.kvc')!r}")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"save: the folder {target.parent} does not exist")
     layers = cache.kv_layers()
     states = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
               and bool(state_tensors(layer))]
@@ -212,9 +217,6 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     digest = hashlib.sha256(head)
     digest.update(blob)
     digest.update(payload)
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"save: the folder {target.parent} does not exist")
     with open(target, "wb") as out:
         out.write(head)
         out.write(blob)

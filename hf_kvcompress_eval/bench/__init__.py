@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-import torch
+from hf_kvcompress.threads import torch_threads
 
 from .common import add_common_arguments
 
@@ -67,8 +67,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     bench_args = parse_bench_args(args.name, args.options)
-    threads = torch.get_num_threads()
-    try:  # the benches set torch's threads for their timings: give the caller its own back
+    # a bench's --threads (0, or a bench without one: the library's thread plan), the caller's count back after
+    with torch_threads(getattr(bench_args, "threads", 0)):
         return bench_module(args.name).run(bench_args)
-    finally:
-        torch.set_num_threads(threads)

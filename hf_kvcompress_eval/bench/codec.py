@@ -23,7 +23,7 @@ bf16) and codes it as two tensors (all K, all V). Sections (``--sections``, comm
 
 Writes bench_codec.json, bench_codec.txt (the tables) and, with sections 1 and 2, bench_codec.png.
 
-    hf-kvcompress bench codec [--out results/codec] [--tokens 2048] [--sections rate,windows,realistic,lanes]
+    hf-kvcompress bench codec [--out DIR] [--tokens 2048] [--sections rate,windows,realistic,lanes]
 
 Takes ~10 minutes on 2 cores (``--sections realistic``: ~2 minutes; ``lanes``: seconds).
 """

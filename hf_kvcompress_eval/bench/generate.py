@@ -11,7 +11,7 @@ RSS during the decode steps above the RSS before the cache was built (cache and 
 building's own peak is recorded in the JSON) against DynamicCache's.
 
     hf-kvcompress bench generate [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
-        [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out results/generate]
+        [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out DIR]
 
 Writes bench_generate.json, bench_generate.md and bench_generate.png.
 
@@ -133,14 +133,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for every configuration (the shared machine: 1; 2 = both cores)")
+                        help="torch threads for every configuration (the shared machine: 1; 2 = both cores; "
+                             "0 = the library's thread plan)")
     parser.add_argument("--workers", type=int, default=None,
                         help="LosslessConfig.workers: codec threads per block batch (default: the config's, "
-                             "i.e. every core the process may run on)")
+                             "i.e. the thread plan's: every core the process may run on, or HF_KVCOMPRESS_THREADS)")
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
     out = out_folder(args, "generate")
     work = workload(args.smoke)
     model = work.model

@@ -1,6 +1,6 @@
 """Benchmark the Triton kernels (docs/kernels.md) against their torch references and the device's memory bandwidth.
 
-Prepared for a GPU: ``hf-kvcompress bench kernels [--out results/kernels]``; writes bench_kernels.json. Reports, per kernel, time,
+Prepared for a GPU: ``hf-kvcompress bench kernels [--out DIR]``; writes bench_kernels.json. Reports, per kernel, time,
 throughput and GB/s moved (and that over the measured device-to-device copy bandwidth), after checking the
 Triton result against the torch reference; for the codec's ANS decoder, decode throughput in GB/s of bf16
 output (DFloat11 reports hundreds of GB/s) and the decode time against one decode step's attention over the

@@ -24,7 +24,7 @@ workaround for LMCache 0.5.6's ``fs`` adapter: a padded file's apparent size and
 ``fallocate --dig-holes``.
 
 Usage: ``hf-kvcompress bench lmcache [--tokens 1024] [--calibration DIR] [--calib-tokens 16384]
-[--out results/lmcache]`` (``LMCACHE_TRACK_USAGE=false`` is set unless given). Writes report.md and results.json. Needs the ``lmcache`` install (docs/lmcache.md); ~15 min on
+[--out DIR]`` (``LMCACHE_TRACK_USAGE=false`` is set unless given). Writes report.md and results.json. Needs the ``lmcache`` install (docs/lmcache.md); ~15 min on
 2 busy cores with the default calibration fit (~1 min per chunk for all rows).
 """
 

@@ -18,7 +18,7 @@ route equal (bitwise) those of DynamicCache reusing the same prefix (prefill the
 generate the whole prompt from a `copy.deepcopy` of it: transformers' prompt-reuse pattern). Writes
 ``results.json`` first, then ``prefix_store.png``.
 
-    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out results/prefix]
+    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ SMOKE = {"prefixes": "256"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefixes", default="512,2048,8192")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (2 as docs/results/prefix.md measured; 0 = the library's thread plan)")
     parser.add_argument("--offset", type=int, default=3000, help="first token of the held-out text used")
     parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes")
 
@@ -60,12 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 5:
         raise CliError("--repeats must be >= 5 (medians of at least five runs)")
-    torch.set_num_threads(args.threads)
     out = out_folder(args, "prefix")
     work = workload(args.smoke)
     calibration = None if args.no_context else work.default_calibration(("context",))
     prefixes = [int(p) for p in args.prefixes.split(",")]
-    result = {"model": f"{work.name} bf16", "threads": args.threads, "repeats": args.repeats,
+    result = {"model": f"{work.name} bf16", "threads": torch.get_num_threads(), "repeats": args.repeats,
               "suffix": SUFFIX, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "prefixes": {}}
     for prefix in prefixes:

@@ -89,3 +89,60 @@ def test_a_cache_reused_with_another_batch_size_says_so():
     with torch.no_grad():
         model(random_ids(2, 5), cache=cache)  # a reset cache takes a new batch
     assert cache.get_seq_length() == 5
+
+
+ADVICE = ("generate() continues the sequence a cache holds, so its input must be the cached tokens (cache.token_ids) "
+          "followed by new ones; for another prompt use a new cache or call cache.reset()")
+
+
+def test_a_cache_reused_with_another_prompt_is_refused_in_one_line():
+    """``generate()`` with a used cache and a prompt of at most its length: one ValueError before any layer runs
+    (without the check: transformers' raw reshape error for a prompt of at most half the cache, a silent
+    continuation from the stale K/V otherwise). After ``reset()`` the cache generates as a new one does."""
+    model = tiny_model("llama-gqa")
+    config = CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4)
+    cache = CompressedCache(config, model=model)
+    first = random_ids(1, 40, seed=1)
+    out = model.generate(first, cache=cache, max_new_tokens=3, do_sample=False)
+    out = model.generate(out, cache=cache, max_new_tokens=2, do_sample=False)  # a continuation is fine
+    held = cache.get_seq_length()
+    assert held == 44 and torch.equal(cache.token_ids, out[:, :-1])
+    for length, problem in ((10, "passes none after them"), (40, "positions start at 4"),
+                            (44, "positions start at 0")):
+        with pytest.raises(ValueError) as info:
+            model.generate(random_ids(1, length, seed=length), cache=cache, max_new_tokens=2, do_sample=False)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(f"CompressedCache holds {held} tokens"), message
+        assert problem in message and message.endswith(ADVICE), message
+        assert cache.get_seq_length() == held  # refused before the forward: nothing appended
+    cache.reset()
+    other = random_ids(1, 30, seed=7)
+    again = model.generate(other, cache=cache, max_new_tokens=4, do_sample=False)
+    fresh = model.generate(other, cache=CompressedCache(config, model=model), max_new_tokens=4, do_sample=False)
+    assert torch.equal(again, fresh)
+
+
+def test_model_must_be_the_model_object():
+    with pytest.raises(TypeError) as info:
+        CompressedCache(CompressionConfig(mode="lossless"), model="smollm2")  # type: ignore[arg-type]
+    assert str(info.value) == ("CompressedCache: model must be the model object (a torch.nn.Module, e.g. from "
+                               "load_model()), got str 'smollm2'")
+    with pytest.raises(TypeError, match=r"^CompressedCache: model_config must be a transformers PretrainedConfig, "
+                                        r"got dict$"):
+        CompressedCache(model_config={"num_hidden_layers": 2})  # type: ignore[arg-type]
+
+
+def test_saving_to_a_folder_is_one_clear_error_before_any_coding(tmp_path, monkeypatch):
+    from hf_kvcompress.cache import persist
+
+    model = tiny_model("llama-gqa")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model)
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache)
+    monkeypatch.setattr(persist, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(IsADirectoryError) as info:
+        cache.save(".")
+    assert str(info.value) == "save: '.' is a folder; pass a file path, e.g. 'cache.kvc'"
+    with pytest.raises(FileNotFoundError, match=r"^save: the folder nowhere does not exist$"):
+        cache.save("nowhere/x.kvc")

@@ -270,6 +270,7 @@ def fitted() -> Calibration:
                            chunk=128, predictors=("context",), progress=False)
 
 
+@pytest.mark.slow  # 28 s on 2 loaded cores (2026-12-04): outside the fast tier (README)
 def test_layers_beyond_the_calibration_are_refused(tmp_path):
     """A file saved without a model, with a consistently forged extra layer: the calibration bounds it."""
     cache = CompressedCache(CONFIG, calibration=fitted())

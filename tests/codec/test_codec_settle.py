@@ -16,6 +16,7 @@ def _params(mean_bits: np.ndarray, std_bits: np.ndarray, fmt) -> tuple[np.ndarra
     return tuple(element_params(mean_bits.astype(np.uint32), std_bits.astype(np.uint32), fmt))
 
 
+@pytest.mark.slow  # 3 x 21 s on 2 loaded cores (2026-12-04): outside the fast tier (README)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_canonical_statistics_give_the_same_params(fmt):
     """Every low half-word of the mean under many grid values, both signs, zero / subnormal / normal stds of

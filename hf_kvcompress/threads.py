@@ -1,0 +1,119 @@
+"""How many threads the library runs: torch's intra-op threads and the codec's workers, chosen within the cores
+this process may run on (its CPU affinity), with one override, ``HF_KVCOMPRESS_THREADS=N`` or
+`configure_threads` (N cores to plan for).
+
+Why a plan at all: a lossless decode step alternates torch's work with the codec's, and torch's OpenMP threads
+spin on the other cores between operations, so torch on every core beside codec workers on every core
+oversubscribes them: the first demo on 2 shared cores took 2.1-2.2 s a token with torch's default threads
+against 0.23 s with one torch thread (issue 38), and on an idle 2-vCPU machine one torch thread with two codec
+workers made a 2,048-token decode step 4.16x DynamicCache's against 8.89x with two torch threads
+(docs/results/lossless.md, "Codec threads"). The plan gives torch half the cores (at least one) and the codec
+all of them (it runs between torch's operations, and its decode-ahead beside torch's one thread). Only the
+2-core case is measured; more cores follow the same rule untested.
+
+Where it applies: the command line (`hf-kvcompress demo`, `calibrate`, `eval`, `bench`) sets torch's threads from
+the plan at start; a `CompressedCache` takes the plan's codec workers (``LosslessConfig.workers=None``). The
+library never changes torch's threads on its own: ``torch.set_num_threads`` is process-wide, and a cache that
+changed it would slow the rest of a user's program (a `DynamicCache` baseline included) behind their back, which
+no transformers cache does; library users call `configure_threads()` once (the README's quick start does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+#: the environment variable that overrides the cores the plan uses (an int >= 1)
+ENV = "HF_KVCOMPRESS_THREADS"
+
+#: cores given to `configure_threads` (None: not called, or called without a count)
+_configured: int | None = None
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """The threads chosen for ``cores`` cores: ``torch`` intra-op threads, ``codec`` workers per block batch;
+    ``source`` says where the core count came from."""
+
+    cores: int
+    torch: int
+    codec: int
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.torch} torch thread(s), {self.codec} codec worker(s) ({self.cores} cores: {self.source})"
+
+
+def _check_cores(cores: object, owner: str) -> int:
+    if isinstance(cores, bool) or not isinstance(cores, int):
+        raise TypeError(f"{owner}: cores must be an int >= 1, got {type(cores).__name__}")
+    if cores < 1:
+        raise ValueError(f"{owner}: cores must be an int >= 1, got {cores}")
+    return cores
+
+
+def _env_cores() -> int | None:
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    try:
+        cores = int(text)
+    except ValueError:
+        cores = 0
+    if cores < 1:
+        raise ValueError(f"{ENV}={text!r}: expected a number of cores >= 1 (unset it to use the CPU affinity)")
+    return cores
+
+
+def thread_plan(cores: int | None = None) -> ThreadPlan:
+    """The threads for ``cores`` cores; None: those given to `configure_threads`, else ``$HF_KVCOMPRESS_THREADS``,
+    else the process's CPU affinity (`available_cores`)."""
+    if cores is not None:
+        count, source = _check_cores(cores, "thread_plan"), "given"
+    elif _configured is not None:
+        count, source = _configured, "configure_threads"
+    elif (from_env := _env_cores()) is not None:
+        count, source = from_env, ENV
+    else:
+        count, source = available_cores(), "CPU affinity"
+    return ThreadPlan(cores=count, torch=max(1, count // 2), codec=count, source=source)
+
+
+def configure_threads(cores: int | None = None) -> ThreadPlan:
+    """Apply the plan for ``cores`` cores (None: ``$HF_KVCOMPRESS_THREADS``, else the CPU affinity): set torch's
+    intra-op threads, and make it the codec workers of every `CompressedCache` built from now on whose
+    ``LosslessConfig.workers`` is None. A count given here stays the override for the process. Returns the plan."""
+    global _configured
+    if cores is not None:
+        _configured = _check_cores(cores, "configure_threads")
+    plan = thread_plan()
+    torch.set_num_threads(plan.torch)
+    return plan
+
+
+class torch_threads:
+    """Set torch's intra-op threads for a ``with`` block, restoring the count before it on exit; ``count`` 0
+    takes the plan's (`thread_plan`)."""
+
+    def __init__(self, count: int):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"torch_threads: count must be an int >= 0 (0: the thread plan's), got {count!r}")
+        self.count = count or thread_plan().torch
+        self.before = torch.get_num_threads()
+
+    def __enter__(self) -> torch_threads:
+        torch.set_num_threads(self.count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
