@@ -634,17 +634,20 @@ def folder_usage(root: str | Path) -> list[dict[str, Any]]:
 def folder_model(folder: str | Path) -> str | None:
     """What the newest chunk in ``folder`` says of its model: dtype, layers, KV heads x key width, from its header
     alone (read-only, unchecked: for listings; chunks record no model name), or None without a readable one."""
-    chunks = [p for p in Path(folder).glob(f"*{SUFFIX}") if p.is_file()]  # regular files only (no FIFO to block on)
-    for path in sorted(chunks, key=_mtime, reverse=True)[:1]:
+    chunks = [(info.st_mtime, path) for path, info, chunk in _own_files(Path(folder)) if chunk]
+    for _, path in sorted(chunks, reverse=True)[:1]:
         try:
-            with open(path, "rb") as file:
-                magic, _version, size = _PREFIX.unpack(file.read(_PREFIX.size))
+            fd, _size = open_regular(path, follow_links=False)  # regular files only: no FIFO to block on
+            try:
+                magic, _version, size = _PREFIX.unpack(read_exactly(fd, _PREFIX.size))
                 if magic != MAGIC or size > 1 << 24:  # a header holds ids and block entries: far below 16 MiB
                     return None
-                header = json.loads(file.read(size))
+                header = json.loads(read_exactly(fd, size))
+            finally:
+                os.close(fd)
             layers = header["layers"]
             return f"{header['dtype']}, {len(layers)} layers, {layers[0]['heads']} KV heads x {layers[0]['key_dim']}"
-        except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError):
+        except (CacheFileError, OSError, struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError):
             return None
     return None
 
