@@ -171,6 +171,7 @@ class LosslessCoding:
         self._chain: dict[tuple[int, int], tuple[Block, LayerValues]] = {}
         self._highest = 0  # the highest layer kept so far, and the layer count it implies once a pass ends
         self._passed_layers: int | None = None
+        self._codecs: dict[int, tuple[Marginal, CodecConfig]] = {}  # `codec_for`'s memo
 
     # ------------------------------------------------------------------ coding
 
@@ -178,7 +179,10 @@ class LosslessCoding:
         marginal = self.marginals(layer) if self.marginals is not None else None
         if marginal is None:
             return self.codec_config
-        return _with_marginal(self.codec_config, marginal)
+        # one object per layer: the block coder groups a call's streams by their setting's identity
+        if self._codecs.get(layer, (None,))[0] is not marginal:
+            self._codecs[layer] = (marginal, _with_marginal(self.codec_config, marginal))
+        return self._codecs[layer][1]
 
     def encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         with one_thread():
