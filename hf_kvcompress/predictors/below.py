@@ -140,4 +140,4 @@ class BelowPredictor(CalibratedLinearPredictor):
         return self._layers[layer]
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t for heads in self._layers.values() for t in heads.tensors()]
+        return [t for heads in self._layers.values() for t in heads.tensors()] + self.frame.tensors()
