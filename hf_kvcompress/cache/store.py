@@ -62,7 +62,7 @@ DEFAULT_MAX_BYTES = 8 << 30
 #: LMCache's and vLLM's default chunk size: a chunk of this store and one of an LMCache deployment cover the same
 #: tokens
 DEFAULT_CHUNK_TOKENS = 256
-PREDICTORS = ("generic", "context")
+PREDICTORS = ("generic", "context", "below")
 #: temporary files older than this are a killed writer's leftovers: an eviction pass removes them
 STALE_SECONDS = 3600.0
 
@@ -98,7 +98,9 @@ class PrefixStore:
         path: the folder (default ``$HF_KVCOMPRESS_CACHE/prefixes``); several models may share one.
         max_bytes: bound on the folder's chunk bytes (default `DEFAULT_MAX_BYTES` or a quarter of the free disk).
         chunk_tokens: tokens per chunk, a multiple of the cache's ``block_tokens`` (128).
-        predictor: ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding) or ``"context"``
+        predictor: ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding), ``"below"`` (the
+            layer below through the calibration's maps, a kind at a time: docs/results/lossless.md "Calibrated
+            coding in batches (issue 34)") or ``"context"``
             (the model's calibration, found or fitted on first use: ~0.52x raw, transcoded on lookup).
         config: the lossless configuration of the caches `cache_for` returns (default ``CompressionConfig()``).
     """
@@ -145,9 +147,9 @@ class PrefixStore:
 
     @property
     def calibration(self) -> Calibration | None:
-        """The calibration chunks are coded with (``predictor="context"``: found or fitted on first use)."""
-        if self.predictor == "context" and self._calibration is None:
-            self._calibration, _ = calibration_for(self.model)
+        """The calibration chunks are coded with (a calibrated predictor: found or fitted on first use)."""
+        if self.predictor != "generic" and self._calibration is None:
+            self._calibration, _ = calibration_for(self.model, predictors=(self.predictor,))
         return self._calibration
 
     @property

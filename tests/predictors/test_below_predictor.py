@@ -10,7 +10,7 @@ import torch
 from helpers import fresh_tiny_model, random_ids, same_bits, sliding_model
 from transformers import DynamicCache
 
-from hf_kvcompress import CompressedCache, CompressionConfig, blockcoder
+from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore, blockcoder
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.predictors.base import BlockInputs, LayerValues
 from hf_kvcompress.predictors.below import BelowPredictor, PhasedSession
@@ -172,3 +172,27 @@ def test_the_phased_recipe_reads_no_value_heads_and_every_key_head():
     assert [recipe.own_features("v", h, 3) for h in range(3)] == [3, 3, 3]
     plain = FeatureRecipe(below=1, inter_head=True)
     assert [plain.own_features("v", h, 3) for h in range(3)] == [3, 4, 5]
+
+
+def test_prefix_store_round_trip_is_exact(tmp_path):
+    """``PrefixStore(predictor="below")``: chunks coded with the calibration's maps, transcoded on lookup; the hit
+    generates as the reused DynamicCache does."""
+    model, ids = model6(), random_ids(1, 50, seed=14)
+    cfg = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=0)
+    store = PrefixStore(model, path=tmp_path, chunk_tokens=2 * BLOCK, predictor="below", config=cfg,
+                        calibration=calibration(), max_bytes=1 << 30)
+    prefix = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, : 4 * BLOCK // 2], cache=prefix)
+    assert store.put(ids[:, : 2 * BLOCK], prefix) == 2 * BLOCK
+    cache = store.cache_for(ids)
+    assert cache.get_seq_length() == 2 * BLOCK
+    reference = DynamicCache()
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+              "return_dict_in_generate": True}
+    with torch.no_grad():
+        model(ids[:, : 2 * BLOCK], cache=reference)
+        want = model.generate(ids, cache=reference, **kwargs)
+        got = model.generate(ids, cache=cache, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want.logits, got.logits))
