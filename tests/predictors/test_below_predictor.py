@@ -196,3 +196,4 @@ def test_prefix_store_round_trip_is_exact(tmp_path):
         got = model.generate(ids, cache=cache, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want.logits, got.logits))
+
