@@ -68,7 +68,7 @@ def test_a_session_equals_the_maps_written_out():
     predictor = BelowPredictor(cal)
     g = torch.Generator().manual_seed(3)
     heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
-    below_k, below_v, keys, values = (torch.randn(1, heads, tokens, dim, generator=g).bfloat16() for _ in range(4))
+    below_k, below_v, keys = (torch.randn(1, heads, tokens, dim, generator=g).bfloat16() for _ in range(3))
     surprise = torch.rand(1, tokens, generator=g) + 0.5
     positions = torch.arange(40, 40 + tokens)
     inputs = BlockInputs(layer, 1, positions, LayerValues(below_k, below_v, surprise))
@@ -152,7 +152,7 @@ def test_layers_that_drop_tokens_are_refused_at_construction():
     model = sliding_model(48, torch.bfloat16)
     fitted = Calibration.fit(model, None, ids=random_ids(1, 64, seed=1), tokens=64, chunk=32, predictors=("below",),
                              progress=False)
-    with pytest.raises(ValueError, match="reads the layer below, but this model has .'sliding_attention'. layers"):
+    with pytest.raises(ValueError, match=r"reads the layer below, but this model has \['sliding_attention'\] layers"):
         CompressedCache(config(), model=model, calibration=fitted)
 
 
