@@ -69,14 +69,18 @@ def run(args: argparse.Namespace) -> int:
     out = out_folder(args, "predictors")
     work = workload(args.smoke)
     with tempfile.TemporaryDirectory() as tmp:
-        calibration, fits = fit_heads(work, [n for n in names if n in FITTED], args, Path(tmp))
+        folder, fits = fit_heads(work, [n for n in names if n in FITTED], args, Path(tmp))
+
+        def calibration(name: str) -> Calibration | None:
+            """A fresh load per cache (its held bytes count what it reads), None for a model-free predictor."""
+            return Calibration.load(folder, work.model) if name in FITTED else None
+
         rows = frontier(work, names, calibration, args, Path(tmp))
         for name, fit in fits.items():
             rows[name].update(fit)
-        held = {}
-        if args.held_tokens:
-            for name in args.held_predictors.split(","):
-                held[name] = held_ratio(work, name, calibration, args.held_tokens, args)
+        (out / "results.json").write_text(json.dumps({"rows": rows, "partial": True}, indent=1))  # before the held run
+        held = held_ratios(work, args.held_predictors.split(","), calibration, args.held_tokens, args) \
+            if args.held_tokens else {}
     result = {"model": f"{work.name} bf16", "tokens": args.tokens, "threads": args.threads, "steps": args.steps,
               "repeats": args.repeats, "held_tokens": args.held_tokens, "machine": machine(), "versions": versions(),
               "rows": rows, "held": held, "smoke": args.smoke}
@@ -88,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def fit_heads(work: Workload, names: list[str], args, tmp: Path) -> tuple[Calibration | None, dict[str, dict]]:
-    """One first-use fit per calibrated predictor (CPU seconds, heads bytes), merged, saved and loaded back."""
+def fit_heads(work: Workload, names: list[str], args, tmp: Path) -> tuple[Path | None, dict[str, dict]]:
+    """One first-use fit per calibrated predictor (CPU seconds, heads bytes), merged and saved (its folder)."""
     merged, fits = None, {}
     chunk = min(FIRST_USE_CHUNK, args.fit_tokens)
     ids = work.ids(args.fit_tokens, split="calibration")
@@ -103,7 +107,7 @@ def fit_heads(work: Workload, names: list[str], args, tmp: Path) -> tuple[Calibr
     if merged is None:
         return None, fits
     merged.save(tmp / "calibration")
-    return Calibration.load(tmp / "calibration", work.model), fits
+    return tmp / "calibration", fits
 
 
 def config(name: str, args) -> CompressionConfig:
@@ -125,7 +129,7 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
     _, _, expected = run_steps(model, reference, tokens)
     caches, rows = {}, {}
     for name in names:
-        cache = CompressedCache(config(name, args), model=model, calibration=calibration)
+        cache = CompressedCache(config(name, args), model=model, calibration=calibration(name))
         fill(cache, prefix)
         caches[name] = cache
         scalars = sum(len(b.rows) * b.heads * b.tokens * (b.dim + b.value_dim) for layer in cache.kv_layers()
@@ -146,7 +150,7 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
     for _ in range(args.repeats):
         for name in names:
             start = time.perf_counter()
-            loaded = CompressedCache.load(tmp / f"{name}.kvc", model=model, calibration=calibration)
+            loaded = CompressedCache.load(tmp / f"{name}.kvc", model=model, calibration=calibration(name))
             _, _, logits = run_steps(model, loaded, tokens[:, :1])
             rows[name]["load_s"].append(time.perf_counter() - start)
             rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[0].view(torch.int32))
@@ -157,15 +161,19 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
     return rows
 
 
-def held_ratio(work: Workload, name: str, calibration, tokens: int, args) -> float:
-    """``held_bytes`` of a cache of ``tokens`` prompt tokens (one decode step taken) over DynamicCache's bytes."""
+def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args) -> dict[str, float]:
+    """Per predictor: ``held_bytes`` of a cache of ``tokens`` prompt tokens (one decode step taken) over
+    DynamicCache's bytes."""
     ids = work.ids(tokens + 1, split="evaluation")
     prefix, _ = prefilled(work.model, ids[:, :tokens])
-    cache = CompressedCache(config(name, args), model=work.model, calibration=calibration)
-    fill(cache, prefix)
-    run_steps(work.model, cache, ids[:, tokens:])
-    stats = cache.stats()
-    return stats["held_bytes"] / stats["raw_bytes"]
+    out = {}
+    for name in names:
+        cache = CompressedCache(config(name, args), model=work.model, calibration=calibration(name))
+        fill(cache, prefix)
+        run_steps(work.model, cache, ids[:, tokens:])
+        stats = cache.stats()
+        out[name] = stats["held_bytes"] / stats["raw_bytes"]
+    return out
 
 
 def table(result: dict) -> str:
