@@ -63,13 +63,15 @@ def run(args: argparse.Namespace) -> int:
     from hf_kvcompress.errors import CliError
 
     names = args.predictors.split(",")
-    if names[0] != "generic" or set(names) - set(IN_GENERATION):
-        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)}")
+    if names[0] != "generic" or set(names + args.held_predictors.split(",")) - set(IN_GENERATION):
+        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)} (--held-predictors too)")
     torch.set_num_threads(args.threads)
     out = out_folder(args, "predictors")
     work = workload(args.smoke)
     with tempfile.TemporaryDirectory() as tmp:
-        folder, fits = fit_heads(work, [n for n in names if n in FITTED], args, Path(tmp))
+        held_names = args.held_predictors.split(",") if args.held_tokens else []
+        fitted = [n for n in dict.fromkeys(names + held_names) if n in FITTED]
+        folder, fits = fit_heads(work, fitted, args, Path(tmp))
 
         def calibration(name: str) -> Calibration | None:
             """A fresh load per cache (its held bytes count what it reads), None for a model-free predictor."""
@@ -77,10 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
         rows = frontier(work, names, calibration, args, Path(tmp))
         for name, fit in fits.items():
-            rows[name].update(fit)
+            rows.get(name, {}).update(fit)
         (out / "results.json").write_text(json.dumps({"rows": rows, "partial": True}, indent=1))  # before the held run
-        held = held_ratios(work, args.held_predictors.split(","), calibration, args.held_tokens, args) \
-            if args.held_tokens else {}
+        held = held_ratios(work, held_names, calibration, args.held_tokens, args) if held_names else {}
     result = {"model": f"{work.name} bf16", "tokens": args.tokens, "threads": args.threads, "steps": args.steps,
               "repeats": args.repeats, "held_tokens": args.held_tokens, "machine": machine(), "versions": versions(),
               "rows": rows, "held": held, "smoke": args.smoke}
