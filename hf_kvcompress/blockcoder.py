@@ -44,7 +44,7 @@ from .codec import (
 from .codec.params import settle
 from .codec.symbols import format_of
 from .downloads import cache_dir
-from .predictors.base import Predictor, PredictorSession, stream_order
+from .predictors.base import KINDS, Predictor, PredictorSession, stream_order
 
 # The codec knows no application folders; the library keeps its built tables with its other files (a path read
 # when the tables are first built, so importing creates nothing). Set here, where every library path that codes
@@ -240,12 +240,16 @@ def encode_blocks(items: list[EncodeItem], threads: int = 1) -> list[CodedStream
     """The streams of each block of ``items`` (see module docstring); ``threads``: codec threads per call (the
     bytes do not depend on it)."""
     out, pending = [], []
+    phased = []  # blocks whose sessions go a kind at a time: coded together after the others, kind by kind
     for i, item in enumerate(items):
         rows, heads = item.keys.shape[:2]
         streams = 2 * heads
         coded = CodedStreams([array("b", bytes(streams)) for _ in range(rows)], [[b""] * streams for _ in range(rows)],
                              [[_NOTHING] * streams for _ in range(rows)] if item.session.portable else None)
         out.append(coded)
+        if item.session.kind_independent and not item.session.independent:
+            phased.append(i)
+            continue
         for index, (kind, head) in enumerate(stream_order(heads)):
             x = (item.keys if kind == "k" else item.values)[:, head]
             found = _scaled(item, coded, i, index, kind, head, x)
@@ -255,6 +259,18 @@ def encode_blocks(items: list[EncodeItem], threads: int = 1) -> list[CodedStream
                 _encode(out, found, threads)
                 item.session.observe(kind, head, x)
     _encode(out, pending, threads)
+    for kind in KINDS:  # one codec call per kind for all phased blocks (per shape of statistics)
+        found = []
+        for i in phased:
+            item, heads = items[i], items[i].keys.shape[1]
+            for index, (k, head) in enumerate(stream_order(heads)):
+                if k == kind:
+                    found += _scaled(item, out[i], i, index, kind, head, (item.keys if kind == "k" else item.values)[:, head])
+        _encode(out, found, threads)
+        for i in phased:
+            item = items[i]
+            for head in range(item.keys.shape[1]):
+                item.session.observe(kind, head, (item.keys if kind == "k" else item.values)[:, head])
     return out
 
 
@@ -263,11 +279,15 @@ def decode_blocks(items: list[DecodeItem], threads: int = 1) -> list[tuple[torch
     `CorruptStreamError` (its `ParameterMismatchError` when a session did not reproduce the encoder's statistics)
     for a stream that does not decode to the declared shape exactly."""
     out, pending = [], []
+    phased = []  # as in `encode_blocks`
     for i, item in enumerate(items):
         rows = len(item.streams.blobs)
         keys = torch.empty((rows, item.heads, item.tokens, item.dim), dtype=item.dtype)
         values = torch.empty((rows, item.heads, item.tokens, item.value_dim), dtype=item.dtype)
         out.append((keys, values))
+        if item.session.kind_independent and not item.session.independent:
+            phased.append(i)
+            continue
         for index, (kind, head) in enumerate(stream_order(item.heads)):
             found = _expected(item, i, index, kind, head)
             if item.session.independent:
@@ -276,6 +296,12 @@ def decode_blocks(items: list[DecodeItem], threads: int = 1) -> list[tuple[torch
                 _decode(out, found, threads)
                 item.session.observe(kind, head, (keys if kind == "k" else values)[:, head])
     _decode(out, pending, threads)
+    for kind in KINDS:
+        _decode(out, [s for i in phased for index, (k, head) in enumerate(stream_order(items[i].heads)) if k == kind
+                      for s in _expected(items[i], i, index, kind, head)], threads)
+        for i in phased:
+            for head in range(items[i].heads):
+                items[i].session.observe(kind, head, out[i][0 if kind == "k" else 1][:, head])
     return out
 
 

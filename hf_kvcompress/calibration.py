@@ -289,8 +289,10 @@ class Calibration:
             name = predictor.heads_name
             stats = _fit_predictor(predictor, index, chunks, frame, n_layers, tensors, progress)
             recipe = predictor.layer_recipe(n_layers - 1)
-            fitted[name] = {**stats, "features": {"below": recipe.below, "inter_head": recipe.inter_head,
-                                                  "extras": list(recipe.extras)}}
+            features = {"below": recipe.below, "inter_head": recipe.inter_head, "extras": list(recipe.extras)}
+            if recipe.phased:  # recorded only where set: files of the other head sets keep their bytes
+                features["phased"] = True
+            fitted[name] = {**stats, "features": features}
 
         config = model.config.to_dict()
         identity = model_identity(model)
@@ -470,16 +472,17 @@ def _fit_predictor(
         # the coder's surprise recursion (`Surprise`), on the fit's float64 residuals
         trackers = [Surprise(b.surprise[0] if b is not None else None) for b in below]
         for kind_index, kind in enumerate(("k", "v")):
+            # a phased recipe's streams of one kind share the surprise known before the kind (`FeatureRecipe`)
+            phase = [t.current((tokens,)) for t in trackers] if recipe.phased else None
+            deferred = []
             for h in range(heads):
                 target = n_base + (kind_index * heads + h) * dim
-                n_feat = n_base
-                if recipe.inter_head:
-                    n_feat += h * dim if kind == "k" else (heads + h) * dim
+                n_feat = n_base + recipe.own_features(kind, h, heads) * dim
                 weight = ridge_solve(gram, factor, n_feat, target, dim)
                 stored = _compact(weight)
                 weight32 = stored.to(torch.float32)  # the residuals of the weights the coder will use
                 residuals = [(z[:, target : target + dim] - z[:, :n_feat] @ weight32).double() for z in zs]
-                surprise = [t.current((tokens,)) for t in trackers]
+                surprise = phase if phase is not None else [t.current((tokens,)) for t in trackers]
                 alpha, sigma = fit_alpha(residuals, surprise, n)
                 key = f"{name}/L{layer}/{kind}{h}"
                 tensors[f"{key}/weight"] = stored
@@ -487,14 +490,23 @@ def _fit_predictor(
                 tensors[f"{key}/alpha"] = torch.tensor(alpha, dtype=torch.float32)
                 gaussian_bits.append(_gaussian_bits(residuals[:ESTIMATE_CHUNKS], surprise, alpha, sigma, chunks,
                                                     layer, kind, h))
-                for t, r in zip(trackers, residuals):
-                    t.add(r.float() / sigma)
+                deferred.append((residuals, sigma))
+                if phase is None:
+                    _add_errors(trackers, *deferred.pop())
+            for residuals, sigma in deferred:
+                _add_errors(trackers, residuals, sigma)
         below = [
             LayerValues.on_top_of(c.kv[layer][0], c.kv[layer][1], trackers[i].current((tokens,))[None], below[i])
             for i, c in enumerate(chunks)
         ]
     mean_bits = sum(gaussian_bits) / len(gaussian_bits) if gaussian_bits else 0.0
     return {"first_layer": first, "in_sample_gaussian_bits_estimate": round(mean_bits, 3)}
+
+
+def _add_errors(trackers: list[Surprise], residuals: list[torch.Tensor], sigma: torch.Tensor) -> None:
+    """Show each chunk's surprise tracker one stream's residuals, standardised by the fitted ``sigma``."""
+    for t, r in zip(trackers, residuals):
+        t.add(r.float() / sigma)
 
 
 def _require_one_width(cache) -> None:

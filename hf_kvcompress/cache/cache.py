@@ -22,7 +22,7 @@ from ..layer import CompressedLayer, RawStorage, Storage
 from ..layer.hybrid import CompressedHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
 from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
-from ..predictors.registry import reads_calibration
+from ..predictors.registry import FITTED, reads_calibration
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
 from .persist import load_cache, save_cache
 
@@ -300,7 +300,7 @@ class CompressedCache(Cache):
         any coding."""
         name = predictor or self.config.lossless.save_predictor
         if self._calibration_pending and reads_calibration(name):
-            self.resolve_calibration()
+            self.resolve_calibration(predictor=name)
         return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
 
     @property
@@ -309,14 +309,17 @@ class CompressedCache(Cache):
         None until then)."""
         return self._calibration_pending
 
-    def resolve_calibration(self) -> Calibration | None:
+    def resolve_calibration(self, *, predictor: str | None = None) -> Calibration | None:
         """The calibration this cache uses, resolving a pending ``calibration="auto"`` first: the attached
         model's default calibration, found or fitted and saved on first use (`calibration_for`, with its
         progress bar and one printed line), or None where there is none (``stats()["calibration"]`` says why).
         Idempotent: later calls return what the first found. `save` calls it when its predictor reads a
-        calibration; the in-generation predictor keeps coding as it was built (without one)."""
+        calibration; the in-generation predictor keeps coding as it was built (without one). ``predictor``: a
+        predictor whose heads a first-use fit also fits (beside `FIRST_USE_PREDICTORS`)."""
         if self._calibration_pending:
-            self.calibration, self.calibration_note = calibration_for(self.model)
+            wanted = FIRST_USE_PREDICTORS if predictor is None or predictor not in FITTED else \
+                tuple(dict.fromkeys((*FIRST_USE_PREDICTORS, predictor)))
+            self.calibration, self.calibration_note = calibration_for(self.model, predictors=wanted)
             self._calibration_pending = False  # after the lookup: one interrupted midway is tried again
         return self.calibration
 

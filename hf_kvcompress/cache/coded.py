@@ -163,6 +163,7 @@ class LosslessCoding:
         self._chain: dict[tuple[int, int], tuple[Block, LayerValues]] = {}
         self._highest = 0  # the highest layer kept so far, and the layer count it implies once a pass ends
         self._passed_layers: int | None = None
+        self._codecs: dict[int, tuple[Marginal, CodecConfig]] = {}  # `codec_for`'s memo
 
     # ------------------------------------------------------------------ coding
 
@@ -170,7 +171,10 @@ class LosslessCoding:
         marginal = self.marginals(layer) if self.marginals is not None else None
         if marginal is None:
             return self.codec_config
-        return _with_marginal(self.codec_config, marginal)
+        # one object per layer: the block coder groups a call's streams by their setting's identity
+        if self._codecs.get(layer, (None,))[0] is not marginal:
+            self._codecs[layer] = (marginal, _with_marginal(self.codec_config, marginal))
+        return self._codecs[layer][1]
 
     def encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         with one_thread():
@@ -211,7 +215,11 @@ class LosslessCoding:
             if values is not None:
                 self._keep(block, values)  # a held block advances the chain memo as a decode would
         missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
-        if (self.depth == 0 or self.predictor.independent_blocks) and missing:
+        if self.predictor.kind_batched and len(missing) > 1:
+            with one_thread():
+                for i, values in zip(missing, self._decode_blocks([blocks[i] for i in missing])):
+                    found[i] = values
+        elif (self.depth == 0 or self.predictor.independent_blocks) and missing:
             groups: dict[tuple, list[int]] = {}
             for i in missing:
                 b = blocks[i]
@@ -473,27 +481,39 @@ class LosslessCoding:
         return hit[1] if hit is not None and hit[0] is block else None
 
     def _decode_block(self, block: CodedBlock) -> LayerValues:
-        side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
-        session = self.predictor.session(self._inputs(block.layer, block.start, block.tokens, len(block.rows), side))
-        streams = 2 * block.heads
-        listed = [[_listed_of(row, index) for index in range(streams)] for row in block.rows] if session.portable \
-            else None
-        coded = CodedStreams([row.scales for row in block.rows], [row.blobs for row in block.rows], listed)
-        item = DecodeItem(session, coded, block.heads, block.tokens, block.dim, block.value_dim, block.dtype,
-                          self.codec_for(block.layer), verify=not block.verified)
+        return self._decode_blocks([block])[0]
+
+    def _decode_blocks(self, blocks: list[CodedBlock]) -> list[LayerValues]:
+        """Decode ``blocks`` (of one layer when more than one: a `Predictor.kind_batched` predictor's, one codec
+        call per kind and shape) through their sessions."""
+        items = []
+        for block in blocks:
+            side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
+            session = self.predictor.session(self._inputs(block.layer, block.start, block.tokens, len(block.rows),
+                                                          side))
+            streams = 2 * block.heads
+            listed = [[_listed_of(row, index) for index in range(streams)] for row in block.rows] \
+                if session.portable else None
+            coded = CodedStreams([row.scales for row in block.rows], [row.blobs for row in block.rows], listed)
+            items.append(DecodeItem(session, coded, block.heads, block.tokens, block.dim, block.value_dim, block.dtype,
+                                    self.codec_for(block.layer), verify=not block.verified))
         try:
-            [(keys, values)] = decode_blocks([item], self.workers)
+            decoded = decode_blocks(items, self.workers)
         except ParameterMismatchError as err:
+            first = blocks[0]
             raise PredictorMismatchError(
-                f"layer {block.layer}, tokens {block.start}..{block.start + block.tokens}: the "
+                f"layer {first.layer}, tokens {first.start}..{blocks[-1].start + blocks[-1].tokens}: the "
                 f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
                 f"(different thread count, CPU, library version or calibration?): {err}"
             ) from err
-        self.decodes += 1
-        block.verified = True
-        found = session.finish(keys, values)
-        self._keep(block, found)
-        return found
+        out = []
+        for block, item, (keys, values) in zip(blocks, items, decoded):
+            self.decodes += 1
+            block.verified = True
+            found = item.session.finish(keys, values)
+            self._keep(block, found)
+            out.append(found)
+        return out
 
     # ------------------------------------------------------------------ decoded tensors
 

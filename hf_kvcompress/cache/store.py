@@ -83,7 +83,7 @@ DEFAULT_MAX_BYTES = 8 << 30
 #: LMCache's and vLLM's default chunk size: a chunk of this store and one of an LMCache deployment cover the same
 #: tokens
 DEFAULT_CHUNK_TOKENS = 256
-PREDICTORS = ("generic", "context")
+PREDICTORS = ("generic", "context", "below")
 #: a temporary file older than this whose writer holds no lock on it is a killed writer's leftover (younger: its
 #: writer may be between creating and locking it, microseconds apart)
 TEMP_GRACE_SECONDS = 10.0
@@ -129,7 +129,9 @@ class PrefixStore:
             `MARKER` file); several models may share one.
         max_bytes: bound on the folder's chunk bytes (default `DEFAULT_MAX_BYTES` or a quarter of the free disk).
         chunk_tokens: tokens per chunk, a multiple of the cache's ``block_tokens`` (128).
-        predictor: ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding) or ``"context"``
+        predictor: ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding), ``"below"`` (the
+            layer below through the calibration's maps, a kind at a time: docs/results/lossless.md "Calibrated
+            coding in batches (issue 34)") or ``"context"``
             (the model's calibration, found or fitted on first use: ~0.52x raw, transcoded on lookup).
         config: the lossless configuration of the caches `cache_for` returns (default ``CompressionConfig()``).
         secret: bytes that key an HMAC-SHA256 over every chunk instead of the plain SHA-256, for a folder that
@@ -184,9 +186,9 @@ class PrefixStore:
 
     @property
     def calibration(self) -> Calibration | None:
-        """The calibration chunks are coded with (``predictor="context"``: found or fitted on first use)."""
-        if self.predictor == "context" and self._calibration is None:
-            self._calibration, _ = calibration_for(self.model)
+        """The calibration chunks are coded with (a calibrated predictor: found or fitted on first use)."""
+        if self.predictor != "generic" and self._calibration is None:
+            self._calibration, _ = calibration_for(self.model, predictors=(self.predictor,))
         return self._calibration
 
     @property

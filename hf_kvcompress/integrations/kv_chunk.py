@@ -9,8 +9,9 @@ block), with its mean and spread from a predictor run across the chunk's layers,
   in a RoPE frame relative to the chunk's first token: `ChunkStatsPredictor`), so any model's chunk codes
   with no set-up. The frame is the model's when configured, else guessed from the chunk
   (`guess_rope_frame`), and travels with the payload;
-- with a `Calibration`: the ``context`` predictor (the layer below, earlier heads, calibrated linear maps,
-  per-layer marginals). The chunk must then have the calibrated model's shape. Its keys are un-rotated
+- with a `Calibration`: the ``below`` predictor where it has its heads (the layer below through calibrated
+  linear maps, a kind at a time: payload mode 3), else ``context`` (the layer below, earlier heads, calibrated
+  linear maps: mode 2); both with per-layer marginals. The chunk must then have the calibrated model's shape. Its keys are un-rotated
   at absolute positions, which a chunk does not carry: the encoder estimates the first token's position
   (`estimate_first_position`) and records it; a wrong estimate only costs ratio, never exactness.
 
@@ -46,6 +47,7 @@ from ..calibration import Calibration
 from ..codec import CodecConfig, CorruptStreamError, stream_info
 from ..errors import ChunkError, ChunkPayloadError
 from ..predictors.base import ROUNDING_TOLERANCE, BlockInputs, LayerValues, Predictor, PredictorSession
+from ..predictors.below import BelowPredictor
 from ..predictors.context import ContextPredictor
 from ..predictors.generic import BlockStatsSession, block_stats
 from ..predictors.rope import RopeFrame
@@ -53,8 +55,12 @@ from ..predictors.rope import RopeFrame
 MAGIC = b"HFKVCHNK"
 VERSION = 2  # 2: portable statistics (float64, settled; listed elements after each stream of a portable session)
 DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
-MODE_RAW, MODE_STATS, MODE_CONTEXT = 0, 1, 2
-MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "context (calibrated)"}
+MODE_RAW, MODE_STATS, MODE_CONTEXT, MODE_BELOW = 0, 1, 2, 3
+MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "context (calibrated)",
+              MODE_BELOW: "below (calibrated)"}
+#: the calibrated modes and their predictors; a calibration with ``below`` heads codes with them (two batched
+#: phases per layer: docs/results/lossless.md, "Calibrated coding in batches (issue 34)"), else with ``context``
+CALIBRATED_MODES = {MODE_BELOW: BelowPredictor, MODE_CONTEXT: ContextPredictor}
 # magic, version, dtype, mode, reserved, layers, tokens, hidden, heads (streams per layer and k/v), first
 # position, model id (the calibration's; zeros model-free), body length, CRC-32 of the decoded chunk's
 # bytes, CRC-32 of everything before this field plus the body
@@ -211,7 +217,8 @@ class ChunkCoder:
     """Codes KV chunks losslessly (see module docstring).
 
     Args:
-        calibration: a `Calibration` with the ``context`` predictor (None: per-chunk statistics, model-free).
+        calibration: a `Calibration` with the ``below`` or ``context`` predictor (``below`` where it has both;
+            None: per-chunk statistics, model-free).
         layers, kv_heads, head_dim: the model's shape; chunks of another shape are refused. With a
             calibration they come from it; model-free, any may be None (then: any layer count, any width,
             one stream per layer and k/v).
@@ -232,10 +239,11 @@ class ChunkCoder:
         self.threads = threads
         self.calibration = calibration
         if calibration is not None:
-            if "context" not in calibration.predictors:
+            fitted = [mode for mode, cls in CALIBRATED_MODES.items() if cls.name in calibration.predictors]
+            if not fitted:
                 raise ValueError(
-                    f"this calibration has no 'context' predictor (it has {calibration.predictors}); "
-                    "fit one with: hf-kvcompress calibrate --predictors context"
+                    f"this calibration has no 'below' or 'context' predictor (it has {calibration.predictors}); "
+                    "fit one with: hf-kvcompress calibrate --predictors below"
                 )
             model = calibration.meta["model"]
             want = {"layers": model["layers"], "kv_heads": model["kv_heads"], "head_dim": model["head_dim"]}
@@ -243,8 +251,8 @@ class ChunkCoder:
                 if value is not None and value != want[name]:
                     raise ValueError(f"{name}={value} contradicts the calibration's model ({name}={want[name]})")
             layers, kv_heads, head_dim = want["layers"], want["kv_heads"], want["head_dim"]
-            self.predictor: Predictor | None = ContextPredictor(calibration)
-            self.predictor.portable = True  # payloads are read on other machines
+            self._mode = fitted[0]
+            self.predictor: Predictor | None = self._calibrated(self._mode)
             self.rope: RopeFrame | None = calibration.rope_frame()
             self.model_id = calibration_id(calibration)
         else:
@@ -278,7 +286,15 @@ class ChunkCoder:
 
     @property
     def mode(self) -> int:
-        return MODE_STATS if self.calibration is None else MODE_CONTEXT
+        return MODE_STATS if self.calibration is None else self._mode
+
+    def _calibrated(self, mode: int) -> Predictor:
+        """The calibrated predictor of ``mode`` (payloads of either calibrated mode decode with the calibration)."""
+        if mode == getattr(self, "_mode", None) and getattr(self, "predictor", None) is not None:
+            return self.predictor
+        predictor = CALIBRATED_MODES[mode](self.calibration)
+        predictor.portable = True  # payloads are read on other machines
+        return predictor
 
     @property
     def hidden(self) -> int | None:
@@ -398,17 +414,19 @@ class ChunkCoder:
             except ChunkError as err:
                 raise ChunkPayloadError(f"KV chunk payload does not fit this coder: {err}") from err
             # model-free payloads carry all they need; calibrated ones need the writer's calibration
-            if header.mode == MODE_CONTEXT and (self.mode != MODE_CONTEXT or header.model_id != self.model_id):
-                have = f"calibration {self.model_id.hex()}" if self.mode == MODE_CONTEXT else "no calibration"
+            calibrated = header.mode in CALIBRATED_MODES
+            if calibrated and (self.calibration is None or header.model_id != self.model_id
+                               or CALIBRATED_MODES[header.mode].name not in self.calibration.predictors):
+                have = f"calibration {self.model_id.hex()}" if self.calibration is not None else "no calibration"
                 raise ChunkPayloadError(
                     f"KV chunk payload was coded with calibration {header.model_id.hex()}, this coder has {have}: "
                     "configure every reader with the writer's calibration"
                 )
-            if header.mode == MODE_CONTEXT and header.heads != self.heads_of(header.hidden):
+            if calibrated and header.heads != self.heads_of(header.hidden):
                 raise ChunkPayloadError(f"KV chunk payload has {header.heads} streams per layer, the calibrated "
                                         f"model {self.heads_of(header.hidden)}")
             try:
-                predictor, offset = self.predictor, 0
+                predictor, offset = self._calibrated(header.mode) if calibrated else None, 0
                 if header.mode == MODE_STATS:
                     frame, offset = _unpack_frame(body, header)
                     predictor = ChunkStatsPredictor(frame)
@@ -460,7 +478,7 @@ class ChunkCoder:
         return BlockInputs(layer, 1, positions, below if layer > 0 else None, dict(side))
 
     def _codec_config(self, layer: int, mode: int) -> CodecConfig:
-        if mode != MODE_CONTEXT:
+        if mode not in CALIBRATED_MODES:
             return CODEC_CONFIG
         return replace(CODEC_CONFIG, marginal=self.calibration.marginal(layer))
 
@@ -543,7 +561,7 @@ def estimate_first_position(chunk: torch.Tensor, calibration: Calibration, max_p
 
     RoPE turns each channel pair of a key into a phasor rotating at its own frequency. Un-rotated by their
     offsets inside the chunk, the first key head's tokens average to the calibrated pre-RoPE mean (the bias
-    of the ``context`` head ``L0/k0``, which has no other features) rotated by ``theta * p0``; the ``p0`` in
+    of the ``below`` or ``context`` head ``L0/k0``, which has no other features) rotated by ``theta * p0``; the ``p0`` in
     ``[0, max_position)`` whose rotation best matches, summed over frequencies, is returned (0 without RoPE).
     Measured on SmolLM2 (docs/lmcache.md): the exact position for every offset tried.
     """
@@ -554,7 +572,9 @@ def estimate_first_position(chunk: torch.Tensor, calibration: Calibration, max_p
         config = calibration.meta["model"].get("config", {})
         max_position = int(config.get("max_position_embeddings") or 131072)
     head_dim = calibration.meta["model"]["head_dim"]
-    mean = calibration.stream_heads("context", 0)[("k", 0)].weight[0].to(torch.float64)  # [head_dim]
+    # the layer-0 key bias of a head set with no other layer-0 key features (``below`` or ``context``)
+    name = next(cls.name for cls in CALIBRATED_MODES.values() if cls.name in calibration.predictors)
+    mean = calibration.stream_heads(name, 0)[("k", 0)].weight[0].to(torch.float64)  # [head_dim]
     keys = chunk[0, 0, :, :head_dim].to(torch.float32)  # first key head of layer 0, [tokens, head_dim]
     relative = frame.unrotate(keys, torch.arange(keys.shape[0])).mean(dim=0).to(torch.float64)
     half = head_dim // 2

@@ -7,10 +7,10 @@ does). An L2 adapter then selects it::
 
     {"type": "fs", "base_path": "/kv", "serde": {"type": "hf_kvcompress"}}                # model-free
     {"type": "fs", "base_path": "/kv", "serde": {"type": "hf_kvcompress",
-                                                 "calibration": "/path/to/calibration"}}  # context predictor
+                                                 "calibration": "/path/to/calibration"}}  # below (or context) predictor
 
 Serde kwargs (all optional; see docs/lmcache.md):
-    calibration: a calibration folder (``hf-kvcompress calibrate --predictors context``);
+    calibration: a calibration folder (``hf-kvcompress calibrate --predictors below``, or ``context``);
     calibration_fingerprint: a model fingerprint: the calibration ``hf-kvcompress calibrate`` saved under
         ``~/.cache/hf_kvcompress/calibrations/<fingerprint>``;
     model_config: a transformers config (folder, ``config.json`` or hub id): chunks of another shape are
@@ -143,7 +143,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         raise ValueError(f"hf_kvcompress serde: portable must be true or false, got {portable!r}")
     if portable and calibration is not None:
         raise ValueError("hf_kvcompress serde: portable is model-free coding without a RoPE frame, a calibration "
-                         "codes with its context predictor: give one or the other (payloads of either decode on "
+                         "codes with its below or context predictor: give one or the other (payloads of either decode on "
                          "every CPU)")
     if portable and kwargs.get("rope_theta") is not None:
         raise ValueError("hf_kvcompress serde: portable codes without a RoPE frame; give portable or rope_theta, "

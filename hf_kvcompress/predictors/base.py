@@ -98,6 +98,10 @@ class PredictorSession(ABC):
     #: may then predict every stream first and code the whole block in one batch
     independent: bool = False
 
+    #: True when no stream's prediction depends on another stream of its kind: the caller may predict every key
+    #: stream, code them in one batch and observe them, then do the same for the values (two phases per block)
+    kind_independent: bool = False
+
     #: True when `predict` gives float64 statistics whose last bits depend on the CPU (matrix products, libm):
     #: the cache then codes canonical float32 values (`codec.params.settle`, within `bounds`) so that a file
     #: decodes on every machine; False: float32 statistics that every machine computes bit for bit
@@ -197,6 +201,10 @@ class Predictor(ABC):
     #: True when a session's block never needs another block of its layer: a cache may decode a layer's blocks
     #: in one call even when the sessions read the layer below
     independent_blocks: bool = False
+
+    #: True when its sessions are `PredictorSession.kind_independent` and need no other block of their layer: a
+    #: cache decodes a layer's blocks together, one codec call per kind
+    kind_batched: bool = False
 
     def predict_blocks(self, side: dict[str, torch.Tensor], blocks: int,
                        heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -85,6 +85,20 @@ class FeatureRecipe:
     below: int = 1  # layers below whose K (pre-RoPE) and V are features
     inter_head: bool = True
     extras: tuple[str, ...] = ()
+    #: two phases per block instead of one stream after another: keys read no own-layer heads, values read every
+    #: key head of their layer (and no other value head), and all streams of a kind share the surprise known before
+    #: the kind starts. A kind's streams then depend on nothing of each other: a coder predicts them in one matrix
+    #: product and codes them in one codec call (`PredictorSession.kind_independent`)
+    phased: bool = False
+
+    def own_features(self, kind: str, head: int, heads: int) -> int:
+        """How many own-layer head blocks stream (kind, head) reads (of ``heads`` per kind), in the order
+        ``[own keys..., own values...]``: a prefix of them."""
+        if not self.inter_head:
+            return 0
+        if self.phased:
+            return 0 if kind == "k" else heads
+        return head if kind == "k" else heads + head
 
 
 @dataclass
@@ -136,9 +150,8 @@ class FeatureBuilder:
 
     def own(self, kind: str, head: int) -> list[torch.Tensor]:
         """The stream's own-layer features, in order (empty without inter-head prediction)."""
-        if not self.recipe.inter_head:
-            return []
-        return self.own_keys[:head] if kind == "k" else self.own_keys + self.own_values[:head]
+        count = self.recipe.own_features(kind, head, len(self.own_keys) if kind == "v" else head)
+        return (self.own_keys + self.own_values)[:count]
 
     def features(self, kind: str, head: int, batch: int, tokens: int) -> torch.Tensor:
         """``[batch, tokens, n]``: the constant 1, the shared features, the own-layer features."""
@@ -175,10 +188,7 @@ class FeatureBuilder:
                     parts.append(flat_heads(self.bound("v", layer.values)))
             self._base_bound = (torch.cat(parts, dim=-1) if parts
                                 else torch.zeros(self.inputs.batch, self.positions.shape[0], 0))
-        heads = len(self.own_keys)
-        own = self.own_bounds[:head] if kind == "k" else self.own_bounds[:heads] + self.own_bounds[heads : heads + head]
-        if not self.recipe.inter_head:
-            own = []
+        own = self.own_bounds[: self.recipe.own_features(kind, head, len(self.own_keys) if kind == "v" else head)]
         size = weight[1:].abs().to(torch.float32)
         out, row = self._base_bound @ size[: self._base_bound.shape[-1]], self._base_bound.shape[-1]
         for part in own:  # piecewise, as `apply`: no concatenation per stream

@@ -8,7 +8,7 @@ import torch
 
 # The registry line: importing a predictor module registers its class (`base.register`); a new predictor is a new
 # module named here.
-from . import context, framed, generic, none, probe, selffit, twin  # noqa: F401
+from . import below, context, framed, generic, none, probe, selffit, twin  # noqa: F401
 from .base import REGISTERED, Predictor
 
 #: name -> class, in name order (the order of error messages, config choices and `Calibration.fit`'s head sets)

@@ -31,6 +31,13 @@ class RopeFrame:
             self._float64 = RopeFrame(self.inv_freq, torch.float64)
         return self._float64
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Its frequencies and the cos / sin tables it remembers (its float64 twin's too, which shares the
+        frequencies): memory its owner holds."""
+        frames = [self] if self._float64 is None else [self, self._float64]
+        tables = [t for frame in frames for pair in frame._memo.values() for t in pair]
+        return tables + ([self.inv_freq] if self.inv_freq is not None else [])
+
     @classmethod
     def standard(cls, base: float, head_dim: int) -> RopeFrame:
         """The frame of standard (unscaled) RoPE: frequencies ``base ** (-2i / head_dim)`` (Su et al.,

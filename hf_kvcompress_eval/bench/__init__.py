@@ -21,6 +21,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                "prefix reuse: PrefixStore and saved files against recomputing the prompt"),
     "lmcache": ("hf_kvcompress_eval.bench.lmcache",
                 "the LMCache serde against LMCache's naive, fp8 and CacheGen (needs lmcache)"),
+    "predictors": ("hf_kvcompress_eval.bench.predictors",
+                   "the rate / speed frontier of every in-generation predictor side by side"),
     "kernels": ("hf_kvcompress_eval.bench.kernels",
                 "the Triton kernels against their torch references and the memory bandwidth (GPU)"),
 }
@@ -55,7 +57,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to the ``hf-kvcompress`` parser's subparsers."""
     listing = "\n".join(f"  {name:<9} {about}" for name, (_, about) in BENCHES.items())
     parser = subparsers.add_parser(
-        "bench", help="run a maintained benchmark (generate, codec, prefix, lmcache, kernels)",
+        "bench", help="run a maintained benchmark (generate, codec, prefix, lmcache, predictors, kernels)",
         description="Run one benchmark; `hf-kvcompress bench NAME --help` lists its options. Every benchmark "
         "takes --out (default: eval-results/bench/NAME) and --smoke (seconds, on a tiny random model).",
         epilog=f"benchmarks:\n{listing}", formatter_class=argparse.RawDescriptionHelpFormatter)

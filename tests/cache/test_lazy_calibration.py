@@ -64,7 +64,7 @@ def test_the_default_cache_looks_nothing_up_at_construction(user_cache, model, l
     assert stats["calibration_bytes"] == 0 and stats["held_bytes"] == held_bytes_walked(cache)
 
 
-@pytest.mark.parametrize("predictor", ["context", "none"])
+@pytest.mark.parametrize("predictor", ["context", "none", "below"])
 def test_a_calibrated_generation_predictor_looks_up_at_construction(user_cache, model, lookups, tmp_path, predictor):
     cache = CompressedCache(lossless(predictor=predictor), model=model)
     assert lookups == [model] and not cache.calibration_pending and cache.calibration is not None
@@ -75,6 +75,16 @@ def test_a_calibrated_generation_predictor_looks_up_at_construction(user_cache, 
         model(random_ids(1, 40), cache=cache)
     cache.save(tmp_path / "x.kvc")
     assert cache.resolve_calibration() is cache.calibration and len(lookups) == 1
+
+
+def test_a_save_with_below_fits_its_heads_on_first_use(user_cache, model, lookups, tmp_path):
+    cache = filled(LOSSLESS, model, tokens=70)  # generic in generation: nothing looked up yet
+    path = cache.save(tmp_path / "below.kvc", predictor="below")
+    assert lookups == [model] and "below" in cache.calibration.predictors
+    loaded = CompressedCache.load(path, model=model)
+    for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
+        assert torch.equal(a.keys.view(torch.int16), b.keys.view(torch.int16))
+        assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
 
 
 def test_the_first_save_looks_up_once(user_cache, model, lookups, tmp_path, capsys):

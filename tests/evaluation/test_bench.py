@@ -18,6 +18,7 @@ OUTPUTS = {
     "codec": ["bench_codec.json", "bench_codec.txt", "bench_codec.png"],
     "prefix": ["results.json", "prefix_store.png"],
     "lmcache": ["results.json", "report.md"],
+    "predictors": ["results.json", "frontier.md"],
     "kernels": ["bench_kernels_smoke.json"],
 }
 NEEDS = {"lmcache": "lmcache", "kernels": "triton"}
@@ -37,6 +38,9 @@ def check_results(name: str, results: dict) -> None:
     elif name == "lmcache":
         rows = {r["method"]: r for r in results["table"]}
         assert all(r["exact"] for m, r in rows.items() if m.startswith("hf_kvcompress"))
+    elif name == "predictors":
+        assert set(results["rows"]) == {"generic", "none", "context", "below"}
+        assert all(r["identical"] for r in results["rows"].values()) and set(results["held"]) == {"generic", "below"}
     elif name == "kernels":
         assert results["smoke"] and all(r["check"] in (None, True) for r in results["rows"])
         assert {"decode_over_attention", "decode_ms"} <= set(results["ans_vs_attention"])

@@ -7,11 +7,12 @@ import struct
 import pytest
 import torch
 from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, noise_chunk, resealed, tiny_calibrated
-from helpers import random_ids, same_bits
+from helpers import fresh_tiny_model, random_ids, same_bits
 
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.integrations.kv_chunk import (
     HEADER,
+    MODE_BELOW,
     MODE_CONTEXT,
     MODE_RAW,
     MODE_STATS,
@@ -174,7 +175,7 @@ def test_rope_frame_is_guessed_from_rotated_keys():
 def test_calibration_without_context_predictor_is_refused():
     _, calibration = tiny_calibrated()
     meta = dict(calibration.meta, predictors={"none": {}})
-    with pytest.raises(ValueError, match="no 'context' predictor"):
+    with pytest.raises(ValueError, match="no 'below' or 'context' predictor"):
         ChunkCoder(type(calibration)(meta, calibration.tensors))
 
 
@@ -280,3 +281,22 @@ def test_smollm2_chunks_positions_and_frame(smollm2, smollm2_calibration):
     assert [estimate_first_position(c, calibration) for c in chunks] == [0, 256]
     calibrated = ChunkCoder(calibration)
     assert same_bits(calibrated.decode(calibrated.encode(chunks[1])), chunks[1])
+
+
+def test_kv_chunks_code_with_below_where_the_calibration_has_it():
+    """A calibration with ``below`` heads codes LMCache chunks in mode 3, exactly; one with only ``context`` heads
+    keeps writing mode 2; a reader without the writer's heads refuses."""
+    model = fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6)
+    cal = Calibration.fit(model, None, ids=random_ids(1, 256, seed=3), tokens=256, chunk=128,
+                          predictors=("below",), progress=False)
+    chunk = model_chunks(model, 64, 64)[0]
+    payload = ChunkCoder(cal).encode(chunk)
+    assert parse_header(payload).mode == MODE_BELOW
+    assert same_bits(ChunkCoder(cal).decode(payload), chunk)
+    context_only = Calibration.fit(model, None, ids=random_ids(1, 128, seed=9), tokens=128, chunk=64,
+                                   predictors=("context",), progress=False)
+    older = ChunkCoder(context_only).encode(chunk)
+    assert parse_header(older).mode == MODE_CONTEXT
+    assert same_bits(ChunkCoder(context_only).decode(older), chunk)
+    with pytest.raises(ChunkPayloadError, match="with the writer's calibration"):
+        ChunkCoder(context_only).decode(payload)

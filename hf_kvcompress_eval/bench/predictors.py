@@ -1,0 +1,192 @@
+"""The rate / speed frontier of every in-generation predictor, side by side in one run (issue 34).
+
+SmolLM2-135M-Instruct bf16, held-out Shakespeare (evaluation split), torch and the codec on ``--threads`` threads.
+Each calibrated predictor's heads are fitted as a first use fits them (`calibration.FIRST_USE_TOKENS` of the
+calibration split in chunks of `FIRST_USE_CHUNK`), one fit per predictor (its CPU seconds), saved and loaded back
+(as the first use does: the heads are read from the file when first used). The prompt of ``--tokens`` tokens is
+prefilled once with `DynamicCache`; every predictor's cache is filled from a copy of that K/V. Per predictor:
+
+- ``bits``: bits per scalar of the sealed blocks generation holds (streams, scale bytes and side data; the heads
+  apart, in ``heads MB``: what `stats()` counts of them, fp16);
+- ``file bits``: a `save(predictor=...)` file of the same cache (its portable coding, header included);
+- ``step x``: the median of ``--steps`` teacher-forced decode steps over ``generic``'s (round robin over the
+  predictors, so that a busy machine slows all alike), the tokens and every logit checked equal (int views) to
+  DynamicCache's;
+- ``load x``: `CompressedCache.load` of the file plus one decode step (where its blocks are decoded), over
+  ``generic``'s, medians of ``--repeats`` interleaved runs; the loaded cache checked bit for bit;
+- ``held x``: ``stats()['held_bytes']`` after the steps over DynamicCache's bytes, at ``--tokens`` and, for
+  ``--held-predictors``, at ``--held-tokens`` (the heads included).
+
+    hf-kvcompress bench predictors [--predictors generic,none,context,below] [--tokens 2048] [--steps 5]
+        [--repeats 3] [--held-tokens 8192] [--held-predictors generic,below] [--threads 1] [--out ...]
+
+Writes results.json and frontier.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.calibration import FIRST_USE_CHUNK, FIRST_USE_TOKENS, Calibration
+from hf_kvcompress.predictors.registry import FITTED
+
+from ..env import machine, versions
+from .common import Workload, out_folder, workload
+from .generate import IN_GENERATION, fill, run_steps
+
+SMOKE = {"tokens": 48, "steps": 2, "held_tokens": 64, "block_tokens": 8, "fit_tokens": 64}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--predictors", default="generic,none,context,below",
+                        help=f"comma-separated, from {list(IN_GENERATION)}; generic first (the ratios' base)")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--held-tokens", type=int, default=8192, help="0: skip the held bytes at a longer prompt")
+    parser.add_argument("--held-predictors", default="generic,below")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--block-tokens", type=int, default=128)
+    parser.add_argument("--fit-tokens", type=int, default=FIRST_USE_TOKENS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_kvcompress.errors import CliError
+
+    names = args.predictors.split(",")
+    if names[0] != "generic" or set(names + args.held_predictors.split(",")) - set(IN_GENERATION):
+        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)} (--held-predictors too)")
+    torch.set_num_threads(args.threads)
+    out = out_folder(args, "predictors")
+    work = workload(args.smoke)
+    with tempfile.TemporaryDirectory() as tmp:
+        held_names = args.held_predictors.split(",") if args.held_tokens else []
+        fitted = [n for n in dict.fromkeys(names + held_names) if n in FITTED]
+        folder, fits = fit_heads(work, fitted, args, Path(tmp))
+
+        def calibration(name: str) -> Calibration | None:
+            """A fresh load per cache (its held bytes count what it reads), None for a model-free predictor."""
+            return Calibration.load(folder, work.model) if name in FITTED else None
+
+        rows = frontier(work, names, calibration, args, Path(tmp))
+        for name, fit in fits.items():
+            rows.get(name, {}).update(fit)
+        (out / "results.json").write_text(json.dumps({"rows": rows, "partial": True}, indent=1))  # before the held run
+        held = held_ratios(work, held_names, calibration, args.held_tokens, args) if held_names else {}
+    result = {"model": f"{work.name} bf16", "tokens": args.tokens, "threads": args.threads, "steps": args.steps,
+              "repeats": args.repeats, "held_tokens": args.held_tokens, "machine": machine(), "versions": versions(),
+              "rows": rows, "held": held, "smoke": args.smoke}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    text = table(result)
+    (out / "frontier.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {out / 'results.json'} and {out / 'frontier.md'}")
+    return 0
+
+
+def fit_heads(work: Workload, names: list[str], args, tmp: Path) -> tuple[Path | None, dict[str, dict]]:
+    """One first-use fit per calibrated predictor (CPU seconds, heads bytes), merged and saved (its folder)."""
+    merged, fits = None, {}
+    chunk = min(FIRST_USE_CHUNK, args.fit_tokens)
+    ids = work.ids(args.fit_tokens, split="calibration")
+    for name in names:
+        started = time.process_time()
+        fitted = Calibration.fit(work.model, None, ids=ids, tokens=args.fit_tokens, chunk=chunk, predictors=(name,),
+                                 progress=False)
+        heads = sum(t.numel() * t.element_size() for key, t in fitted.tensors.items() if key.startswith(f"{name}/"))
+        fits[name] = {"fit_cpu_s": time.process_time() - started, "heads_bytes": heads}
+        merged = fitted if merged is None else merged.with_heads_of(fitted)
+    if merged is None:
+        return None, fits
+    merged.save(tmp / "calibration")
+    return tmp / "calibration", fits
+
+
+def config(name: str, args) -> CompressionConfig:
+    return CompressionConfig(mode="lossless", block_tokens=args.block_tokens, lossless={"predictor": name})
+
+
+def prefilled(model, ids: torch.Tensor) -> tuple[list, DynamicCache]:
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=reference, use_cache=True)
+    return [(layer.keys, layer.values) for layer in reference.layers], reference
+
+
+def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> dict[str, dict]:
+    model = work.model
+    ids = work.ids(args.tokens + args.steps + 1, split="evaluation")
+    prompt, tokens = ids[:, : args.tokens], ids[:, args.tokens : args.tokens + args.steps]
+    prefix, reference = prefilled(model, prompt)
+    _, _, expected = run_steps(model, reference, tokens)
+    caches, rows = {}, {}
+    for name in names:
+        cache = CompressedCache(config(name, args), model=model, calibration=calibration(name))
+        fill(cache, prefix)
+        caches[name] = cache
+        scalars = sum(len(b.rows) * b.heads * b.tokens * (b.dim + b.value_dim) for layer in cache.kv_layers()
+                      for b in layer.blocks)
+        rows[name] = {"bits": 8.0 * sum(b.nbytes() for layer in cache.kv_layers() for b in layer.blocks) / scalars,
+                      "step_s": [], "load_s": [], "identical": True}
+        path = cache.save(tmp / f"{name}.kvc", predictor=name)
+        rows[name]["file_bits"] = 8.0 * path.stat().st_size / scalars
+    for i in range(args.steps):  # round robin: each step of each predictor beside the others'
+        for name in names:
+            times, _, logits = run_steps(model, caches[name], tokens[:, i : i + 1])
+            rows[name]["step_s"].append(times[0])
+            rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[i].view(torch.int32))
+    for name in names:
+        stats = caches[name].stats()
+        rows[name]["held_ratio"] = stats["held_bytes"] / stats["raw_bytes"]
+    del caches
+    for _ in range(args.repeats):
+        for name in names:
+            start = time.perf_counter()
+            loaded = CompressedCache.load(tmp / f"{name}.kvc", model=model, calibration=calibration(name))
+            _, _, logits = run_steps(model, loaded, tokens[:, :1])
+            rows[name]["load_s"].append(time.perf_counter() - start)
+            rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[0].view(torch.int32))
+    base_step, base_load = statistics.median(rows["generic"]["step_s"]), statistics.median(rows["generic"]["load_s"])
+    for row in rows.values():
+        row["step_ratio"] = statistics.median(row["step_s"]) / base_step
+        row["load_ratio"] = statistics.median(row["load_s"]) / base_load
+    return rows
+
+
+def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args) -> dict[str, float]:
+    """Per predictor: ``held_bytes`` of a cache of ``tokens`` prompt tokens (one decode step taken) over
+    DynamicCache's bytes."""
+    ids = work.ids(tokens + 1, split="evaluation")
+    prefix, _ = prefilled(work.model, ids[:, :tokens])
+    out = {}
+    for name in names:
+        cache = CompressedCache(config(name, args), model=work.model, calibration=calibration(name))
+        fill(cache, prefix)
+        run_steps(work.model, cache, ids[:, tokens:])
+        stats = cache.stats()
+        out[name] = stats["held_bytes"] / stats["raw_bytes"]
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['model']}, {result['tokens']} tokens, {result['threads']} thread(s); step: median of "
+             f"{result['steps']}, load: median of {result['repeats']} (load + one step); ratios to generic's",
+             "| predictor | bits | file bits | step x | load x | held x | fit CPU-s | heads MB | exact |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, r in result["rows"].items():
+        fit = f"{r['fit_cpu_s']:.1f}" if "fit_cpu_s" in r else "-"
+        heads = f"{r['heads_bytes'] / 1e6:.1f}" if "heads_bytes" in r else "-"
+        lines.append(f"| {name} | {r['bits']:.3f} | {r['file_bits']:.3f} | {r['step_ratio']:.2f} | "
+                     f"{r['load_ratio']:.2f} | {r['held_ratio']:.3f} | {fit} | {heads} | {r['identical']} |")
+    for name, ratio in result["held"].items():
+        lines.append(f"held x DynamicCache at {result['held_tokens']} tokens, {name}: {ratio:.3f}")
+    return "\n".join(lines)

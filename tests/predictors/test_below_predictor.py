@@ -1,0 +1,199 @@
+"""The ``below`` predictor: calibrated maps from the layer below, two batched phases per block (keys, then values
+given the keys). Six-layer models (a per-step cost or a memo of the last layers could hide behind two)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import fresh_tiny_model, random_ids, same_bits, sliding_model
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore, blockcoder
+from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.predictors.base import BlockInputs, LayerValues
+from hf_kvcompress.predictors.below import BelowPredictor, PhasedSession
+from hf_kvcompress.predictors.linear import FeatureRecipe, flat_heads
+from hf_kvcompress_eval.env import walk_held_bytes
+
+LAYERS, BLOCK, RESIDUAL = 6, 16, 4
+
+
+@functools.cache
+def model6():
+    return fresh_tiny_model("llama-gqa", torch.bfloat16, layers=LAYERS)
+
+
+@functools.cache
+def calibration() -> Calibration:
+    return Calibration.fit(model6(), None, ids=random_ids(1, 512, seed=9), tokens=512, chunk=128,
+                           predictors=("below",), progress=False)
+
+
+def config(predictor: str = "below") -> CompressionConfig:
+    return CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
+                             lossless={"predictor": predictor, "decoded_budget": 0.0})
+
+
+def count_codec_calls(monkeypatch) -> list[int]:
+    """The number of streams of every `decode_batch` call the block coder makes from now on."""
+    calls: list[int] = []
+    original = blockcoder.decode_batch
+
+    def counted(blobs, *args, **kwargs):
+        calls.append(len(blobs))
+        return original(blobs, *args, **kwargs)
+
+    monkeypatch.setattr(blockcoder, "decode_batch", counted)
+    return calls
+
+
+def test_the_fit_records_the_phased_features_and_their_widths():
+    cal = calibration()
+    assert cal.meta["predictors"]["below"]["features"] == {"below": 1, "inter_head": True, "extras": [],
+                                                            "phased": True}
+    heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
+    below = 2 * heads * dim
+    for layer, base in ((0, 1), (3, 1 + below)):  # layer 0 has no layer below: a bias alone for its keys
+        found = cal.stream_heads("below", layer)
+        assert all(found[("k", h)].weight.shape == (base, dim) for h in range(heads))
+        assert all(found[("v", h)].weight.shape == (base + heads * dim, dim) for h in range(heads))
+
+
+def test_a_session_equals_the_maps_written_out():
+    """Keys: rotate([1, K_below pre-RoPE, V_below] @ W); values: [1, below, every key head pre-RoPE] @ W; the std
+    the fitted sigma (rotated for keys) times the surprise known before the kind, to the power alpha."""
+    cal, layer, tokens = calibration(), 2, 12
+    predictor = BelowPredictor(cal)
+    g = torch.Generator().manual_seed(3)
+    heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
+    below_k, below_v, keys = (torch.randn(1, heads, tokens, dim, generator=g).bfloat16() for _ in range(3))
+    surprise = torch.rand(1, tokens, generator=g) + 0.5
+    positions = torch.arange(40, 40 + tokens)
+    inputs = BlockInputs(layer, 1, positions, LayerValues(below_k, below_v, surprise))
+    session = predictor.session(inputs)
+    assert isinstance(session, PhasedSession) and session.kind_independent and not session.independent
+    frame, stream = predictor.frame, cal.stream_heads("below", layer)
+    base = torch.cat([torch.ones(1, tokens, 1), flat_heads(frame.unrotate(below_k, positions)), flat_heads(below_v)], -1)
+    for h in range(heads):
+        mean, std = session.predict("k", h)
+        head = stream[("k", h)]
+        want = frame.rotate(base @ head.weight, positions)
+        sigma = frame.rotate_variance(head.sigma.square().expand(tokens, -1), positions).sqrt()
+        torch.testing.assert_close(mean, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(std, sigma * surprise.clamp(0.25, 8.0).pow(head.alpha)[..., None])
+    with pytest.raises(RuntimeError, match="before every key head"):
+        session.predict("v", 0)
+    for h in range(heads):
+        session.observe("k", h, keys[:, h])
+    own = torch.cat([base, flat_heads(frame.unrotate(keys, positions))], -1)
+    for h in range(heads):
+        mean, _ = session.predict("v", h)
+        torch.testing.assert_close(mean, own @ stream[("v", h)].weight, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_is_exact_and_decodes_a_kind_of_a_layer_in_one_call(monkeypatch):
+    model, ids = model6(), random_ids(1, 70, seed=5)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+              "return_dict_in_generate": True}
+    with torch.no_grad():
+        want = model.generate(ids, cache=DynamicCache(), **kwargs)
+        cache = CompressedCache(config(), model=model, calibration=calibration())
+        got = model.generate(ids, cache=cache, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want.logits, got.logits))
+    blocks = len(cache.layers[0].blocks)
+    assert blocks >= 4
+    calls = count_codec_calls(monkeypatch)
+    decodes = cache.lossless.decodes
+    with torch.no_grad():
+        model(got.sequences[:, -1:], cache=cache)
+    # every block of every layer decoded (no budget), in two codec calls per layer: keys, then values
+    assert cache.lossless.decodes - decodes == LAYERS * blocks
+    assert len(calls) == 2 * LAYERS and set(calls) == {blocks * 2}  # blocks x kv heads (2) per call
+
+
+def test_save_load_continues_bit_for_bit(tmp_path):
+    model, ids = model6(), random_ids(1, 60, seed=2)
+    reference, cache = DynamicCache(), CompressedCache(config(), model=model, calibration=calibration())
+    with torch.no_grad():
+        model(ids[:, :50], cache=reference)
+        model(ids[:, :50], cache=cache)
+    path = cache.save(tmp_path / "below.kvc", predictor="below")
+    loaded = CompressedCache.load(path, model=model, calibration=calibration())
+    for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
+        assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+    with torch.no_grad():
+        want = model(ids[:, 50:], cache=reference).logits
+        got = model(ids[:, 50:], cache=loaded).logits
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+
+
+def test_held_bytes_count_the_stacked_heads_and_release_the_calibrations_copy(tmp_path):
+    calibration().save(tmp_path / "cal")
+    model = model6()
+    loaded = Calibration.load(tmp_path / "cal", model)
+    cache = CompressedCache(config(), model=model, calibration=loaded)
+    with torch.no_grad():
+        model(random_ids(1, 40, seed=1), cache=cache)
+    heads = cache.lossless.predictor.state_tensors()
+    head_bytes = sum(t.numel() * t.element_size() for t in heads)
+    assert len(heads) >= 4 * LAYERS and head_bytes > 0  # the stacked heads and the RoPE tables
+    # the calibration's own copy of the heads was released: it holds the marginals the codec reads, no heads
+    marginals = [loaded.tensors[name] for name in loaded.tensors if name.startswith("marginal/")]
+    assert loaded.loaded_bytes() == sum(t.numel() * t.element_size() for t in marginals)
+    stats = cache.stats()
+    assert stats["held_bytes"] >= stats["stored_bytes"] + head_bytes
+    assert walk_held_bytes(cache, skip=[cache.model_config]) <= stats["held_bytes"]
+
+
+def test_layers_that_drop_tokens_are_refused_at_construction():
+    model = sliding_model(48, torch.bfloat16)
+    fitted = Calibration.fit(model, None, ids=random_ids(1, 64, seed=1), tokens=64, chunk=32, predictors=("below",),
+                             progress=False)
+    with pytest.raises(ValueError, match=r"reads the layer below, but this model has \['sliding_attention'\] layers"):
+        CompressedCache(config(), model=model, calibration=fitted)
+
+
+def test_without_a_calibration_it_codes_with_block_statistics():
+    model, ids = model6(), random_ids(1, 40, seed=4)
+    reference, cache = DynamicCache(), CompressedCache(config(), model=model, calibration=None)
+    with torch.no_grad():
+        want = model(ids, cache=reference).logits
+        got = model(ids, cache=cache).logits
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    assert not cache.lossless.predictor.kind_batched and cache.lossless.depth == 0
+
+
+def test_the_phased_recipe_reads_no_value_heads_and_every_key_head():
+    recipe = FeatureRecipe(below=1, inter_head=True, phased=True)
+    assert [recipe.own_features("k", h, 3) for h in range(3)] == [0, 0, 0]
+    assert [recipe.own_features("v", h, 3) for h in range(3)] == [3, 3, 3]
+    plain = FeatureRecipe(below=1, inter_head=True)
+    assert [plain.own_features("v", h, 3) for h in range(3)] == [3, 4, 5]
+
+
+def test_prefix_store_round_trip_is_exact(tmp_path):
+    """``PrefixStore(predictor="below")``: chunks coded with the calibration's maps, transcoded on lookup; the hit
+    generates as the reused DynamicCache does."""
+    model, ids = model6(), random_ids(1, 50, seed=14)
+    cfg = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=0)
+    store = PrefixStore(model, path=tmp_path, chunk_tokens=2 * BLOCK, predictor="below", config=cfg,
+                        calibration=calibration(), max_bytes=1 << 30)
+    prefix = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, : 4 * BLOCK // 2], cache=prefix)
+    assert store.put(ids[:, : 2 * BLOCK], prefix) == 2 * BLOCK
+    cache = store.cache_for(ids)
+    assert cache.get_seq_length() == 2 * BLOCK
+    reference = DynamicCache()
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True,
+              "return_dict_in_generate": True}
+    with torch.no_grad():
+        model(ids[:, : 2 * BLOCK], cache=reference)
+        want = model.generate(ids, cache=reference, **kwargs)
+        got = model.generate(ids, cache=cache, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want.logits, got.logits))
+
