@@ -10,7 +10,8 @@ Layout of one stream (little-endian; varint = unsigned LEB128):
     flags:u8   bits 0-1 dtype code, 2 has_mean, 3 has_std
     ndim:u8  shape:varint[ndim]
     fp:u32     low 32 bits of the fingerprint of the elements' contexts (`kernels.context_fingerprint`)
-    lo:varint  count:varint  lengths:u4[count] (two a byte, low nibble first): code length of symbols lo..
+    nseg:varint, then per segment: gap:varint (unused symbols since the last segment's end), count:varint,
+        lengths:u4[count] (two a byte, low nibble first; 0: unused), the code lengths of its symbols
     nbits:varint   payload: per element its code then its mantissa bits, LSB first, in ceil(nbits / 8) bytes
     crc32 of everything above : u32
 
@@ -39,6 +40,9 @@ from . import kernels
 MAGIC = b"\x89KH"
 #: exponent bits, mantissa bits (the sign is the remaining top bit) per dtype code
 FIELDS = {1: (8, 7), 2: (5, 10), 3: (8, 23)}
+#: unused symbols between two used ones that start a new segment of the length table (a segment's header costs
+#: ~2 bytes, the nibbles it skips gap / 2)
+SEGMENT_GAP = 6
 _ERRORS = {
     kernels.ERR_TABLE: "its code lengths do not form a code",
     kernels.ERR_CODE: "a bit pattern no code starts with",
@@ -132,16 +136,27 @@ def encode_batch_impl(x: torch.Tensor, mean, std, threads: int | None = None) ->
     out = []
     for s, bits in enumerate(_bits(x)):
         words, nbits, lengths = kernels.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, ew, mw)
-        used = np.flatnonzero(lengths)
-        lo = int(used[0]) if used.size else 0
-        count = int(used[-1]) - lo + 1 if used.size else 0
-        nib = np.zeros(count + (count & 1), np.uint8)
-        nib[:count] = lengths[lo : lo + count]
-        table = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8).tobytes()
-        body = b"".join((prefix, struct.pack("<I", int(fps[s])), varint_bytes(lo), varint_bytes(count), table,
-                         varint_bytes(int(nbits)), words.view(np.uint8)[: (int(nbits) + 7) // 8].tobytes()))
+        body = b"".join((prefix, struct.pack("<I", int(fps[s])), length_segments(lengths), varint_bytes(int(nbits)),
+                         words.view(np.uint8)[: (int(nbits) + 7) // 8].tobytes()))
         out.append(body + struct.pack("<I", zlib.crc32(body)))
     return out
+
+
+def length_segments(lengths: np.ndarray) -> bytes:
+    """The code lengths as runs of used symbols (a gap of `SEGMENT_GAP` or more unused symbols starts a new one):
+    nseg varint, then per segment the gap since the last one's end, its count and its lengths as nibbles."""
+    used = np.flatnonzero(lengths)
+    if not used.size:
+        return varint_bytes(0)
+    cut = np.flatnonzero(np.diff(used) >= SEGMENT_GAP) + 1
+    parts, end = [varint_bytes(cut.size + 1)], 0
+    for seg in np.split(used, cut):
+        lo, count = int(seg[0]), int(seg[-1]) - int(seg[0]) + 1
+        nib = np.zeros(count + (count & 1), np.uint8)
+        nib[:count] = lengths[lo : lo + count]
+        parts += [varint_bytes(lo - end), varint_bytes(count), (nib[0::2] | (nib[1::2] << 4)).tobytes()]
+        end = lo + count
+    return b"".join(parts)
 
 
 def parse_prefix(blob) -> Header:
@@ -172,13 +187,15 @@ def parse_prefix(blob) -> Header:
     return Header(FORMATS_BY_CODE[flags & 3], tuple(shape), bool(flags & 4), bool(flags & 8), buf[:at])
 
 
+def _crc_ok(blob) -> bool:
+    return len(blob) >= 4 and zlib.crc32(blob[:-4]) == int.from_bytes(bytes(blob[-4:]), "little")
+
+
 class _Parsed(NamedTuple):
     b8: np.ndarray
     b64: np.ndarray
     fp: np.ndarray
     tat: np.ndarray
-    tlo: np.ndarray
-    tcount: np.ndarray
     pstart: np.ndarray
     pbits: np.ndarray
 
@@ -197,9 +214,9 @@ def _parse_all(blobs: Sequence, head: Header, verify) -> _Parsed:
     b64 = np.zeros((total + kernels.PAD_BYTES) // 8 + 2, np.uint64)
     b8 = b64.view(np.uint8)
     b8[:total] = np.frombuffer(b"".join(blobs), np.uint8)
-    fields = [np.zeros(n, t) for t in (np.uint32, np.int64, np.int64, np.int64, np.int64, np.int64)]
+    fields = [np.zeros(n, t) for t in (np.uint32, np.int64, np.int64, np.int64)]
     m = math.prod(head.shape)
-    bad = kernels.parse_headers(b8, start, sizes, np.frombuffer(head.prefix, np.uint8), m, FIELDS[head.fmt.code][1],
+    bad = kernels.parse_headers(b8, start, sizes, np.frombuffer(head.prefix, np.uint8), m, *FIELDS[head.fmt.code],
                                 *fields)
     if bad >= 0:
         other = parse_prefix(blobs[bad])  # the clearer error first: another shape, dtype or statistics
@@ -222,6 +239,8 @@ def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = Non
     if not isinstance(blobs, (list, tuple)) or not blobs:
         raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
     head = parse_prefix(blobs[0])
+    if verify_mask(verify, len(blobs))[0] and not _crc_ok(blobs[0]):  # before its shape is believed
+        raise _corrupt("stream 0: crc32 does not match")
     fmt, shape, n = head.fmt, head.shape, len(blobs)
     xshape = (n, *shape)
     check_out(out, fmt, xshape)
@@ -242,7 +261,7 @@ def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = Non
     if math.prod(shape):
         ew, mw = FIELDS[fmt.code]
         err = np.zeros(n, np.int32)
-        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.tat, parsed.tlo, parsed.tcount, 2 << ew,
+        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.tat, 2 << ew,
                 cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, err)
         _run(args, n, threads)
         if err.any():

@@ -88,18 +88,26 @@ def canonical_codes(lengths, max_len):
     """Canonical codes (ordered by length, then symbol), bit-reversed for an LSB-first stream; -1 where the
     lengths over-subscribe the code space."""
     codes = np.zeros(lengths.size, np.int64)
+    per_length = np.zeros(max_len + 2, np.int64)
+    for s in range(lengths.size):
+        per_length[lengths[s]] += 1
+    per_length[0] = 0
+    next_code = np.zeros(max_len + 2, np.int64)
     code = 0
     for length in range(1, max_len + 1):
-        for s in range(lengths.size):
-            if lengths[s] == length:
-                if code >= (1 << length):
-                    return codes, -1
-                rev = 0
-                for b in range(length):
-                    rev |= ((code >> (length - 1 - b)) & 1) << b
-                codes[s] = rev
-                code += 1
-        code <<= 1
+        code = (code + per_length[length - 1]) << 1
+        next_code[length] = code
+        if code + per_length[length] > (1 << length):
+            return codes, -1
+    for s in range(lengths.size):
+        length = lengths[s]
+        if length:
+            c = next_code[length]
+            next_code[length] += 1
+            rev = 0
+            for b in range(length):
+                rev |= ((c >> (length - 1 - b)) & 1) << b
+            codes[s] = rev
     return codes, 0
 
 
@@ -174,20 +182,42 @@ def context_fingerprint(ctx, rows, run):
 
 
 @_jit
-def build_table(b8, at, lo, count, alphabet, ew, table):
+def read_lengths(b8, at, end, alphabet, lengths):
+    """The code length of every symbol from the stream's segments at byte ``at`` (nseg, then per segment: gap
+    varint, count varint, count nibbles); the position after them, or -1 if they do not parse."""
+    lengths[:] = 0
+    nseg, at = _varint(b8, at, end)
+    if at < 0 or nseg > alphabet:
+        return -1
+    sym = 0
+    for _ in range(nseg):
+        gap, at = _varint(b8, at, end)
+        if at < 0:
+            return -1
+        count, at = _varint(b8, at, end)
+        if at < 0 or gap > alphabet or count > alphabet or sym + gap + count > alphabet or \
+                at + ((count + 1) >> 1) > end:
+            return -1
+        sym += gap
+        for k in range(count):
+            lengths[sym + k] = np.int64((b8[at + (k >> 1)] >> (4 * (k & 1))) & 15)
+        sym += count
+        at += (count + 1) >> 1
+    return at
+
+
+@_jit
+def build_table(b8, at, end, alphabet, ew, lengths, table):
     """Fill ``table`` (2^MAX_LEN uint32: ``u << 8 | length``, u = the sign-xor and exponent offset bits) from the
-    stream's code lengths (``count`` nibbles at byte ``at``, symbols ``lo..``); False if they do not form a code."""
-    if lo + count > alphabet:
+    stream's code lengths at byte ``at``; False if they do not form a code."""
+    if read_lengths(b8, at, end, alphabet, lengths) < 0:
         return False
-    lengths = np.zeros(count, np.int64)
     kraft = 0
-    for k in range(count):
-        length = np.int64((b8[at + (k >> 1)] >> (4 * (k & 1))) & 15)
-        if length > MAX_LEN:
+    for s in range(alphabet):
+        if lengths[s] > MAX_LEN:
             return False
-        lengths[k] = length
-        if length:
-            kraft += 1 << (MAX_LEN - length)
+        if lengths[s]:
+            kraft += 1 << (MAX_LEN - lengths[s])
     if kraft == 0 or kraft > TABLE:
         return False
     if kraft < TABLE:
@@ -197,25 +227,25 @@ def build_table(b8, at, lo, count, alphabet, ew, table):
         return False
     emask = (1 << ew) - 1
     half = 1 << (ew - 1)
-    for k in range(count):
-        length = lengths[k]
+    for s in range(alphabet):
+        length = lengths[s]
         if length == 0:
             continue
-        s = lo + k
         u = (((s >> 1) - half) & emask) | ((s & 1) << ew)
         entry = np.uint32((u << 8) | length)
-        for j in range(codes[k], TABLE, 1 << length):
+        for j in range(codes[s], TABLE, 1 << length):
             table[j] = entry
     return True
 
 
 @_jit
-def decode_streams(b8, b64, pstart, pbits, tat, tlo, tcount, alphabet, ctx, crow, rows, run, ew, mw, out, obase,
+def decode_streams(b8, b64, pstart, pbits, tat, alphabet, ctx, crow, rows, run, ew, mw, out, obase,
                    a_step, b_step, err, s_lo, s_hi):
     """Decode streams ``s_lo..s_hi`` four at a time into ``out`` (element ``(r, t)`` of stream ``s`` at
     ``obase[s] + r * a_step + t * b_step``). ``err[s]`` gets an ERR_ code for a stream that fails: a group of four
     with a failure is decoded again stream by stream, so that the error lands on the stream it belongs to."""
     tables = np.empty((4, TABLE), np.uint32)
+    lengths = np.empty(alphabet, np.int64)
     lanes = np.empty(4, np.int64)
     s = s_lo
     while s < s_hi:
@@ -223,14 +253,15 @@ def decode_streams(b8, b64, pstart, pbits, tat, tlo, tcount, alphabet, ctx, crow
             lanes[j] = min(s + j, s_hi - 1)
         ok = True
         for j in range(4):
-            ok = ok and build_table(b8, tat[lanes[j]], tlo[lanes[j]], tcount[lanes[j]], alphabet, ew, tables[j])
+            q = lanes[j]
+            ok = ok and build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[j])
         if not ok or _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step,
                               lanes) != 0:
             for j in range(4):
                 q = lanes[j]
                 one = np.full(4, q, np.int64)
                 for i in range(4):
-                    if not build_table(b8, tat[q], tlo[q], tcount[q], alphabet, ew, tables[i]):
+                    if not build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[i]):
                         err[q] = ERR_TABLE
                 if err[q] == 0:
                     err[q] = _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step,
@@ -315,11 +346,12 @@ def _varint(b8, at, end):
 
 
 @_jit
-def parse_headers(b8, start, size, prefix, m, mw, fp, tat, tlo, tcount, pstart, pbits):
+def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits):
     """Every stream's fields after the common ``prefix`` (magic, flags, shape: the first stream's, which every
-    stream must repeat): context fingerprint, code-length table, payload. The index of the first stream whose
+    stream must repeat): context fingerprint, code-length segments, payload. The index of the first stream whose
     header does not parse or whose length does not add up, else -1."""
     plen = prefix.size
+    lengths = np.empty(2 << ew, np.int64)
     for s in range(start.size):
         at, end = start[s], start[s] + size[s] - 4  # the crc32 closes every stream
         if end < at + plen + 4:
@@ -331,16 +363,12 @@ def parse_headers(b8, start, size, prefix, m, mw, fp, tat, tlo, tcount, pstart, 
         fp[s] = np.uint32(b8[at]) | (np.uint32(b8[at + 1]) << 8) | (np.uint32(b8[at + 2]) << 16) | \
             (np.uint32(b8[at + 3]) << 24)
         at += 4
-        lo, at = _varint(b8, at, end)
+        tat[s] = at
+        at = read_lengths(b8, at, end, 2 << ew, lengths)
         if at < 0:
             return s
-        count, at = _varint(b8, at, end)
-        if at < 0 or lo > 1 << 20 or count > 1 << 20:
-            return s
-        tlo[s], tcount[s], tat[s] = lo, count, at
-        at += (count + 1) >> 1
         nbits, at = _varint(b8, at, end)
-        if at < 0 or nbits < m * mw or nbits > m * (MAX_LEN + mw) or (m > 0) != (count > 0):
+        if at < 0 or nbits < m * mw or nbits > m * (MAX_LEN + mw):
             return s
         if at + ((nbits + 7) >> 3) != end:
             return s
