@@ -7,7 +7,7 @@ import json
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
-from .codec import DEFAULT_CODER, CodecConfig
+from .codec import GENERATION_CODER, CodecConfig
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
 from .validation import JsonConfig, check_choice, check_fraction, check_int, check_number, fail
@@ -36,11 +36,13 @@ class LosslessConfig(JsonConfig):
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
             codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
-            source for their choices and bounds. ``coder`` has the codec's default (`codec.DEFAULT_CODER`,
-            ``"lanes"``: compiled interleaved rANS, one call per block, 5-10x faster decoding than ``"ans"``
-            (constriction, one call per stream, adaptive windows) for +0.01 bit/scalar; files saved with
-            ``"ans"`` still load; docs/results/codec.md 12.3). The other four differ from `CodecConfig`'s on
-            purpose: the codec's are those of the ``ans`` format's first streams (which record only the
+            source for their choices and bounds. ``coder`` defaults to `codec.GENERATION_CODER`, ``"huff"``: the
+            sign and exponent Huffman-coded per stream, mantissa raw, decoded ~10x faster than ``"lanes"`` (the
+            codec's own default, compiled interleaved rANS) for ~0.28 bit/scalar more; a decode step decodes every
+            block, so it takes the speed (docs/results/codec.md 13). Saves that code the tokens again (another
+            predictor than generation's) use ``"lanes"`` whatever this says (`CompressedCache.save`); files saved
+            with ``"lanes"`` or ``"ans"`` still load (docs/results/codec.md 12.3). The other four differ from
+            `CodecConfig`'s on purpose: the codec's are those of the ``ans`` format's first streams (which record only the
             fields that differ from them, so they keep their bytes), these the settings measured best inside
             the cache, where blocks are small and the cache keeps the config: ``window="fixed"`` (measured
             best on SmolLM2, docs/results/codec.md 10); ``fixed_window=65536``, the codec's largest window
@@ -76,7 +78,7 @@ class LosslessConfig(JsonConfig):
     mean_steps: int = 4
     workers: int | None = None
     decoded_budget: float = 0.05
-    coder: str = DEFAULT_CODER
+    coder: str = GENERATION_CODER
 
     #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
     #: impractical at every step): both from the predictor registry

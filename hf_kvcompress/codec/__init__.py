@@ -23,7 +23,7 @@ from .api import (
     start_decode_batch,
     stream_info,
 )
-from .codec_config import DEFAULT_CODER, CodecConfig
+from .codec_config import DEFAULT_CODER, GENERATION_CODER, CodecConfig
 from .coders import CODERS
 from .interface import CodecStats, Coder, PendingDecode
 from .lanes_coder import jit, lanes  # modules other code patches as codec.jit / codec.lanes
@@ -32,6 +32,7 @@ from .tables import Marginal, set_table_cache
 __all__ = [
     "CODERS",
     "DEFAULT_CODER",
+    "GENERATION_CODER",
     "CodecConfig",
     "CodecStats",
     "Coder",
