@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...errors import CorruptStreamError, ParameterMismatchError
+from ...errors import ConfigTypeError, CorruptStreamError, ParameterMismatchError
 from ..codec_config import CodecConfig, check_stat, register
 from ..interface import Coder, check_out, check_tensor, copy_into, describe
 from ..lanes_coder.lanes import check_threads, out_layout, verify_mask
@@ -244,7 +244,15 @@ def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = Non
     fmt, shape, n = head.fmt, head.shape, len(blobs)
     xshape = (n, *shape)
     check_out(out, fmt, xshape)
-    mean32, std32 = _stats(mean, std, xshape)
+    try:
+        mean32, std32 = _stats(mean, std, xshape)
+    except ConfigTypeError:
+        raise
+    except ValueError as err:  # NaN, inf or a negative std: statistics no encoder took, so not the stream's
+        if "broadcast" in str(err) or "more dims" in str(err) or "meta device" in str(err):
+            raise
+        raise ParameterMismatchError(f"codec.decode_batch: {err}: not the statistics the streams were encoded "
+                                     "with") from err
     for name, given, has in (("mean", mean32, head.has_mean), ("std", std32, head.has_std)):
         if (given is not None) != has:
             raise CorruptStreamError(f"stream was encoded {'with' if has else 'without'} a {name}; pass "
