@@ -255,7 +255,7 @@ def decode_streams(b8, b64, pstart, pbits, tat, alphabet, ctx, crow, rows, run, 
         for j in range(4):
             q = lanes[j]
             ok = ok and build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[j])
-        if not ok or _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step,
+        if not ok or _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step,
                               lanes) != 0:
             for j in range(4):
                 q = lanes[j]
@@ -264,17 +264,20 @@ def decode_streams(b8, b64, pstart, pbits, tat, alphabet, ctx, crow, rows, run, 
                     if not build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[i]):
                         err[q] = ERR_TABLE
                 if err[q] == 0:
-                    err[q] = _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step,
+                    err[q] = _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step,
                                       b_step, one)
         s += 4
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _peek(b64, pos):
-    """64 bits of the stream from bit ``pos`` on (two aligned words)."""
-    q = _U(pos) >> _U(6)
-    sh = _U(pos) & _U(63)
-    return (b64[q] >> sh) | ((b64[q + _U(1)] << _U(1)) << (_U(63) - sh))
+def _peek(b8, pos):
+    """At least 57 bits of the stream from bit ``pos`` on: the 8 bytes from its byte, which LLVM merges into one
+    unaligned load."""
+    i = _U(pos) >> _U(3)
+    v = _U(b8[i]) | (_U(b8[i + _U(1)]) << _U(8)) | (_U(b8[i + _U(2)]) << _U(16)) | (_U(b8[i + _U(3)]) << _U(24)) | \
+        (_U(b8[i + _U(4)]) << _U(32)) | (_U(b8[i + _U(5)]) << _U(40)) | (_U(b8[i + _U(6)]) << _U(48)) | \
+        (_U(b8[i + _U(7)]) << _U(56))
+    return v >> (_U(pos) & _U(7))
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
@@ -286,6 +289,24 @@ def _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask):
     u = _U(ent >> np.uint32(8))
     value = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
     return value, pos + np.int64(ln + umw), ent
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _step2(b8, pos, table, c, emask, sbit, mmask, umw, lmask):
+    """Two elements of one stream from one read (each takes at most MAX_LEN + MW <= 28 bits of its 57): (their
+    bit patterns, the next bit position, their table entries or-ed)."""
+    w = _peek(b8, pos)
+    ent = table[w & lmask]
+    ln = _U(ent & np.uint32(63))
+    u = _U(ent >> np.uint32(8))
+    first = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
+    used = ln + umw
+    w >>= used
+    ent2 = table[w & lmask]
+    ln = _U(ent2 & np.uint32(63))
+    u = _U(ent2 >> np.uint32(8))
+    second = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
+    return first, second, pos + np.int64(used + ln + umw), ent | ent2
 
 
 @_jit
@@ -300,13 +321,35 @@ def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obas
     umw, lmask = _U(mw), _U(TABLE - 1)
     bad = np.uint32(0)
     ast, bst = _U(a_step), _U(b_step)
+    pairs = 2 * (MAX_LEN + mw) <= 57
     for r in range(rows):
         c0, c1, c2, c3 = _U(ctx[crow[s0], r]), _U(ctx[crow[s1], r]), _U(ctx[crow[s2], r]), _U(ctx[crow[s3], r])
         a = _U(r) * ast
         t = 0
         while t < run:
             stop = min(run, t + CHUNK)
-            for k in range(t, stop):
+            k = t
+            while pairs and k + 1 < stop:
+                at = a + _U(k) * bst
+                nx = at + bst
+                v, v2, p0, ent = _step2(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
+                out[o0 + at] = v
+                out[o0 + nx] = v2
+                bad |= ent
+                v, v2, p1, ent = _step2(b64, p1, t1, c1, emask, sbit, mmask, umw, lmask)
+                out[o1 + at] = v
+                out[o1 + nx] = v2
+                bad |= ent
+                v, v2, p2, ent = _step2(b64, p2, t2, c2, emask, sbit, mmask, umw, lmask)
+                out[o2 + at] = v
+                out[o2 + nx] = v2
+                bad |= ent
+                v, v2, p3, ent = _step2(b64, p3, t3, c3, emask, sbit, mmask, umw, lmask)
+                out[o3 + at] = v
+                out[o3 + nx] = v2
+                bad |= ent
+                k += 2
+            for k in range(k, stop):
                 at = a + _U(k) * bst
                 v, p0, ent = _step(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
                 out[o0 + at] = v
