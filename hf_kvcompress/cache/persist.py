@@ -21,12 +21,12 @@ float32 predictor statistics, which decode only on CPUs that round like the writ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import platform
 import struct
 from array import array
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol

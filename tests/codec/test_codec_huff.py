@@ -10,13 +10,19 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from codec_testutil import (
+    DTYPES,
+    assert_bit_exact,
+    from_patterns,
+    pattern_sample,
+    realistic,
+    special_patterns,
+)
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
 from hf_kvcompress.codec.huff_coder import huff, kernels
 from hf_kvcompress.errors import CorruptStreamError, ParameterMismatchError
-
-from codec_testutil import DTYPES, assert_bit_exact, from_patterns, pattern_sample, realistic, special_patterns
 
 HUFF = CodecConfig(coder="huff")
 
@@ -155,3 +161,19 @@ def test_code_lengths_are_limited_and_complete():
     assert used.max() <= kernels.MAX_LEN and (lengths[counts == 0] == 0).all()
     assert sum(2.0 ** -used) == 1.0
     assert kernels.canonical_codes(lengths, kernels.MAX_LEN)[1] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_incompressible_streams_are_stored(dtype):
+    """Random bit patterns (and tiny float32 streams): stored as they are, never more than ~16 bytes over raw."""
+    g = torch.Generator().manual_seed(7)
+    width = 4 if dtype == torch.float32 else 2
+    raw = torch.randint(0, 256, (3, 40 * width), generator=g, dtype=torch.uint8)
+    x = raw.view(torch.int32 if width == 4 else torch.int16).view(dtype)
+    blobs = codec.encode_batch(x, None, 2.0, HUFF)
+    assert max(map(len, blobs)) <= x[0].numel() * width + 20
+    assert_bit_exact(codec.decode_batch(blobs, None, 2.0, HUFF), x)
+    # a batch mixing stored and coded streams of one shape
+    smooth = (torch.randn(5, 40 * width // width, generator=g) * 0.01 + 1.0).to(dtype)
+    both = torch.cat([x, smooth])
+    assert_bit_exact(codec.decode_batch(codec.encode_batch(both, None, 2.0, HUFF), None, 2.0, HUFF, threads=2), both)

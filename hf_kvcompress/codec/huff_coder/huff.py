@@ -13,6 +13,7 @@ Layout of one stream (little-endian; varint = unsigned LEB128):
     nseg:varint, then per segment: gap:varint (unused symbols since the last segment's end), count:varint,
         lengths:u4[count] (two a byte, low nibble first; 0: unused), the code lengths of its symbols
     nbits:varint   payload: per element its code then its mantissa bits, LSB first, in ceil(nbits / 8) bytes
+                   (no segment: a stored stream, each element's bits as they are, when coding would not be smaller)
     crc32 of everything above : u32
 
 docs/codec_format.md section 13.
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -136,8 +139,11 @@ def encode_batch_impl(x: torch.Tensor, mean, std, threads: int | None = None) ->
     out = []
     for s, bits in enumerate(_bits(x)):
         words, nbits, lengths = kernels.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, ew, mw)
-        body = b"".join((prefix, struct.pack("<I", int(fps[s])), length_segments(lengths), varint_bytes(int(nbits)),
-                         words.view(np.uint8)[: (int(nbits) + 7) // 8].tobytes()))
+        coded = [length_segments(lengths), varint_bytes(int(nbits)), words.view(np.uint8)[: (int(nbits) + 7) // 8]]
+        if bits.size and sum(len(c) for c in coded) >= bits.nbytes + 6:  # no gain: stored (codec_format.md 13)
+            coded = [varint_bytes(0), varint_bytes(8 * bits.nbytes), bits.astype(bits.dtype.newbyteorder("<"))]
+        body = b"".join((prefix, struct.pack("<I", int(fps[s])), *(bytes(c) if not isinstance(c, bytes) else c
+                                                                    for c in coded)))
         out.append(body + struct.pack("<I", zlib.crc32(body)))
     return out
 
@@ -198,6 +204,7 @@ class _Parsed(NamedTuple):
     tat: np.ndarray
     pstart: np.ndarray
     pbits: np.ndarray
+    stored: np.ndarray
 
 
 def _parse_all(blobs: Sequence, head: Header, verify) -> _Parsed:
@@ -214,7 +221,7 @@ def _parse_all(blobs: Sequence, head: Header, verify) -> _Parsed:
     b64 = np.zeros((total + kernels.PAD_BYTES) // 8 + 2, np.uint64)
     b8 = b64.view(np.uint8)
     b8[:total] = np.frombuffer(b"".join(blobs), np.uint8)
-    fields = [np.zeros(n, t) for t in (np.uint32, np.int64, np.int64, np.int64)]
+    fields = [np.zeros(n, t) for t in (np.uint32, np.int64, np.int64, np.int64, np.bool_)]
     m = math.prod(head.shape)
     bad = kernels.parse_headers(b8, start, sizes, np.frombuffer(head.prefix, np.uint8), m, *FIELDS[head.fmt.code],
                                 *fields)
@@ -236,14 +243,87 @@ def _parse_all(blobs: Sequence, head: Header, verify) -> _Parsed:
 def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = None, threads: int | None = None,
                       verify: bool | Sequence[bool] = True) -> torch.Tensor:
     threads = check_threads(threads)
-    if not isinstance(blobs, (list, tuple)) or not blobs:
-        raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
-    head = parse_prefix(blobs[0])
-    if verify_mask(verify, len(blobs))[0] and not _crc_ok(blobs[0]):  # before its shape is believed
-        raise _corrupt("stream 0: crc32 does not match")
-    fmt, shape, n = head.fmt, head.shape, len(blobs)
-    xshape = (n, *shape)
-    check_out(out, fmt, xshape)
+    job = DecodeJob(blobs, mean, std, out, verify, chunks=threads)
+    return job.start(threads - 1).finish() if threads > 1 else job.finish()
+
+
+class DecodeJob:
+    """One `decode_batch`, parsed and checked here, whose kernel runs in chunks of streams (multiples of four) that
+    any thread may take: `start` hands chunks to background threads, `finish` takes the rest on the calling
+    thread, waits and returns the tensor; `cancel` hands out nothing more (the cache's decode ahead,
+    `Coder.start_decode_batch`)."""
+
+    def __init__(self, blobs: Sequence, mean, std, out: torch.Tensor | None, verify, chunks: int = 1):
+        if not isinstance(blobs, (list, tuple)) or not blobs:
+            raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
+        head = parse_prefix(blobs[0])
+        if verify_mask(verify, len(blobs))[0] and not _crc_ok(blobs[0]):  # before its shape is believed
+            raise _corrupt("stream 0: crc32 does not match")
+        fmt, shape, n = head.fmt, head.shape, len(blobs)
+        xshape = (n, *shape)
+        check_out(out, fmt, xshape)
+        mean32, std32 = _decode_stats(mean, std, xshape, head)
+        parsed = _parse_all(blobs, head, verify)
+        cx = contexts(mean32, std32, fmt, shape, n)
+        fps = np.empty(n, np.uint32)
+        kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
+        wrong = np.flatnonzero(fps != parsed.fp)
+        if wrong.size:
+            raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
+                                         "encoder's (their contexts' fingerprint does not match)")
+        self.out = out
+        self.host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
+        ew, mw = FIELDS[fmt.code]
+        self.err = np.zeros(n, np.int32)
+        self.args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, 2 << ew,
+                     cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, self.err)
+        groups = -(-n // 4) if math.prod(shape) else 0
+        k = max(1, min(chunks, groups))
+        self._cuts = sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)})
+        self._next = 0
+        self._lock = threading.Lock()
+        self._running: list = []
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self._cuts) - 1:
+                    return
+                self._next = i + 1
+            kernels.decode_streams(*self.args, self._cuts[i], self._cuts[i + 1])
+
+    def start(self, threads: int = 1) -> DecodeJob:
+        self._running = [_pool(threads).submit(self._work) for _ in range(threads)]
+        return self
+
+    def finish(self) -> torch.Tensor:
+        try:
+            self._work()
+        finally:
+            for f in self._running:
+                f.result()
+        if self.err.any():
+            i = int(np.flatnonzero(self.err)[0])
+            raise _corrupt(f"stream {i}: {_ERRORS.get(int(self.err[i]), 'decode failed')}")
+        if self.out is None:
+            return self.host
+        return self.out if self.host is self.out else copy_into(self.out, self.host)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._next = len(self._cuts)
+        for f in self._running:
+            f.result()
+
+    def nbytes(self) -> int:
+        """Bytes held beside ``out``: the joined streams and a temporary output."""
+        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
+        return self.args[0].nbytes + extra
+
+
+def _decode_stats(mean, std, xshape: tuple[int, ...], head: Header):
+    """Checked float32 mean / std of a decode, as the stream says it was encoded (with or without each)."""
     try:
         mean32, std32 = _stats(mean, std, xshape)
     except ConfigTypeError:
@@ -257,27 +337,19 @@ def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = Non
         if (given is not None) != has:
             raise CorruptStreamError(f"stream was encoded {'with' if has else 'without'} a {name}; pass "
                                      f"{'it' if has else f'{name}=None'} to decode")
-    parsed = _parse_all(blobs, head, verify)
-    cx = contexts(mean32, std32, fmt, shape, n)
-    fps = np.empty(n, np.uint32)
-    kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
-    wrong = np.flatnonzero(fps != parsed.fp)
-    if wrong.size:
-        raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
-                                     "encoder's (their contexts' fingerprint does not match)")
-    host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
-    if math.prod(shape):
-        ew, mw = FIELDS[fmt.code]
-        err = np.zeros(n, np.int32)
-        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.tat, 2 << ew,
-                cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, err)
-        _run(args, n, threads)
-        if err.any():
-            i = int(np.flatnonzero(err)[0])
-            raise _corrupt(f"stream {i}: {_ERRORS.get(int(err[i]), 'decode failed')}")
-    if out is None:
-        return host
-    return out if host is out else copy_into(out, host)
+    return mean32, std32
+
+
+_POOL: list = [None, 0]
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The process's huff decode pool, with at least ``threads`` threads."""
+    with _POOL_LOCK:
+        if _POOL[0] is None or _POOL[1] < threads:
+            _POOL[:] = [ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvc-huff"), threads]
+        return _POOL[0]
 
 
 def _destination(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...], cx: Contexts):
@@ -297,23 +369,6 @@ def _destination(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...],
     host = torch.empty(xshape, dtype=fmt.dtype)
     flat, base, _, _, within = out_layout(host, shape)
     return host, flat, base, cx.run * within, within
-
-
-def _run(args: tuple, n: int, threads: int) -> None:
-    """The decode kernel over all streams, in groups of four split between ``threads`` threads (it releases the
-    GIL)."""
-    shares = min(threads, -(-n // 4))
-    if shares <= 1:
-        kernels.decode_streams(*args, 0, n)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    cuts = [4 * (-(-n // 4) * k // shares) for k in range(shares)] + [n]
-    with ThreadPoolExecutor(max_workers=shares - 1) as pool:
-        futs = [pool.submit(kernels.decode_streams, *args, cuts[k], cuts[k + 1]) for k in range(1, shares)]
-        kernels.decode_streams(*args, cuts[0], cuts[1])
-        for f in futs:
-            f.result()
 
 
 # --------------------------------------------------------------------------------------- the coder
@@ -341,6 +396,13 @@ class HuffCoder(Coder):
         device = next((t.device for t in (mean, std) if isinstance(t, torch.Tensor) and t.is_cuda), None)
         x = decode_batch_impl(blobs, mean, std, out=out, threads=threads, verify=verify)
         return x if out is not None or device is None else x.to(device)
+
+    def start_decode_batch(self, blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
+                           threads: int = 1, verify: bool | Sequence[bool] = True, chunks: int = 8) -> DecodeJob | None:
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (mean, std)):
+            return None
+        check_threads(threads)
+        return DecodeJob(blobs, mean, std, out, verify, chunks).start(threads)
 
     def decode(self, blob, mean, std, config: CodecConfig | None, marginal: Marginal | None = None,
                threads: int = 1, workers: int = 1) -> torch.Tensor:

@@ -239,18 +239,25 @@ def build_table(b8, at, end, alphabet, ew, lengths, table):
 
 
 @_jit
-def decode_streams(b8, b64, pstart, pbits, tat, alphabet, ctx, crow, rows, run, ew, mw, out, obase,
-                   a_step, b_step, err, s_lo, s_hi):
-    """Decode streams ``s_lo..s_hi`` four at a time into ``out`` (element ``(r, t)`` of stream ``s`` at
-    ``obase[s] + r * a_step + t * b_step``). ``err[s]`` gets an ERR_ code for a stream that fails: a group of four
+def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ctx, crow, rows, run, ew, mw, out, obase, a_step,
+                   b_step, err, s_lo, s_hi):
+    """Decode streams ``s_lo..s_hi`` into ``out`` (element ``(r, t)`` of stream ``s`` at ``obase[s] + r * a_step + t *
+    b_step``), coded ones four at a time. ``err[s]`` gets an ERR_ code for a stream that fails: a group of four
     with a failure is decoded again stream by stream, so that the error lands on the stream it belongs to."""
     tables = np.empty((4, TABLE), np.uint32)
     lengths = np.empty(alphabet, np.int64)
+    coded = np.empty(s_hi - s_lo, np.int64)
+    n = 0
+    for s in range(s_lo, s_hi):
+        if stored[s]:
+            _copy_stored(b8, pstart[s], 1 + ew + mw, rows, run, out, obase[s], a_step, b_step)
+        else:
+            coded[n] = s
+            n += 1
     lanes = np.empty(4, np.int64)
-    s = s_lo
-    while s < s_hi:
+    for g in range(0, n, 4):
         for j in range(4):  # a short last group repeats its last stream (the same writes twice)
-            lanes[j] = min(s + j, s_hi - 1)
+            lanes[j] = coded[min(g + j, n - 1)]
         ok = True
         for j in range(4):
             q = lanes[j]
@@ -266,7 +273,16 @@ def decode_streams(b8, b64, pstart, pbits, tat, alphabet, ctx, crow, rows, run, 
                 if err[q] == 0:
                     err[q] = _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step,
                                       b_step, one)
-        s += 4
+
+
+@_jit
+def _copy_stored(b8, pos, width, rows, run, out, base, a_step, b_step):
+    """A stored stream: each element's ``width`` bits as they are, LSB first."""
+    mask = _U((1 << width) - 1)
+    for r in range(rows):
+        for t in range(run):
+            out[_U(base) + _U(r) * _U(a_step) + _U(t) * _U(b_step)] = _peek(b8, pos) & mask
+            pos += width
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
@@ -349,8 +365,8 @@ def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obas
                 out[o3 + nx] = v2
                 bad |= ent
                 k += 2
-            for k in range(k, stop):
-                at = a + _U(k) * bst
+            for j in range(k, stop):
+                at = a + _U(j) * bst
                 v, p0, ent = _step(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
                 out[o0 + at] = v
                 bad |= ent
@@ -389,7 +405,7 @@ def _varint(b8, at, end):
 
 
 @_jit
-def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits):
+def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits, stored):
     """Every stream's fields after the common ``prefix`` (magic, flags, shape: the first stream's, which every
     stream must repeat): context fingerprint, code-length segments, payload. The index of the first stream whose
     header does not parse or whose length does not add up, else -1."""
@@ -411,7 +427,11 @@ def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits):
         if at < 0:
             return s
         nbits, at = _varint(b8, at, end)
-        if at < 0 or nbits < m * mw or nbits > m * (MAX_LEN + mw):
+        stored[s] = lengths.max() == 0 and m > 0  # no code: the elements' bits as they are
+        if stored[s]:
+            if at < 0 or nbits != m * (1 + ew + mw):
+                return s
+        elif at < 0 or nbits < m * mw or nbits > m * (MAX_LEN + mw):
             return s
         if at + ((nbits + 7) >> 3) != end:
             return s
