@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import math
 import struct
-import threading
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -34,7 +32,7 @@ import torch
 
 from ...errors import ConfigTypeError, CorruptStreamError, ParameterMismatchError
 from ..codec_config import CodecConfig, check_stat, register
-from ..interface import Coder, check_out, check_tensor, copy_into, describe
+from ..interface import ChunkedJob, Coder, check_out, check_tensor, copy_into, describe
 from ..lanes_coder.lanes import check_threads, out_layout, verify_mask
 from ..symbols import FORMATS_BY_CODE, Format, format_of, varint_bytes
 from ..tables import Marginal
@@ -247,11 +245,9 @@ def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = Non
     return job.start(threads - 1).finish() if threads > 1 else job.finish()
 
 
-class DecodeJob:
-    """One `decode_batch`, parsed and checked here, whose kernel runs in chunks of streams (multiples of four) that
-    any thread may take: `start` hands chunks to background threads, `finish` takes the rest on the calling
-    thread, waits and returns the tensor; `cancel` hands out nothing more (the cache's decode ahead,
-    `Coder.start_decode_batch`)."""
+class DecodeJob(ChunkedJob):
+    """One `decode_batch`, parsed and checked here, whose kernel runs in chunks of streams (multiples of four,
+    `interface.ChunkedJob`): the cache's decode ahead (`Coder.start_decode_batch`) and `decode_batch` itself."""
 
     def __init__(self, blobs: Sequence, mean, std, out: torch.Tensor | None, verify, chunks: int = 1):
         if not isinstance(blobs, (list, tuple)) or not blobs:
@@ -279,42 +275,18 @@ class DecodeJob:
                      cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, self.err)
         groups = -(-n // 4) if math.prod(shape) else 0
         k = max(1, min(chunks, groups))
-        self._cuts = sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)})
-        self._next = 0
-        self._lock = threading.Lock()
-        self._running: list = []
+        self._chunks(sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)}))
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                i = self._next
-                if i >= len(self._cuts) - 1:
-                    return
-                self._next = i + 1
-            kernels.decode_streams(*self.args, self._cuts[i], self._cuts[i + 1])
+    def _run_chunk(self, lo: int, hi: int) -> None:
+        kernels.decode_streams(*self.args, lo, hi)
 
-    def start(self, threads: int = 1) -> DecodeJob:
-        self._running = [_pool(threads).submit(self._work) for _ in range(threads)]
-        return self
-
-    def finish(self) -> torch.Tensor:
-        try:
-            self._work()
-        finally:
-            for f in self._running:
-                f.result()
+    def result(self, mean=None, std=None) -> torch.Tensor:
         if self.err.any():
             i = int(np.flatnonzero(self.err)[0])
             raise _corrupt(f"stream {i}: {_ERRORS.get(int(self.err[i]), 'decode failed')}")
         if self.out is None:
             return self.host
         return self.out if self.host is self.out else copy_into(self.out, self.host)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._next = len(self._cuts)
-        for f in self._running:
-            f.result()
 
     def nbytes(self) -> int:
         """Bytes held beside ``out``: the joined streams and a temporary output."""
@@ -338,18 +310,6 @@ def _decode_stats(mean, std, xshape: tuple[int, ...], head: Header):
             raise CorruptStreamError(f"stream was encoded {'with' if has else 'without'} a {name}; pass "
                                      f"{'it' if has else f'{name}=None'} to decode")
     return mean32, std32
-
-
-_POOL: list = [None, 0]
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """The process's huff decode pool, with at least ``threads`` threads."""
-    with _POOL_LOCK:
-        if _POOL[0] is None or _POOL[1] < threads:
-            _POOL[:] = [ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvc-huff"), threads]
-        return _POOL[0]
 
 
 def _destination(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...], cx: Contexts):
