@@ -7,7 +7,7 @@ import json
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
-from .codec import GENERATION_CODER, CodecConfig
+from .codec import DEFAULT_CODER, GENERATION_CODER, CodecConfig
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
 from .validation import JsonConfig, check_choice, check_fraction, check_int, check_number, fail
@@ -36,10 +36,12 @@ class LosslessConfig(JsonConfig):
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
             codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
-            source for their choices and bounds. ``coder`` defaults to `codec.GENERATION_CODER`, ``"huff"``: the
-            sign and exponent Huffman-coded per stream, mantissa raw, decoded ~10x faster than ``"lanes"`` (the
-            codec's own default, compiled interleaved rANS) for ~0.28 bit/scalar more; a decode step decodes every
-            block, so it takes the speed (docs/results/codec.md 13). Saves that code the tokens again (another
+            source for their choices and bounds. ``coder`` None (the default) becomes `codec.GENERATION_CODER`,
+            ``"huff"``, with the ``"generic"`` predictor: the sign and exponent Huffman-coded per stream, mantissa
+            raw, decoded ~10x faster than ``"lanes"`` (the codec's own default, compiled interleaved rANS) for
+            ~0.28 bit/scalar more; a decode step decodes every block, so it takes the speed (docs/results/codec.md
+            13). With every other predictor it becomes ``"lanes"``: they are chosen for their rate, which
+            ``"huff"`` (contexts from mean / std, no finer model) would not use. Saves that code the tokens again (another
             predictor than generation's) use ``"lanes"`` whatever this says (`CompressedCache.save`); files saved
             with ``"lanes"`` or ``"ans"`` still load (docs/results/codec.md 12.3). The other four differ from
             `CodecConfig`'s on purpose: the codec's are those of the ``ans`` format's first streams (which record only the
@@ -78,7 +80,7 @@ class LosslessConfig(JsonConfig):
     mean_steps: int = 4
     workers: int | None = None
     decoded_budget: float = 0.05
-    coder: str = GENERATION_CODER
+    coder: str | None = None
 
     #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
     #: impractical at every step): both from the predictor registry
@@ -90,6 +92,8 @@ class LosslessConfig(JsonConfig):
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
         check_choice(f"{owner}.predictor", self.predictor, self.PREDICTORS)
+        if self.coder is None:  # the speed where statistics are per channel, the rate where a predictor models more
+            object.__setattr__(self, "coder", GENERATION_CODER if self.predictor == "generic" else DEFAULT_CODER)
         if self.predictor in self.STORAGE_ONLY:
             fail(f"{owner}.predictor", f"cannot be {self.predictor!r}: it reruns the model to decode every block, "
                                       "which is impractical at every step of generate() (storage only); generate "
