@@ -63,8 +63,9 @@ class LosslessConfig(JsonConfig):
             made a decode step 1.2-1.5x faster beside torch on one thread, and neither faster nor slower
             beside torch on two (torch's OpenMP threads spin on the second core between operations); it
             loses where other processes keep the cores busy: pass ``workers=1`` there (docs/results/lossless.md,
-            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks decode on the
-            GPU and this only affects encoding (docs/lossless.md, "On a GPU").
+            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks of ``coder="lanes"``
+            decode on the GPU and this only affects encoding (docs/lossless.md, "On a GPU"); ``huff`` has no
+            Triton decoder yet: its blocks decode on the host and are copied to the device.
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
