@@ -7,7 +7,7 @@ import json
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
-from .codec import DEFAULT_CODER, CodecConfig
+from .codec import DEFAULT_CODER, GENERATION_CODER, CodecConfig
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
 from .validation import JsonConfig, check_choice, check_fraction, check_int, check_number, fail
@@ -36,11 +36,15 @@ class LosslessConfig(JsonConfig):
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
             codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
-            source for their choices and bounds. ``coder`` has the codec's default (`codec.DEFAULT_CODER`,
-            ``"lanes"``: compiled interleaved rANS, one call per block, 5-10x faster decoding than ``"ans"``
-            (constriction, one call per stream, adaptive windows) for +0.01 bit/scalar; files saved with
-            ``"ans"`` still load; docs/results/codec.md 12.3). The other four differ from `CodecConfig`'s on
-            purpose: the codec's are those of the ``ans`` format's first streams (which record only the
+            source for their choices and bounds. ``coder`` None (the default) becomes `codec.GENERATION_CODER`,
+            ``"huff"``, with the ``"generic"`` predictor: the sign and exponent Huffman-coded per stream, mantissa
+            raw, decoded ~10x faster than ``"lanes"`` (the codec's own default, compiled interleaved rANS) for
+            ~0.28 bit/scalar more; a decode step decodes every block, so it takes the speed (docs/results/codec.md
+            13). With every other predictor it becomes ``"lanes"``: they are chosen for their rate, which
+            ``"huff"`` (contexts from mean / std, no finer model) would not use. Saves that code the tokens again (another
+            predictor than generation's) use ``"lanes"`` whatever this says (`CompressedCache.save`); files saved
+            with ``"lanes"`` or ``"ans"`` still load (docs/results/codec.md 12.3). The other four differ from
+            `CodecConfig`'s on purpose: the codec's are those of the ``ans`` format's first streams (which record only the
             fields that differ from them, so they keep their bytes), these the settings measured best inside
             the cache, where blocks are small and the cache keeps the config: ``window="fixed"`` (measured
             best on SmolLM2, docs/results/codec.md 10); ``fixed_window=65536``, the codec's largest window
@@ -60,8 +64,9 @@ class LosslessConfig(JsonConfig):
             made a decode step 1.2-1.5x faster beside torch on one thread, and neither faster nor slower
             beside torch on two (torch's OpenMP threads spin on the second core between operations); it
             loses where other processes keep the cores busy: pass ``workers=1`` there (docs/results/lossless.md,
-            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks decode on the
-            GPU and this only affects encoding (docs/lossless.md, "On a GPU").
+            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks of ``coder="lanes"``
+            decode on the GPU and this only affects encoding (docs/lossless.md, "On a GPU"); ``huff`` has no
+            Triton decoder yet: its blocks decode on the host and are copied to the device.
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
@@ -77,7 +82,7 @@ class LosslessConfig(JsonConfig):
     mean_steps: int = 4
     workers: int | None = None
     decoded_budget: float = 0.05
-    coder: str = DEFAULT_CODER
+    coder: str | None = None
 
     #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
     #: impractical at every step): both from the predictor registry
@@ -89,6 +94,8 @@ class LosslessConfig(JsonConfig):
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
         check_choice(f"{owner}.predictor", self.predictor, self.PREDICTORS)
+        if self.coder is None:  # the speed where statistics are per channel, the rate where a predictor models more
+            object.__setattr__(self, "coder", GENERATION_CODER if self.predictor == "generic" else DEFAULT_CODER)
         if self.predictor in self.STORAGE_ONLY:
             fail(f"{owner}.predictor", f"cannot be {self.predictor!r}: it reruns the model to decode every block, "
                                       "which is impractical at every step of generate() (storage only); generate "

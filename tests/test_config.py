@@ -97,7 +97,7 @@ def test_lossless_codec_fields_take_the_codecs_choices_and_bounds():
     assert LosslessConfig(fixed_window=1, coder="ans").fixed_window == 1
     with pytest.raises(ValueError, match=rf"LosslessConfig\.fixed_window must lie in \[1, {MAX_WINDOW}\]"):
         LosslessConfig(fixed_window=MAX_WINDOW + 1)
-    with pytest.raises(ValueError, match=r"LosslessConfig\(coder='lanes'\).*window must be 'fixed'"):
+    with pytest.raises(ValueError, match=r"LosslessConfig\(coder='huff'\).*window must be 'fixed'"):
         LosslessConfig(window="metadata")
 
 
@@ -106,7 +106,7 @@ def test_lossless_defaults_and_their_json_form_are_unchanged():
     assert LosslessConfig().to_dict() == {
         "predictor": "generic", "save_predictor": "generic", "probe_layer": 8, "window": "fixed",
         "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": None, "decoded_budget": 0.05,
-        "coder": "lanes"}
+        "coder": "huff"}  # the generation coder (files record it: older ones load as they were)
 
 
 def test_the_docs_have_a_row_for_every_config_field():

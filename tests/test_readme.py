@@ -87,7 +87,7 @@ def test_quick_start_lossy_and_save_load_run_as_written(user_cache, capsys):
     exec(compile(store, "README prefix store", "exec"), ns)
     found = ns["store"].stats()
     assert (found["chunks"], found["hits"], found["hit_tokens"]) == (4, 4, 1024), found
-    assert found["bytes"] <= 0.66 * found["raw_bytes"], found
+    assert found["bytes"] <= 0.68 * found["raw_bytes"], found  # huff blocks: 0.675x (README; lanes 0.66x)
     # the second answer is DynamicCache reusing the document's KV as the first prompt's prefill computed it
     first = torch.cat([ns["document"], ns["tokenizer"](" Who is the king?", return_tensors="pt").input_ids], dim=1)
     reference = DynamicCache(config=model.config)

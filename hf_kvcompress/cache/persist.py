@@ -21,6 +21,7 @@ float32 predictor statistics, which decode only on CPUs that round like the writ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
 from ..calibration import Calibration, CalibrationError, calibration_dir, find_calibration
-from ..codec import CorruptStreamError, stream_info
+from ..codec import DEFAULT_CODER, CorruptStreamError, coder_of_stream, stream_info
 from ..codec.codec_config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..errors import CacheFileError
@@ -139,6 +140,11 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     if needs_tokens:
         _check_tokens_for_rerun(cache, token_ids, tokens)
 
+    mine = cache.lossless
+    if mine is None or mine.predictor.name != chosen.name or not chosen.exact_everywhere:
+        # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
+        # coder such as ``huff``); a save with generation's predictor keeps generation's blocks and their coder
+        settings = dataclasses.replace(settings, coder=DEFAULT_CODER)
     block_tokens = cache.config.block_tokens
     blocks: dict[tuple[int, int], Block] = {}  # the file's blocks as they are made, for the layer-below lookups
     coding = coding_over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
@@ -369,7 +375,8 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
     blocks: dict[tuple[int, int], Block] = {}  # the file's blocks as they are checked, for the layer-below lookups
-    coding = coding_over(saved.config.lossless, predictor, target.calibration, lambda layer, start: blocks.get((layer, start)))
+    coding = coding_over(_file_settings(header, saved), predictor, target.calibration,
+                         lambda layer, start: blocks.get((layer, start)))
     token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
     if not predictor.practical_in_generation:
         if token_ids is None:
@@ -466,6 +473,22 @@ def _check_binding(target: CompressedCache, model: torch.nn.Module, token_ids: t
         raise CacheFileError(f"cannot recompute layer {index}'s keys for the file's token ids: {err}") from err
     if problem is not None:
         raise CacheFileError(f"{problem[1]}; the file was edited or saved from another model")
+
+
+def _file_settings(header: dict[str, Any], saved) -> Any:
+    """The saved `LosslessConfig` with the coder the file's streams were written by (their magic bytes): a save
+    that codes the tokens again uses the codec's default coder whatever the cache generated with."""
+    settings = saved.config.lossless
+    for entry in _layer_entries(header):
+        for b in (entry["kv"] or {}).get("blocks", ()):
+            for row in b["rows"]:
+                blobs = _read_row(row, saved.payload).blobs
+                if blobs:
+                    try:
+                        return dataclasses.replace(settings, coder=coder_of_stream(blobs[0]).name)
+                    except CorruptStreamError:
+                        return settings  # the block's own check names the problem
+    return settings
 
 
 def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,

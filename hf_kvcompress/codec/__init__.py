@@ -1,10 +1,11 @@
 """Model-independent lossless codec for float tensors given a predicted mean and spread.
 
 ``encode(x, mean, std)`` codes every element under a bin-integrated Gaussian mixture (integer tables chosen
-from (mean, std) with exact integer arithmetic); ``decode`` returns a bit-identical tensor. Two coders
+from (mean, std) with exact integer arithmetic); ``decode`` returns a bit-identical tensor. Three coders
 implement it (`interface.Coder`, registered in `coders`): ``lanes`` (the default; compiled interleaved rANS,
-`encode_batch` / `decode_batch` code many streams per call) and ``ans`` (constriction's ANS coder over
-independently decodable adaptive windows): ``CodecConfig(coder=...)``. See docs/codec_format.md for the formats and
+`encode_batch` / `decode_batch` code many streams per call), ``ans`` (constriction's ANS coder over
+independently decodable adaptive windows) and ``huff`` (generation's: sign and exponent Huffman-coded against a
+context from mean / std, mantissa raw, ~10x ``lanes``'s decode speed): ``CodecConfig(coder=...)``. See docs/codec_format.md for the formats and
 the arithmetic.
 """
 
@@ -23,7 +24,7 @@ from .api import (
     start_decode_batch,
     stream_info,
 )
-from .codec_config import DEFAULT_CODER, CodecConfig
+from .codec_config import DEFAULT_CODER, GENERATION_CODER, CodecConfig
 from .coders import CODERS
 from .interface import CodecStats, Coder, PendingDecode
 from .lanes_coder import jit, lanes  # modules other code patches as codec.jit / codec.lanes
@@ -32,6 +33,7 @@ from .tables import Marginal, set_table_cache
 __all__ = [
     "CODERS",
     "DEFAULT_CODER",
+    "GENERATION_CODER",
     "CodecConfig",
     "CodecStats",
     "Coder",

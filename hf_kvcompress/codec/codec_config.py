@@ -27,6 +27,9 @@ HEADERS = ("full", "compact")
 #: the default coder everywhere (CodecConfig, LosslessConfig, the chunk coder): decodes 5-10x faster than ``ans``
 #: for +0.007-0.011 bit/scalar (docs/results/codec.md 12.3)
 DEFAULT_CODER = "lanes"
+#: the coder a cache generates with (`LosslessConfig.coder`): decodes ~10x faster than ``lanes`` for ~+0.28
+#: bit/scalar, which a decode step, decoding every block, needs more than the bits (docs/results/codec.md 13)
+GENERATION_CODER = "huff"
 LEGACY_CODER = "ans"  # the coder of a serialised config that names none (`to_dict` leaves ``ans`` out)
 
 #: name -> coder (an `interface.Coder`), filled by `register` as `coders` imports the coder modules;

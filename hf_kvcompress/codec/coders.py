@@ -3,7 +3,7 @@ subclass decorated with `codec_config.register`; the import line below (the regi
 
 from __future__ import annotations
 
-from . import ans_coder, lanes_coder  # noqa: F401 (the registry line: importing a coder module registers it)
+from . import ans_coder, huff_coder, lanes_coder  # noqa: F401 (the registry line: importing a coder module registers it)
 from .codec_config import REGISTERED
 from .interface import Coder
 

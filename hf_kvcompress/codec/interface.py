@@ -9,9 +9,11 @@ for bit. The coders are registered by name in `coders` (`CodecConfig.coder` name
 from __future__ import annotations
 
 import math
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -90,6 +92,75 @@ class PendingDecode(Protocol):
 
     def nbytes(self) -> int:
         """Bytes held beside ``out``."""
+
+
+_pools: dict[str, tuple[ThreadPoolExecutor, int]] = {}
+_pool_lock = threading.Lock()
+
+
+def thread_pool(n: int, name: str) -> ThreadPoolExecutor:
+    """The process's thread pool ``name`` with at least ``n`` threads (replaced by a larger one when needed)."""
+    with _pool_lock:
+        pool, size = _pools.get(name, (None, 0))
+        if pool is None or size < n:
+            pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=name)
+            _pools[name] = (pool, n)
+        return pool
+
+
+class ChunkedJob(ABC):
+    """A batch decode whose kernel runs in chunks of streams that any thread may take (a `PendingDecode`):
+    `start` hands chunks to background threads and returns at once; `finish` takes what is left on the calling
+    thread, waits for the rest and returns `result`; `cancel` hands out nothing more and waits for the chunks
+    already running. A subclass sets its chunk boundaries (`_chunks`) and runs one chunk (`_run_chunk`)."""
+
+    def _chunks(self, cuts: list[int]) -> None:
+        self._cuts = cuts
+        self._next = 0
+        self._lock = threading.Lock()
+        self._running: list = []
+
+    @abstractmethod
+    def _run_chunk(self, lo: int, hi: int) -> None:
+        """Decode streams ``lo..hi``."""
+
+    @abstractmethod
+    def result(self, mean=None, std=None) -> torch.Tensor:
+        """After every chunk ran: the tensor, or the first stream's error."""
+
+    def _take(self) -> tuple[int, int] | None:
+        with self._lock:
+            k = self._next
+            if k >= len(self._cuts) - 1:
+                return None
+            self._next = k + 1
+        return self._cuts[k], self._cuts[k + 1]
+
+    def _work(self) -> None:
+        while (chunk := self._take()) is not None:
+            self._run_chunk(*chunk)
+
+    def start(self, threads: int = 1) -> ChunkedJob:
+        """Let ``threads`` background threads take chunks (a pool of their own, not the one `decode_batch` and
+        `encode_batch` split their work on, so those never queue behind a job)."""
+        self._running = [thread_pool(threads, "kvc-ahead").submit(self._work) for _ in range(threads)]
+        return self
+
+    def finish(self) -> torch.Tensor:
+        """Decode the chunks nobody took yet here, wait for the others; the decoded tensor (``out`` if given)."""
+        try:
+            self._work()
+        finally:
+            for f in self._running:
+                f.result()
+        return self.result(None, None)
+
+    def cancel(self) -> None:
+        """Hand out no more chunks and wait for the running ones (their errors are dropped with the job)."""
+        with self._lock:
+            self._next = len(self._cuts)
+        for f in self._running:
+            f.result()
 
 
 class Coder(ABC):

@@ -19,11 +19,16 @@ bf16) and codes it as two tensors (all K, all V). Sections (``--sections``, comm
    one cache block: 2 (K/V) x 3 heads x 256 tokens x 64 dims, bf16, coded as N = 6 streams of [256, 64]
    (``--batch`` multiplies N), KV-like synthetic values (``--real``: a SmolLM2 layer's K/V, ``--layer``), with
    per-channel (``channel``) and per-element (``element``) statistics: bits/scalar of both, encode and decode
-   M scalars/s on 1 and 2 threads (best of ``--lanes-repeats``), the 1-thread decode also in thread CPU time.
+   M scalars/s on 1 and 2 threads (best of ``--lanes-repeats``), the 1-thread decode also in thread CPU time;
+5. ``fast``: the decode step's coders side by side on every layer's blocks as generation holds them (``--tokens``
+   of text in ``--block-tokens`` blocks, channel-major streams with per-channel bf16 mean / std): ``huff``
+   (docs/codec.md "The huff coder"), ``lanes`` and ``zipnn`` (one call per stream): bits/scalar with headers and
+   tables, and one-thread decode M scalars/s (a layer per call, into ``out=``; best of ``--lanes-repeats``), in
+   wall time and in the thread's CPU time (which other processes on a shared machine do not inflate).
 
 Writes bench_codec.json, bench_codec.txt (the tables) and, with sections 1 and 2, bench_codec.png.
 
-    hf-kvcompress bench codec [--out DIR] [--tokens 2048] [--sections rate,windows,realistic,lanes]
+    hf-kvcompress bench codec [--out DIR] [--tokens 2048] [--sections rate,windows,realistic,lanes,fast]
 
 Takes ~10 minutes on 2 cores (``--sections realistic``: ~2 minutes; ``lanes``: seconds).
 """
@@ -426,9 +431,84 @@ def lanes_section(work: Workload | None, batch: int, layer: int, repeats: int) -
     return {"source": src, "shape": list(x.shape), "rows": rows}, text
 
 
+# ------------------------------------------------------------------ fast: the decode step's coder
+
+HUFF = CodecConfig(coder="huff")
+
+
+def fast_streams(work: Workload, tokens: int, block_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer, its blocks as generation codes them: streams ``[blocks * 2 * heads, head_dim, block_tokens]``
+    (channel-major) with ``generic``'s per-channel mean and std (bf16 side data, as floats)."""
+    k, v = prefill_kv(work.model, work.ids(tokens))  # [L, 1, H, T, D]
+    n = tokens // block_tokens * block_tokens
+    out = []
+    for layer in range(k.shape[0]):
+        kv = torch.stack([k[layer, 0, :, :n], v[layer, 0, :, :n]])  # [2, H, n, D]
+        _, h, _, d = kv.shape
+        x = kv.reshape(2, h, n // block_tokens, block_tokens, d).permute(2, 0, 1, 4, 3).reshape(-1, d, block_tokens)
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True).bfloat16().float()
+        std = xf.std(-1, keepdim=True, correction=0).clamp_min(1e-6).bfloat16().float()
+        out.append((x.contiguous(), mean, std))
+    return out
+
+
+def fast_row(name: str, layers, repeats: int) -> dict:
+    """Rate (stream bytes, headers and tables included) and one-thread decode speed of one coder over every
+    layer's blocks, a layer per call as a decode step makes them (``zipnn``: one call per stream)."""
+    n = sum(x.numel() for x, _, _ in layers)
+    if name == "zipnn":
+        try:
+            import zipnn
+        except ImportError:
+            return {"coder": name, "missing": "pip install zipnn (the eval extra)"}
+        zn = zipnn.ZipNN(input_format="torch", bytearray_dtype="bfloat16", threads=1)
+        coded = [[zn.compress(s.clone()) for s in x] for x, _, _ in layers]  # it reorders its input in place
+        for (x, _, _), blobs in zip(layers, coded):
+            assert torch.equal(torch.stack([zn.decompress(b) for b in blobs]).view(torch.int16), x.view(torch.int16))
+        run = lambda: [zn.decompress(b) for blobs in coded for b in blobs]  # noqa: E731
+        return {"coder": name, "bits_per_scalar": 8 * sum(len(b) for c in coded for b in c) / n,
+                "decode_mps": n / best(run, repeats) / 1e6, "decode_cpu_mps": n / best(run, repeats, time.thread_time) / 1e6}
+    cfg = HUFF if name == "huff" else LANES
+    coded = [codec.encode_batch(x, m, s, cfg) for x, m, s in layers]
+    outs = [torch.empty_like(x) for x, _, _ in layers]
+    for (x, m, s), blobs, out in zip(layers, coded, outs):
+        codec.decode_batch(blobs, m, s, cfg, out=out)
+        assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    def run():
+        for (_, m, s), b, o in zip(layers, coded, outs):
+            codec.decode_batch(b, m, s, cfg, out=o, threads=1, verify=False)
+
+    return {"coder": name, "bits_per_scalar": 8 * sum(len(b) for c in coded for b in c) / n,
+            "decode_mps": n / best(run, repeats) / 1e6, "decode_cpu_mps": n / best(run, repeats, time.thread_time) / 1e6}
+
+
+def fast_section(work: Workload, tokens: int, block_tokens: int, repeats: int) -> tuple[dict, str]:
+    """Section 5: the decode step's candidates side by side (huff, lanes, zipnn) on the blocks generation holds."""
+    torch.set_num_threads(1)
+    layers = fast_streams(work, tokens, block_tokens)
+    x0 = layers[0][0]
+    rows = [fast_row(name, layers, repeats) for name in ("huff", "lanes", "zipnn")]
+    lanes_bits = rows[1]["bits_per_scalar"]
+    lines = [f"\n== fast coders: {len(layers)} layers x {x0.shape[0]} streams of {tuple(x0.shape[1:])} bf16 "
+             f"({work.name}, {tokens} tokens, {block_tokens}-token blocks, per-channel stats), one thread; "
+             f"load {os.getloadavg()[0]:.1f} ==",
+             f"{'coder':8} {'bits/scalar':>11} {'vs lanes':>9} {'decode M/s':>10} {'(thread CPU)':>12}"]
+    for r in rows:
+        if "missing" in r:
+            lines.append(f"{r['coder']:8} missing: {r['missing']}")
+            continue
+        r["vs_lanes"] = r["bits_per_scalar"] - lanes_bits
+        lines.append(f"{r['coder']:8} {r['bits_per_scalar']:11.4f} {r['vs_lanes']:+9.4f} {r['decode_mps']:10.1f} "
+                     f"{r['decode_cpu_mps']:12.1f}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return {"tokens": tokens, "block_tokens": block_tokens, "rows": rows}, text
+
+
 # ------------------------------------------------------------------ main
 
-SECTIONS = ("rate", "windows", "realistic", "lanes")
+SECTIONS = ("rate", "windows", "realistic", "lanes", "fast")
 #: smoke: where in the random token ids the realistic section's text starts (4096 with text)
 SMOKE_OFFSET = 0
 SMOKE = {"tokens": 64, "calib_tokens": 64, "realistic_tokens": 64, "block_tokens": 16, "repeats": 1,
@@ -467,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict = {"sections": list(sections),
                     "env": {"python": platform.python_version(), "torch": torch.__version__,
                             "numpy": np.__version__, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}}
-    work = workload(args.smoke) if {"rate", "windows", "realistic"} & set(sections) or args.real else None
+    work = workload(args.smoke) if {"rate", "windows", "realistic", "fast"} & set(sections) or args.real else None
     if work is not None:
         report["model"] = work.name
     text: list[str] = []
@@ -482,6 +562,9 @@ def run(args: argparse.Namespace) -> int:
         report["lanes"], lanes_text = lanes_section(work if args.real else None, args.batch, args.layer,
                                                     args.lanes_repeats)
         text.append(lanes_text)
+    if "fast" in sections:
+        report["fast"], fast_text = fast_section(work, args.tokens, args.block_tokens, args.lanes_repeats)
+        text.append(fast_text)
     report["env"]["loadavg_end"] = os.getloadavg()
     (out / "bench_codec.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "bench_codec.txt").write_text("\n".join(text) + "\n")

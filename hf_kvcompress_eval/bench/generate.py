@@ -11,7 +11,7 @@ RSS during the decode steps above the RSS before the cache was built (cache and 
 building's own peak is recorded in the JSON) against DynamicCache's.
 
     hf-kvcompress bench generate [--contexts 512,2048,8192] [--steps 5] [--budgets 0,0.05,0.5]
-        [--predictors generic,framed,self,none,context] [--calibration-tokens 2048] [--out DIR]
+        [--predictors generic,framed,self,none,context] [--coders huff,lanes] [--calibration-tokens 2048] [--out DIR]
 
 Writes bench_generate.json, bench_generate.md and bench_generate.png.
 
@@ -129,6 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budgets", default="0,0.05,0.5", help="LosslessConfig.decoded_budget values")
     parser.add_argument("--predictors", default=",".join(IN_GENERATION))
+    parser.add_argument("--coders", default="huff,lanes",
+                        help="LosslessConfig.coder values, each beside the others (default: the fast coder and lanes)")
     parser.add_argument("--block-tokens", type=int, default=CompressionConfig().block_tokens)
     parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                                                CALIBRATED)
             calibration.save(folder)
             print(f"calibration ({', '.join(CALIBRATED)}) on {args.calibration_tokens} tokens: {time.perf_counter() - t0:.0f} s")
-    warm_up(model)
+    warm_up(model, args.coders.split(","))
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         ids = work.ids(context + args.steps, split="evaluation")
@@ -168,14 +170,16 @@ def run(args: argparse.Namespace) -> int:
         del reference
         configs = [("DynamicCache", DynamicCache)]
         for predictor in predictors:
-            for budget in [float(b) for b in args.budgets.split(",")]:
-                config = CompressionConfig(
-                    mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
-                    lossless={"predictor": predictor, "decoded_budget": budget,
-                              **({} if args.workers is None else {"workers": args.workers})})
-                cal = calibration if predictor in CALIBRATED else None
-                configs.append((f"{predictor} budget={budget:g}",
-                                lambda config=config, cal=cal: CompressedCache(config, model=model, calibration=cal)))
+            for coder in args.coders.split(","):
+                for budget in [float(b) for b in args.budgets.split(",")]:
+                    config = CompressionConfig(
+                        mode="lossless", block_tokens=args.block_tokens, residual_tokens=args.residual_tokens,
+                        lossless={"predictor": predictor, "decoded_budget": budget, "coder": coder,
+                                  **({} if args.workers is None else {"workers": args.workers})})
+                    cal = calibration if predictor in CALIBRATED else None
+                    configs.append((f"{predictor} {coder} budget={budget:g}",
+                                    lambda config=config, cal=cal: CompressedCache(config, model=model,
+                                                                                   calibration=cal)))
         reference_logits, base = None, None
         for name, make in tqdm(configs, desc=f"context {context}"):
             row, logits = measure(model, name, make, prefix, forced, reference_logits)
@@ -197,13 +201,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def warm_up(model) -> None:
+def warm_up(model, coders: list[str]) -> None:
     """Build the codec's tables and compile what compiles once per process, outside every measurement."""
-    config = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=0)
-    cache = CompressedCache(config, model=model, calibration=None)
-    with torch.no_grad():
-        model(torch.arange(3, 40).unsqueeze(0), cache=cache, use_cache=True)
-        model(torch.tensor([[5]]), cache=cache, use_cache=True)
+    for coder in coders:
+        config = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=0, lossless={"coder": coder})
+        cache = CompressedCache(config, model=model, calibration=None)
+        with torch.no_grad():
+            model(torch.arange(3, 40).unsqueeze(0), cache=cache, use_cache=True)
+            model(torch.tensor([[5]]), cache=cache, use_cache=True)
 
 
 HEADER = ("| context | config | step s | x Dynamic | step CPU s | x Dynamic | decodes/step | held MB (walk) | held MB (stats) | x Dynamic "

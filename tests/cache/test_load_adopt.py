@@ -124,3 +124,41 @@ def test_a_generic_save_writes_the_caches_own_streams(model, tmp_path, monkeypat
     slow = cache.save(tmp_path / "slow.kvc", predictor="generic").read_bytes()
     assert counts["encodes"] == LAYERS + 3 * LAYERS and cache.lossless.decodes > decodes
     assert fast == slow
+
+
+def test_saves_keep_generations_coder_or_code_for_size(model, tmp_path, monkeypatch):
+    """A cache generating with ``huff`` (the default): a save with generation's predictor keeps its ``huff`` blocks
+    (adopted at load, a ``lanes`` cache's likewise); a save that codes every token again (``self``) writes ``lanes``
+    streams, which load bit for bit, and the loaded cache generates with its config's coder."""
+    from hf_kvcompress.codec import coder_of_stream
+
+    def coders(cache_or_blocks) -> set[str]:
+        return {coder_of_stream(blob).name for layer in cache_or_blocks.kv_layers() for block in layer.blocks
+                for row in block.rows for blob in row.blobs}
+
+    cache, reference = filled(model)
+    assert cache.config.lossless.coder == "huff" and coders(cache) == {"huff"}
+    kept = CompressedCache.load(cache.save(tmp_path / "g.kvc", predictor="generic"), model=model)
+    assert kept.lossless.decodes == 0 and coders(kept) == {"huff"}
+    again = CompressedCache.load(cache.save(tmp_path / "s.kvc", predictor="self"), model=model)
+    assert again.config.lossless.coder == "huff" and coders(again) == {"huff"}  # re-sealed as it generates
+    for loaded in (kept, again):
+        for mine, theirs in zip(loaded.kv_layers(), reference.layers):
+            assert same_bits(mine.keys, theirs.keys) and same_bits(mine.values, theirs.values)
+    counts = {"lanes": 0}
+    from hf_kvcompress.codec.lanes_coder import lanes
+
+    original = lanes.decode_batch_impl
+
+    def counting(*args, **kwargs):
+        counts["lanes"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lanes, "decode_batch_impl", counting)
+    path = cache.save(tmp_path / "s2.kvc", predictor="self")
+    CompressedCache.load(path, model=model, verify=True)
+    assert counts["lanes"] > 0  # the re-coded file's streams are lanes'
+    lanes_cache, _ = filled(model, CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4,
+                                                     lossless={"coder": "lanes"}))
+    adopted = CompressedCache.load(lanes_cache.save(tmp_path / "l.kvc", predictor="generic"), model=model)
+    assert adopted.lossless.decodes == 0 and coders(adopted) == {"lanes"}

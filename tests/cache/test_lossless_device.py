@@ -54,7 +54,7 @@ def test_generation_is_identical_and_decodes_through_the_chosen_decoder(route, d
     every block (streams = 2 x kv heads per block decode)."""
     want = _generate(DynamicCache())
     config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=0,
-                               lossless={"decoded_budget": 0.0})
+                               lossless={"decoded_budget": 0.0, "coder": "lanes"})  # the coder with a Triton decoder
     cache = CompressedCache(config, model=model6(), calibration=None)
     with kernels.forced(route):
         got = _generate(cache)

@@ -171,7 +171,7 @@ def test_defaults_generate_and_save_with_block_statistics(tmp_path):
     save is asked for by name."""
     config = CompressionConfig(mode="lossless")
     assert (config.block_tokens, config.residual_tokens) == (128, 0)
-    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "generic", "lanes")
+    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "generic", "huff")
     cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=BLOCK), model=model6(),
                             calibration=calibration6())
     assert cache.lossless.predictor.name == "generic" and cache.lossless.depth == 0
@@ -211,7 +211,8 @@ def test_stream_hashes_are_checked_at_a_blocks_first_decode_only(predictor, monk
 
     monkeypatch.setattr(jit, "decode_streams", counted)
     config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
-                               lossless={"predictor": predictor, "decoded_budget": 0.0, "workers": 1})
+                               lossless={"predictor": predictor, "decoded_budget": 0.0, "workers": 1,
+                                         "coder": "lanes"})  # counts the lanes kernel's hash checks
     cache = CompressedCache(config, model=model6(), calibration=calibration6())
     prefill(cache, 64)
     per_block = 2 * model6().config.num_key_value_heads  # K and V streams per head, batch 1
@@ -332,16 +333,18 @@ def test_next_layer_decodes_ahead_on_the_second_codec_thread(monkeypatch, torch_
     assert taken == []
 
 
+@pytest.mark.parametrize("coder", ["lanes", "huff"])
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(where, monkeypatch, torch_one_thread):
+def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(where, coder, monkeypatch, torch_one_thread):
     """A damaged stream in a block of layer 3 raises the codec's `CorruptStreamError` when layer 3 reads it:
     a damaged payload from the decode the second codec thread ran ahead, a damaged header (found while layer 2
     starts that decode, which is then not started) from layer 3's own decode. Never swallowed, never another
-    layer's values."""
+    layer's values. ``huff`` checks a stream's crc32 before its decode starts: a damaged payload is found as a
+    damaged header is."""
     from hf_kvcompress.codec import CorruptStreamError
 
     config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
-                               lossless={"predictor": "generic", "decoded_budget": 0.0, "workers": 2})
+                               lossless={"predictor": "generic", "decoded_budget": 0.0, "workers": 2, "coder": coder})
     cache = CompressedCache(config, model=model6())
     with torch.no_grad():
         model6()(random_ids(1, 70, seed=3), cache=cache, use_cache=True)
@@ -369,7 +372,7 @@ def test_a_corrupt_block_decoded_ahead_fails_at_its_own_layer(where, monkeypatch
     monkeypatch.setattr(coded.LosslessCoding, "_take_ahead", taken)
     with pytest.raises(CorruptStreamError), torch.no_grad():
         model6()(torch.tensor([[7]]), cache=cache, use_cache=True)
-    assert reached == [0, 1, 2, 3] and ahead == ([1, 2, 3] if where == "payload" else [1, 2])
+    assert reached == [0, 1, 2, 3] and ahead == ([1, 2, 3] if where == "payload" and coder == "lanes" else [1, 2])
 
 
 def test_workers_default_is_every_available_core(monkeypatch):
@@ -405,7 +408,8 @@ def test_codec_threads_change_no_byte(predictor, monkeypatch):
     caches, blobs = [], []
     for workers in (1, 2):
         config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
-                                   lossless={"predictor": predictor, "decoded_budget": 0.0, "workers": workers})
+                                   lossless={"predictor": predictor, "decoded_budget": 0.0, "workers": workers,
+                                             "coder": "lanes"})  # counts the lanes kernels' calls
         cache = CompressedCache(config, model=model6(), calibration=calibration6())
         prefill(cache, 60, batch=2)
         caches.append(cache)

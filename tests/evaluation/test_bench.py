@@ -29,7 +29,9 @@ def check_results(name: str, results: dict) -> None:
         assert results["rows"][0]["config"] == "DynamicCache"
         assert all(r["identical"] for r in results["rows"][1:])
     elif name == "codec":
-        assert results["sections"] == ["rate", "windows", "realistic", "lanes"]
+        assert results["sections"] == ["rate", "windows", "realistic", "lanes", "fast"]
+        fast = {r["coder"]: r for r in results["fast"]["rows"]}
+        assert set(fast) == {"huff", "lanes", "zipnn"} and fast["huff"]["bits_per_scalar"] < 16
         assert all(r["within_1pct"] for r in results["codec"]) and len(results["windows"]) == 7
         assert results["realistic"] and set(results["lanes"]["rows"]) == {"channel", "element"}
     elif name == "prefix":

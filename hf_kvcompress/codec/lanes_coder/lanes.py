@@ -34,7 +34,7 @@ import torch
 
 from ...errors import CorruptStreamError, ParameterMismatchError
 from ..codec_config import CodecConfig, check_config, check_has_data, check_stat, device_of
-from ..interface import check_out, copy_into, describe
+from ..interface import ChunkedJob, check_out, copy_into, describe, thread_pool
 from ..params import (
     GAUSS_BIAS,
     SIGMA_CODE_MAX,
@@ -376,18 +376,8 @@ def _stream_sigma_codes(bits: np.ndarray, mean32: np.ndarray | None, fmt: Format
 
 # --------------------------------------------------------------------------------------- decode
 
-_pools: dict[str, tuple[ThreadPoolExecutor, int]] = {}
-_pool_lock = threading.Lock()
-
-
 def _executor(n: int, name: str = "kvc-lanes") -> ThreadPoolExecutor:
-    """The process's thread pool ``name`` with at least ``n`` threads (replaced by a larger one when needed)."""
-    with _pool_lock:
-        pool, size = _pools.get(name, (None, 0))
-        if pool is None or size < n:
-            pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=name)
-            _pools[name] = (pool, n)
-        return pool
+    return thread_pool(n, name)
 
 
 def check_threads(threads: int | None) -> int:
@@ -600,7 +590,7 @@ def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | No
     return job.result(mean, std)
 
 
-class DecodeJob:
+class DecodeJob(ChunkedJob):
     """One `decode_batch`, parsed and checked (`prepare_decode`), whose kernel work can run in pieces: chunks of
     streams that any thread may take. `start` hands chunks to background threads and returns at once;
     `finish` takes what is left on the calling thread, waits for the rest and returns the tensor (raising as
@@ -628,46 +618,12 @@ class DecodeJob:
                      st.tid, st.cp, st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut,
                      _escape_freq(cfg, m), fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks,
                      verify_mask(verify, n_streams), flat, obase, orun, ohi, olo, self.err)
-        self._cuts = sorted({n_streams * k // max(1, chunks) for k in range(max(1, chunks) + 1)})
-        self._next = 0
-        self._lock = threading.Lock()
-        self._running: list = []
+        self._chunks(sorted({n_streams * k // max(1, chunks) for k in range(max(1, chunks) + 1)}))
 
-    def _take(self) -> tuple[int, int] | None:
-        with self._lock:
-            k = self._next
-            if k >= len(self._cuts) - 1:
-                return None
-            self._next = k + 1
-        return self._cuts[k], self._cuts[k + 1]
+    def _run_chunk(self, lo: int, hi: int) -> None:
+        jit.decode_streams(*self.args, lo, hi)
 
-    def _work(self) -> None:
-        while (chunk := self._take()) is not None:
-            jit.decode_streams(*self.args, *chunk)
-
-    def start(self, threads: int = 1) -> DecodeJob:
-        """Let ``threads`` background threads take chunks (a pool of their own, not the one `decode_batch` and
-        `encode_batch` split their work on, so those never queue behind a job)."""
-        self._running = [_executor(threads, "kvc-ahead").submit(self._work) for _ in range(threads)]
-        return self
-
-    def finish(self) -> torch.Tensor:
-        """Decode the chunks nobody took yet here, wait for the others; the decoded tensor (``out`` if given)."""
-        try:
-            self._work()
-        finally:
-            for f in self._running:
-                f.result()
-        return self.result(None, None)
-
-    def cancel(self) -> None:
-        """Hand out no more chunks and wait for the running ones (their errors are dropped with the job)."""
-        with self._lock:
-            self._next = len(self._cuts)
-        for f in self._running:
-            f.result()
-
-    def result(self, mean, std) -> torch.Tensor:
+    def result(self, mean=None, std=None) -> torch.Tensor:
         """After every chunk ran: `CorruptStreamError` for the first stream that failed, else the tensor."""
         raise_errors(self.err)
         if self.out is not None:

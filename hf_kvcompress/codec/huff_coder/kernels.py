@@ -1,0 +1,463 @@
+"""The ``huff`` coder's compiled kernels: per-stream Huffman code lengths, the encoder's bit packer, the
+decoder's table builder and its loop, which steps four streams at once (four independent bit readers: their
+look-ups overlap) and needs no division.
+
+Element bits: ``value = sign << (EW + MW) | exponent << MW | mantissa`` (EW exponent bits, MW mantissa bits:
+8 / 7 bfloat16, 5 / 10 float16, 8 / 23 float32). Its *context* ``c = ms << EW | ref`` comes from the caller's mean
+and std (`huff.contexts`). The coded symbol is ``sym = d * 2 + (sign ^ ms)`` with ``d = (exponent - ref + 2^(EW-1))
+mod 2^EW``; its code (LSB first) is followed by the MW mantissa bits as they are. docs/codec_format.md section 13.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+#: longest code: the decode table has 2^MAX_LEN entries per stream (4 KiB of uint32), refilled per stream
+MAX_LEN = 10
+TABLE = 1 << MAX_LEN
+#: a decode table entry no code reaches (an incomplete code): or-ed over the loop, checked at the end
+INVALID = np.uint32(1 << 31)
+#: the decoder checks its bit position every CHUNK elements, so a damaged stream reads at most this many elements'
+#: bits past its end (the joined buffer is padded by `PAD_BYTES`)
+CHUNK = 256
+PAD_BYTES = CHUNK * (MAX_LEN + 23) // 8 + 32
+
+ERR_TABLE = 1  # code lengths over-subscribed, out of range, or a symbol outside the alphabet
+ERR_CODE = 2  # a bit pattern no code starts with
+ERR_LENGTH = 3  # the codes and mantissas do not end exactly at the payload's end
+ERR_FP = 4  # the contexts (from mean and std) differ from the encoder's
+
+_jit = nb.njit(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+_U = np.uint64
+_FNV = np.uint64(0x100000001B3)
+
+
+@_jit
+def code_lengths(counts, max_len):
+    """Length-limited Huffman code lengths of the symbols with ``counts > 0`` (0 for the others): Huffman by the
+    two-queue method, then lengths over ``max_len`` clipped and the Kraft sum repaid by lengthening the least
+    frequent codes still shorter than ``max_len``. One used symbol gets length 1."""
+    lengths = np.zeros(counts.size, np.int64)
+    used = np.flatnonzero(counts > 0)
+    n = used.size
+    if n == 0:
+        return lengths
+    if n == 1:
+        lengths[used[0]] = 1
+        return lengths
+    order = used[np.argsort(counts[used], kind="mergesort")]
+    weight = np.empty(2 * n - 1, np.int64)
+    parent = np.zeros(2 * n - 1, np.int64)
+    for i in range(n):
+        weight[i] = counts[order[i]]
+    leaf, inner = 0, n
+    for k in range(n, 2 * n - 1):
+        pair = np.empty(2, np.int64)
+        for j in range(2):
+            if leaf < n and (inner >= k or weight[leaf] <= weight[inner]):
+                pair[j] = leaf
+                leaf += 1
+            else:
+                pair[j] = inner
+                inner += 1
+        weight[k] = weight[pair[0]] + weight[pair[1]]
+        parent[pair[0]] = k
+        parent[pair[1]] = k
+    depth = np.zeros(2 * n - 1, np.int64)
+    for node in range(2 * n - 3, -1, -1):
+        depth[node] = depth[parent[node]] + 1
+    kraft = 0
+    for i in range(n):
+        length = min(depth[i], max_len)
+        depth[i] = length
+        kraft += 1 << (max_len - length)
+    while kraft > (1 << max_len):  # the least frequent code shorter than max_len grows by one bit
+        for i in range(n):
+            if depth[i] < max_len:
+                kraft -= 1 << (max_len - depth[i] - 1)
+                depth[i] += 1
+                break
+    for i in range(n):
+        lengths[order[i]] = depth[i]
+    return lengths
+
+
+@_jit
+def canonical_codes(lengths, max_len):
+    """Canonical codes (ordered by length, then symbol), bit-reversed for an LSB-first stream; -1 where the
+    lengths over-subscribe the code space."""
+    codes = np.zeros(lengths.size, np.int64)
+    per_length = np.zeros(max_len + 2, np.int64)
+    for s in range(lengths.size):
+        per_length[lengths[s]] += 1
+    per_length[0] = 0
+    next_code = np.zeros(max_len + 2, np.int64)
+    code = 0
+    for length in range(1, max_len + 1):
+        code = (code + per_length[length - 1]) << 1
+        next_code[length] = code
+        if code + per_length[length] > (1 << length):
+            return codes, -1
+    for s in range(lengths.size):
+        length = lengths[s]
+        if length:
+            c = next_code[length]
+            next_code[length] += 1
+            rev = 0
+            for b in range(length):
+                rev |= ((c >> (length - 1 - b)) & 1) << b
+            codes[s] = rev
+    return codes, 0
+
+
+@_jit
+def symbols(bits, ctx, rows, run, ew, mw, counts):
+    """The symbol of every element of one stream (``bits``: its m bit patterns; ``ctx``: one context per row of
+    ``run`` elements) and their counts."""
+    syms = np.empty(bits.size, np.int64)
+    emask = (1 << ew) - 1
+    half = 1 << (ew - 1)
+    i = 0
+    for r in range(rows):
+        c = np.int64(ctx[r])
+        ref, ms = c & emask, c >> ew
+        for _ in range(run):
+            v = np.int64(bits[i])
+            e = (v >> mw) & emask
+            sign = v >> (ew + mw)
+            s = (((e - ref + half) & emask) << 1) | (sign ^ ms)
+            syms[i] = s
+            counts[s] += 1
+            i += 1
+    return syms
+
+
+@_jit
+def pack(bits, syms, codes, lengths, mw, words):
+    """Each element's code then its MW mantissa bits, LSB first, into ``words`` (uint64); the bit count."""
+    acc = _U(0)
+    have = 0
+    at = 0
+    mmask = _U((1 << mw) - 1)
+    for i in range(syms.size):
+        s = syms[i]
+        length = lengths[s]
+        v = _U(codes[s]) | ((_U(bits[i]) & mmask) << _U(length))
+        n = length + mw
+        acc |= v << _U(have)
+        if have + n >= 64:
+            words[at] = acc
+            at += 1
+            spill = have + n - 64
+            acc = (v >> _U(n - spill)) if spill else _U(0)
+            have = spill
+        else:
+            have += n
+    if have:
+        words[at] = acc
+    return at * 64 + have
+
+
+@_jit
+def context_fingerprint(ctx, rows, run):
+    """64-bit FNV-1a of one stream's contexts as (value, count) runs: the same per-element contexts give the same
+    fingerprint whatever shape the statistics were handed in."""
+    h = _U(0xCBF29CE484222325)
+    cur = np.int64(-1)
+    count = 0
+    for r in range(rows):
+        c = np.int64(ctx[r])
+        if c != cur:
+            if count:
+                h = (h ^ _U(cur)) * _FNV
+                h = (h ^ _U(count)) * _FNV
+            cur = c
+            count = 0
+        count += run
+    if count:
+        h = (h ^ _U(cur)) * _FNV
+        h = (h ^ _U(count)) * _FNV
+    return h
+
+
+@_jit
+def read_lengths(b8, at, end, alphabet, lengths):
+    """The code length of every symbol from the stream's segments at byte ``at`` (nseg, then per segment: gap
+    varint, count varint, count nibbles); the position after them, or -1 if they do not parse."""
+    lengths[:] = 0
+    nseg, at = _varint(b8, at, end)
+    if at < 0 or nseg > alphabet:
+        return -1
+    sym = 0
+    for _ in range(nseg):
+        gap, at = _varint(b8, at, end)
+        if at < 0:
+            return -1
+        count, at = _varint(b8, at, end)
+        if at < 0 or gap > alphabet or count > alphabet or sym + gap + count > alphabet or \
+                at + ((count + 1) >> 1) > end:
+            return -1
+        sym += gap
+        for k in range(count):
+            lengths[sym + k] = np.int64((b8[at + (k >> 1)] >> (4 * (k & 1))) & 15)
+        sym += count
+        at += (count + 1) >> 1
+    return at
+
+
+@_jit
+def build_table(b8, at, end, alphabet, ew, lengths, table):
+    """Fill ``table`` (2^MAX_LEN uint32: ``u << 8 | length``, u = the sign-xor and exponent offset bits) from the
+    stream's code lengths at byte ``at``; False if they do not form a code."""
+    if read_lengths(b8, at, end, alphabet, lengths) < 0:
+        return False
+    kraft = 0
+    for s in range(alphabet):
+        if lengths[s] > MAX_LEN:
+            return False
+        if lengths[s]:
+            kraft += 1 << (MAX_LEN - lengths[s])
+    if kraft == 0 or kraft > TABLE:
+        return False
+    if kraft < TABLE:
+        table[:] = INVALID
+    codes, bad = canonical_codes(lengths, MAX_LEN)
+    if bad:
+        return False
+    emask = (1 << ew) - 1
+    half = 1 << (ew - 1)
+    for s in range(alphabet):
+        length = lengths[s]
+        if length == 0:
+            continue
+        u = (((s >> 1) - half) & emask) | ((s & 1) << ew)
+        entry = np.uint32((u << 8) | length)
+        for j in range(codes[s], TABLE, 1 << length):
+            table[j] = entry
+    return True
+
+
+@_jit
+def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ctx, crow, rows, run, ew, mw, out, obase, a_step,
+                   b_step, err, s_lo, s_hi):
+    """Decode streams ``s_lo..s_hi`` into ``out`` (element ``(r, t)`` of stream ``s`` at ``obase[s] + r * a_step + t *
+    b_step``), coded ones four at a time. ``err[s]`` gets an ERR_ code for a stream that fails: a group of four
+    with a failure is decoded again stream by stream, so that the error lands on the stream it belongs to."""
+    tables = np.empty((4, TABLE), np.uint32)
+    lengths = np.empty(alphabet, np.int64)
+    coded = np.empty(s_hi - s_lo, np.int64)
+    n = 0
+    for s in range(s_lo, s_hi):
+        if stored[s]:
+            _copy_stored(b8, pstart[s], 1 + ew + mw, rows, run, out, obase[s], a_step, b_step)
+        else:
+            coded[n] = s
+            n += 1
+    lanes = np.empty(4, np.int64)
+    for g in range(0, n, 4):
+        for j in range(4):  # a short last group repeats its last stream (the same writes twice)
+            lanes[j] = coded[min(g + j, n - 1)]
+        ok = True
+        for j in range(4):
+            q = lanes[j]
+            ok = ok and build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[j])
+        if not ok or _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step,
+                              lanes) != 0:
+            for j in range(4):
+                q = lanes[j]
+                one = np.full(4, q, np.int64)
+                for i in range(4):
+                    if not build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[i]):
+                        err[q] = ERR_TABLE
+                if err[q] == 0:
+                    err[q] = _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step,
+                                      b_step, one)
+
+
+@_jit
+def _copy_stored(b8, pos, width, rows, run, out, base, a_step, b_step):
+    """A stored stream: each element's ``width`` bits as they are, LSB first."""
+    mask = _U((1 << width) - 1)
+    for r in range(rows):
+        for t in range(run):
+            out[_U(base) + _U(r) * _U(a_step) + _U(t) * _U(b_step)] = _peek(b8, pos) & mask
+            pos += width
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _peek(b8, pos):
+    """At least 57 bits of the stream from bit ``pos`` on: the 8 bytes from its byte, which LLVM merges into one
+    unaligned load."""
+    i = _U(pos) >> _U(3)
+    v = _U(b8[i]) | (_U(b8[i + _U(1)]) << _U(8)) | (_U(b8[i + _U(2)]) << _U(16)) | (_U(b8[i + _U(3)]) << _U(24)) | \
+        (_U(b8[i + _U(4)]) << _U(32)) | (_U(b8[i + _U(5)]) << _U(40)) | (_U(b8[i + _U(6)]) << _U(48)) | \
+        (_U(b8[i + _U(7)]) << _U(56))
+    return v >> (_U(pos) & _U(7))
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask):
+    """One element of one stream: (its bit pattern, the next bit position, the table entry)."""
+    w = _peek(b64, pos)
+    ent = table[w & lmask]
+    ln = _U(ent & np.uint32(63))
+    u = _U(ent >> np.uint32(8))
+    value = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
+    return value, pos + np.int64(ln + umw), ent
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _step2(b8, pos, table, c, emask, sbit, mmask, umw, lmask):
+    """Two elements of one stream from one read (each takes at most MAX_LEN + MW <= 28 bits of its 57): (their
+    bit patterns, the next bit position, their table entries or-ed)."""
+    w = _peek(b8, pos)
+    ent = table[w & lmask]
+    ln = _U(ent & np.uint32(63))
+    u = _U(ent >> np.uint32(8))
+    first = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
+    used = ln + umw
+    w >>= used
+    ent2 = table[w & lmask]
+    ln = _U(ent2 & np.uint32(63))
+    u = _U(ent2 >> np.uint32(8))
+    second = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
+    return first, second, pos + np.int64(used + ln + umw), ent | ent2
+
+
+@_jit
+def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step, lanes):
+    """Four streams in lock step; 0, or an ERR_ code for the group (`decode_streams` then pins it on one)."""
+    s0, s1, s2, s3 = lanes[0], lanes[1], lanes[2], lanes[3]
+    t0, t1, t2, t3 = tables[0], tables[1], tables[2], tables[3]
+    p0, p1, p2, p3 = pstart[s0], pstart[s1], pstart[s2], pstart[s3]
+    e0, e1, e2, e3 = p0 + pbits[s0], p1 + pbits[s1], p2 + pbits[s2], p3 + pbits[s3]
+    o0, o1, o2, o3 = _U(obase[s0]), _U(obase[s1]), _U(obase[s2]), _U(obase[s3])
+    emask, sbit, mmask = _U((1 << ew) - 1), _U(1 << ew), _U((1 << mw) - 1)
+    umw, lmask = _U(mw), _U(TABLE - 1)
+    bad = np.uint32(0)
+    ast, bst = _U(a_step), _U(b_step)
+    pairs = 2 * (MAX_LEN + mw) <= 57
+    for r in range(rows):
+        c0, c1, c2, c3 = _U(ctx[crow[s0], r]), _U(ctx[crow[s1], r]), _U(ctx[crow[s2], r]), _U(ctx[crow[s3], r])
+        a = _U(r) * ast
+        t = 0
+        while t < run:
+            stop = min(run, t + CHUNK)
+            k = t
+            while pairs and k + 1 < stop:
+                at = a + _U(k) * bst
+                nx = at + bst
+                v, v2, p0, ent = _step2(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
+                out[o0 + at] = v
+                out[o0 + nx] = v2
+                bad |= ent
+                v, v2, p1, ent = _step2(b64, p1, t1, c1, emask, sbit, mmask, umw, lmask)
+                out[o1 + at] = v
+                out[o1 + nx] = v2
+                bad |= ent
+                v, v2, p2, ent = _step2(b64, p2, t2, c2, emask, sbit, mmask, umw, lmask)
+                out[o2 + at] = v
+                out[o2 + nx] = v2
+                bad |= ent
+                v, v2, p3, ent = _step2(b64, p3, t3, c3, emask, sbit, mmask, umw, lmask)
+                out[o3 + at] = v
+                out[o3 + nx] = v2
+                bad |= ent
+                k += 2
+            for j in range(k, stop):
+                at = a + _U(j) * bst
+                v, p0, ent = _step(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
+                out[o0 + at] = v
+                bad |= ent
+                v, p1, ent = _step(b64, p1, t1, c1, emask, sbit, mmask, umw, lmask)
+                out[o1 + at] = v
+                bad |= ent
+                v, p2, ent = _step(b64, p2, t2, c2, emask, sbit, mmask, umw, lmask)
+                out[o2 + at] = v
+                bad |= ent
+                v, p3, ent = _step(b64, p3, t3, c3, emask, sbit, mmask, umw, lmask)
+                out[o3 + at] = v
+                bad |= ent
+            if bad & INVALID:
+                return ERR_CODE
+            if p0 > e0 or p1 > e1 or p2 > e2 or p3 > e3:
+                return ERR_LENGTH  # damaged: stop before reading further past a stream's end
+            t = stop
+    if p0 != e0 or p1 != e1 or p2 != e2 or p3 != e3:
+        return ERR_LENGTH
+    return 0
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _varint(b8, at, end):
+    """(value, next position) of the LEB128 varint at ``at``; position -1 if it runs past ``end`` or 9 bytes."""
+    v = 0
+    for k in range(9):
+        if at >= end:
+            return 0, -1
+        byte = np.int64(b8[at])
+        at += 1
+        v |= (byte & 0x7F) << (7 * k)
+        if byte < 0x80:
+            return v, at
+    return 0, -1
+
+
+@_jit
+def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits, stored):
+    """Every stream's fields after the common ``prefix`` (magic, flags, shape: the first stream's, which every
+    stream must repeat): context fingerprint, code-length segments, payload. The index of the first stream whose
+    header does not parse or whose length does not add up, else -1."""
+    plen = prefix.size
+    lengths = np.empty(2 << ew, np.int64)
+    for s in range(start.size):
+        at, end = start[s], start[s] + size[s] - 4  # the crc32 closes every stream
+        if end < at + plen + 4:
+            return s
+        for k in range(plen):
+            if b8[at + k] != prefix[k]:
+                return s
+        at += plen
+        fp[s] = np.uint32(b8[at]) | (np.uint32(b8[at + 1]) << 8) | (np.uint32(b8[at + 2]) << 16) | \
+            (np.uint32(b8[at + 3]) << 24)
+        at += 4
+        tat[s] = at
+        at = read_lengths(b8, at, end, 2 << ew, lengths)
+        if at < 0:
+            return s
+        nbits, at = _varint(b8, at, end)
+        stored[s] = lengths.max() == 0 and m > 0  # no code: the elements' bits as they are
+        if stored[s]:
+            if at < 0 or nbits != m * (1 + ew + mw):
+                return s
+        elif at < 0 or nbits < m * mw or nbits > m * (MAX_LEN + mw):
+            return s
+        if at + ((nbits + 7) >> 3) != end:
+            return s
+        pstart[s] = 8 * at
+        pbits[s] = nbits
+    return -1
+
+
+@_jit
+def fingerprints(ctx, crow, rows, run, out):
+    """`context_fingerprint` of every stream (computed once per row of ``ctx``), low 32 bits."""
+    done = np.full(ctx.shape[0], -1, np.int64)
+    for s in range(crow.size):
+        r = crow[s]
+        if done[r] < 0:
+            done[r] = np.int64(context_fingerprint(ctx[r], rows, run) & _U(0x7FFFFFFFFFFFFFFF))
+        out[s] = np.uint32(done[r] & 0xFFFFFFFF)
+
+
+@_jit
+def encode_stream(bits, ctx, rows, run, ew, mw):
+    """One stream's (payload words, bit count, code length of every symbol)."""
+    counts = np.zeros(2 << ew, np.int64)
+    syms = symbols(bits, ctx, rows, run, ew, mw, counts)
+    lengths = code_lengths(counts, MAX_LEN)
+    codes, _ = canonical_codes(lengths, MAX_LEN)
+    words = np.zeros((bits.size * (MAX_LEN + mw)) // 64 + 2, np.uint64)
+    nbits = pack(bits, syms, codes, lengths, mw, words)
+    return words, nbits, lengths
