@@ -66,7 +66,8 @@ def test_ls_has_one_line_per_model_folder(filled, capsys, no_model_loads):
     shape = f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads x {config.head_dim}"
     for store, chunks, temporary, dtype in ((f32, "2", "1", "float32"), (bf16, "1", "0", "bfloat16")):
         _, count, mib, day, clock, temps, model = rows[store.folder.name]
-        assert (count, temps, model) == (chunks, temporary, f"{dtype}, {shape}")
+        name = config.name_or_path or "LlamaForCausalLM"  # chunks record the model's name for listings
+        assert (count, temps, model) == (chunks, temporary, f"{name} ({dtype}, {shape})")
         assert float(mib) == pytest.approx(store.stats()["bytes"] / 2**20, abs=0.01)
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", day) and re.fullmatch(r"\d\d:\d\d:\d\d", clock)
 

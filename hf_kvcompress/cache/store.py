@@ -93,6 +93,9 @@ STALE_SECONDS = 3600.0
 MARKER = ".hf_kvcompress-prefix-store"
 #: the names the store creates: one folder per namespace, chunk files and temporary files in it (mkstemp's)
 _FOLDER = re.compile(r"[0-9a-f]{32}")
+#: the fields of a chunk's header; "model", the model's name for listings (`folder_model`), may be absent too
+_HEADER_FIELDS = {"format", "version", "key", "namespace", "first", "tokens", "token_ids", "dtype", "layers",
+                  "payload_bytes"}
 _CHUNK = re.compile(r"[0-9a-f]{64}\.kvp")
 _TEMP = re.compile(r"\.[0-9a-f]{16}\.[a-z0-9_]+\.tmp")
 
@@ -418,7 +421,8 @@ class PrefixStore:
         dtype = taken[0].dtype
         header = {"format": FORMAT, "version": VERSION, "key": key.hex(), "namespace": self.namespace.hex(),
                   "first": first, "tokens": self.chunk_tokens, "token_ids": row[first:stop].tolist(),
-                  "dtype": str(dtype).replace("torch.", ""), "layers": layers, "payload_bytes": len(payload)}
+                  "dtype": str(dtype).replace("torch.", ""), "layers": layers, "payload_bytes": len(payload),
+                  "model": _model_name(self.model)}
         blob = json.dumps(header, separators=(",", ":")).encode()
         body = _PREFIX.pack(MAGIC, VERSION, len(blob)) + blob + bytes(payload)
         return body + self._digest(body)
@@ -480,8 +484,9 @@ class PrefixStore:
         except Exception as err:
             raise CacheFileError(f"corrupt header ({type(err).__name__}: {err})") from err
         payload = data[end : len(data) - _DIGEST]
-        h = _dict(header, "chunk header", {"format", "version", "key", "namespace", "first", "tokens", "token_ids",
-                                            "dtype", "layers", "payload_bytes"})
+        h = _dict(header, "chunk header", None)
+        if set(h) - {"model"} != _HEADER_FIELDS or not isinstance(h.get("model", ""), str):
+            raise CacheFileError("the chunk header's fields are not a chunk's")  # "model" (a label) is optional
         first = index * self.chunk_tokens
         if (h["format"], h["version"], h["key"], h["namespace"]) != (FORMAT, VERSION, key.hex(), self.namespace.hex()):
             raise CacheFileError("the header names another format, key or namespace")
@@ -634,8 +639,9 @@ def folder_usage(root: str | Path) -> list[dict[str, Any]]:
 
 
 def folder_model(folder: str | Path) -> str | None:
-    """What the newest chunk in ``folder`` says of its model: dtype, layers, KV heads x key width, from its header
-    alone (read-only, unchecked: for listings; chunks record no model name), or None without a readable one."""
+    """What the newest chunk in ``folder`` says of its model: its name (chunks written since 2026-12-04), dtype,
+    layers, KV heads x key width, from its header alone (read-only, unchecked: for listings), or None without a
+    readable one."""
     chunks = [(info.st_mtime, path) for path, info, chunk in _own_files(Path(folder)) if chunk]
     for _, path in sorted(chunks, reverse=True)[:1]:
         try:
@@ -648,10 +654,19 @@ def folder_model(folder: str | Path) -> str | None:
             finally:
                 os.close(fd)
             layers = header["layers"]
-            return f"{header['dtype']}, {len(layers)} layers, {layers[0]['heads']} KV heads x {layers[0]['key_dim']}"
+            shape = f"{header['dtype']}, {len(layers)} layers, {layers[0]['heads']} KV heads x {layers[0]['key_dim']}"
+            name = header.get("model")
+            return f"{name[:80]} ({shape})" if isinstance(name, str) and name else shape
         except (CacheFileError, OSError, struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError):
             return None
     return None
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    """The model's name for listings (its config's ``name_or_path``, else its class), bounded: a label that no
+    check reads (the namespace binds chunks to the model's fingerprint)."""
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+    return str(name)[-200:]
 
 
 def clear(root: str | Path) -> int:
