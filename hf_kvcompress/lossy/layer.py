@@ -88,7 +88,7 @@ class LossyLayer(CompressedLayer):
         self.since_summary = 0
         #: a context replay in progress (`methods.kvzip.compress_context`): "hold" (no summary, the context is held
         #: whole) or "score" (this layer's forwards are the replay: they score the entries held before it)
-        self.replay: str | None = None
+        self.replay_phase: str | None = None
         #: ``[b, h, held]`` float32: the most attention any replay query gave each entry held before the replay
         self.replay_scores: torch.Tensor | None = None
         #: the share of what the uniform budget leaves beyond sinks, window and queries this layer keeps (set by a
@@ -134,7 +134,7 @@ class LossyLayer(CompressedLayer):
         self.expected_kv = keys.shape[-2]
         if (
             self.compresses
-            and self.replay is None
+            and self.replay_phase is None
             and self.held_bytes() > self.budget_bytes()
             and (count > 1 or self.since_summary >= self.lossy.interval)
         ):
@@ -229,7 +229,7 @@ class LossyLayer(CompressedLayer):
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
         current = (query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
-        if self.replay == "score":
+        if self.replay_phase == "score":
             self._score_replay(query, count)
         elif self.pending:
             self.summarize(current)  # this forward's queries are used where they are, never kept
@@ -495,7 +495,7 @@ class LossyLayer(CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.replay = self.replay_scores = self.budget_share = None
+        self.replay_phase = self.replay_scores = self.budget_share = None
         self.residual_valid = None
         self.sink_block = None
         self.pending = False

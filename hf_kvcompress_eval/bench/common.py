@@ -82,7 +82,8 @@ def workload(smoke: bool, **load_kwargs) -> Workload:
 
 def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--out", default=None,
-                        help=f"results folder (default: {DEFAULT_ROOT / name}, untracked)")
+                        # the path first: argparse wraps help text at hyphens, which would split "eval-results"
+                        help=f"{DEFAULT_ROOT / name} by default (untracked): the results folder")
     parser.add_argument("--smoke", action="store_true",
                         help="a run of seconds on a tiny random model: checks that the benchmark runs (its numbers "
                              "mean nothing)")

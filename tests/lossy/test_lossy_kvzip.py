@@ -35,10 +35,10 @@ def test_replay_scores_are_the_largest_weight_any_replay_query_gives():
     model = fresh_tiny_model("llama-gqa", layers=6)
     cache = _cache(model)
     for layer in cache.layers:
-        layer.replay = "hold"
+        layer.replay_phase = "hold"
     model(context, cache=cache)
     for layer in cache.layers:
-        layer.replay = "score"
+        layer.replay_phase = "score"
     for start in (0, 20):  # the replay in two forwards: the scores are the running maximum
         model(torch.cat([repeat, context], -1)[:, start : start + 20 if start == 0 else None], cache=cache)
     for layer, attn in zip(cache.layers, weights):

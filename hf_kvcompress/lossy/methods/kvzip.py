@@ -72,7 +72,7 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
     """Prefill ``context_ids`` (``[b, t]``, no padding) into ``cache`` (a lossy `CompressedCache` with method
     ``kvzip`` built with ``model``), replay ``repeat_ids`` (``[b, r]`` or ``[r]``: the tokenized `REPEAT_PROMPT`) and
     the context to score every entry, and prune the whole cache to its budget at once (see the module docstring)."""
-    layers = [layer for layer in cache.layers if getattr(layer, "replay", False) is None
+    layers = [layer for layer in cache.layers if getattr(layer, "replay_phase", False) is None
               and getattr(getattr(layer, "method", None), "name", None) == "kvzip"]
     if not layers:
         raise ValueError("compress_context: the cache has no lossy layer with method 'kvzip' "
@@ -91,16 +91,16 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
     step = chunk_size or context_ids.shape[-1] + repeat_ids.shape[-1]
     try:
         for layer in layers:
-            layer.replay = "hold"
+            layer.replay_phase = "hold"
         _forward(model, cache, context_ids, step)
         end = cache.get_seq_length()
         for layer in layers:
-            layer.replay, layer.replay_scores = "score", None
+            layer.replay_phase, layer.replay_scores = "score", None
         _forward(model, cache, torch.cat([repeat_ids.to(context_ids.device), context_ids], dim=-1), step)
         cache.crop(end - cache.get_seq_length())  # the replay's own entries (exact, in the residual) go
     finally:
         for layer in layers:
-            layer.replay = None
+            layer.replay_phase = None
     _share_budget(layers)
     for layer in layers:
         if layer.compresses and layer.held_bytes() > layer.budget_bytes():
