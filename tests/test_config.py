@@ -129,3 +129,17 @@ def test_the_docs_have_a_row_for_every_config_field():
     assert rows("lossless.md", "`CompressionConfig`:\n") == [*fields(CompressionConfig), "budget"]  # + the InitVar
     assert sorted(rows("lossless.md", "`LosslessConfig`:\n")) == sorted(fields(LosslessConfig))
     assert sorted(rows("lossy.md", "## Configuration (`LossyConfig`)")) == sorted(fields(LossyConfig))
+
+
+def test_a_fresh_process_knows_every_lossy_method():
+    """The package's names load lazily: a config built first thing in a new process (nothing else imported) still
+    knows every registered method (the registry is filled by importing the config, not by importing the cache)."""
+    import subprocess
+    import sys
+
+    code = ("from hf_kvcompress import LossyConfig; from hf_kvcompress.lossy import METHODS; "
+            "print(LossyConfig(method='topk').method, len(METHODS))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    name, count = done.stdout.split()
+    assert name == "topk" and int(count) >= 10
