@@ -326,13 +326,15 @@ class CompressedCache(Cache):
     @classmethod
     def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
              calibration: Calibration | str | Path | None = None, config: CompressionConfig | None = None,
-             progress: bool = False, verify: bool = False) -> CompressedCache:
+             progress: bool = False, verify: bool | None = None) -> CompressedCache:
         """Rebuild a cache saved with `save`: bit-identical K/V; generation continues as without the round
         trip. A file saved with a calibration needs that calibration: ``calibration`` or, when not given, the
         model's default one (never fitted here). Raises `CacheFileError` for files from another model,
         calibration or library version, corrupt files, or a predictor that does not reproduce here. Blocks coded
-        as generation codes them (a ``"generic"`` file) are adopted, not decoded: they decode when attention first
-        reads them; ``verify=True`` decodes them once here, so that a file edited behind its checksum fails here."""
+        as generation codes them (a ``"generic"`` file) are adopted, not re-coded. ``verify`` (default: when a
+        ``model`` is given, i.e. for generating) decodes every stream once here, so that a file edited behind its
+        checksum is a `CacheFileError` here, never an error inside `generate`; ``verify=False`` leaves each
+        stream's checks to its first read (`CorruptStreamError` there)."""
         return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config, progress=progress,
                           verify=verify)
 

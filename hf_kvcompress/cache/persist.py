@@ -271,12 +271,14 @@ def uses_calibration(cache: CompressedCache) -> bool:
 
 def load_cache(path: str | Path, *, cache_class: type[CompressedCache], model: torch.nn.Module | None = None,
                calibration=None, config: CompressionConfig | None = None, progress: bool = False,
-               verify: bool = False) -> CompressedCache:
+               verify: bool | None = None) -> CompressedCache:
     """Rebuild a saved cache: bit-identical keys and values, held per ``config`` (default: the saved one).
     Every failure is a `CacheFileError` that says what is wrong. Blocks coded as the cache codes them in
     generation are adopted, not decoded: the file's SHA-256 and structure are checked here, each stream's own
-    checks at its first decode (``verify=True`` decodes them here once, so that a file edited behind its checksum
-    fails in `load`, not at the first read, where it raises `CorruptStreamError`)."""
+    checks at its first decode unless ``verify`` (default: when ``model`` is given) decodes them here once, so that
+    a file edited behind its checksum fails in `load`, not at the first read, where it raises `CorruptStreamError`)."""
+    if verify is None:  # a model attached means generation follows: nothing read from the file may fail inside it
+        verify = model is not None
     try:
         return _load(Path(path), cache_class, model, calibration, config, progress, verify)
     except CacheFileError as err:

@@ -49,7 +49,7 @@ def test_generic_file_blocks_are_adopted_without_decoding_or_encoding(model, tmp
     cache, reference = filled(model)
     path = cache.save(tmp_path / "g.kvc", predictor="generic")
     counts = count_encodes(monkeypatch)
-    loaded = CompressedCache.load(path, model=model)
+    loaded = CompressedCache.load(path, model=model, verify=False)
     # taken as they are; layer 0's two blocks decoded once: its keys bind the file to its ids and the model
     assert loaded.lossless.decodes == 2 and counts["encodes"] == 0
     for index, (mine, theirs) in enumerate(zip(loaded.kv_layers(), cache.kv_layers())):
@@ -93,7 +93,9 @@ def test_a_stream_edited_behind_the_checksum_fails_at_first_read_or_in_load_with
     path.write_bytes(reseal(bytes(damaged)))
     with pytest.raises(CacheFileError, match="stream"):
         CompressedCache.load(path, model=model, verify=True)
-    loaded = CompressedCache.load(path, model=model)  # adopted: checked (structure, checksum), not decoded
+    with pytest.raises(CacheFileError, match="stream"):  # the default with a model: generation follows
+        CompressedCache.load(path, model=model)
+    loaded = CompressedCache.load(path, model=model, verify=False)  # checked (structure, checksum), not decoded
     with pytest.raises(CorruptStreamError):
         for layer in loaded.kv_layers():
             layer.keys  # noqa: B018 - the read is the point
@@ -101,11 +103,13 @@ def test_a_stream_edited_behind_the_checksum_fails_at_first_read_or_in_load_with
 
 def test_load_of_a_generic_file_is_cheaper_than_the_prefill_in_decodes(model, tmp_path):
     """Work counted, not seconds: a 6-layer cache of 8 blocks a layer loads with layer 0's blocks decoded (the
-    binding to its ids and the model), no other."""
+    binding to its ids and the model), no other, with ``verify=False``; by default (a model given) every block
+    once more, to check its streams."""
     cache, _ = filled(model, CompressionConfig(mode="lossless", block_tokens=16), tokens=8 * 16)
     path = cache.save(tmp_path / "g.kvc", predictor="generic")
-    loaded = CompressedCache.load(path, model=model)
+    loaded = CompressedCache.load(path, model=model, verify=False)
     assert loaded.lossless.decodes == 8
+    assert CompressedCache.load(path, model=model).lossless.decodes == 8 + 8 * LAYERS
     assert sum(len(layer.blocks) for layer in loaded.kv_layers()) == 8 * LAYERS
 
 
@@ -138,7 +142,7 @@ def test_saves_keep_generations_coder_or_code_for_size(model, tmp_path, monkeypa
 
     cache, reference = filled(model)
     assert cache.config.lossless.coder == "huff" and coders(cache) == {"huff"}
-    kept = CompressedCache.load(cache.save(tmp_path / "g.kvc", predictor="generic"), model=model)
+    kept = CompressedCache.load(cache.save(tmp_path / "g.kvc", predictor="generic"), model=model, verify=False)
     # adopted as they are; layer 0's two blocks decoded once: its keys bind the file to its ids and the model
     assert kept.lossless.decodes == 2 and coders(kept) == {"huff"}
     again = CompressedCache.load(cache.save(tmp_path / "s.kvc", predictor="self"), model=model)
@@ -161,5 +165,6 @@ def test_saves_keep_generations_coder_or_code_for_size(model, tmp_path, monkeypa
     assert counts["lanes"] > 0  # the re-coded file's streams are lanes'
     lanes_cache, _ = filled(model, CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4,
                                                      lossless={"coder": "lanes"}))
-    adopted = CompressedCache.load(lanes_cache.save(tmp_path / "l.kvc", predictor="generic"), model=model)
+    adopted = CompressedCache.load(lanes_cache.save(tmp_path / "l.kvc", predictor="generic"), model=model,
+                                   verify=False)
     assert adopted.lossless.decodes == 2 and coders(adopted) == {"lanes"}
