@@ -21,19 +21,16 @@ import triton.language as tl
 from . import tables as T
 from .codec_config import CodecConfig
 from .device_tables import tables_for
+from .interface import bits_view, check_out, copy_into, verify_mask
 from .lanes_coder import jit
 from .lanes_coder.lanes import (
     Batch,
     _escape_freq,
     _pidx,
-    bits_view,
-    check_out,
-    copy_into,
     lane_tables,
     phat_tables,
     prepare_decode,
     raise_errors,
-    verify_mask,
 )
 from .symbols import FORMATS_BY_CODE, FP16, Format
 from .tables import Marginal

@@ -32,8 +32,17 @@ import torch
 
 from ...errors import ConfigTypeError, CorruptStreamError, ParameterMismatchError
 from ..codec_config import CodecConfig, check_stat, register
-from ..interface import ChunkedJob, Coder, check_out, check_tensor, copy_into, describe
-from ..lanes_coder.lanes import check_threads, out_layout, verify_mask
+from ..interface import (
+    ChunkedJob,
+    Coder,
+    check_out,
+    check_tensor,
+    check_threads,
+    copy_into,
+    describe,
+    out_layout,
+    verify_mask,
+)
 from ..symbols import FORMATS_BY_CODE, Format, format_of, varint_bytes
 from ..tables import Marginal
 from . import kernels
@@ -205,9 +214,9 @@ class _Parsed(NamedTuple):
     stored: np.ndarray
 
 
-def _parse_all(blobs: Sequence, head: Header, verify) -> _Parsed:
+def _parse_all(blobs: Sequence, head: Header, check: np.ndarray) -> _Parsed:
     """Every stream joined in one 8-byte aligned buffer (padded for the decoder's reads past a damaged stream's
-    end), its header fields parsed and checked (the crc32 where ``verify`` says)."""
+    end), its header fields parsed and checked (the crc32 where the mask ``check`` is set)."""
     n = len(blobs)
     for i, b in enumerate(blobs):
         if not isinstance(b, (bytes, bytearray, memoryview)):
@@ -230,7 +239,6 @@ def _parse_all(blobs: Sequence, head: Header, verify) -> _Parsed:
                              f"{other.has_mean}, std {other.has_std}), stream 0 {head.fmt.name} {head.shape} (mean "
                              f"{head.has_mean}, std {head.has_std}); a batch needs one shape, dtype and stats")
         raise _corrupt(f"stream {bad}: its header or length does not add up")
-    check = verify_mask(verify, n)
     for i in np.flatnonzero(check).tolist():
         lo, hi = int(start[i]), int(start[i] + sizes[i])
         if hi - lo < 4 or zlib.crc32(b8[lo : hi - 4]) != int(b8[hi - 4 : hi].view("<u4")[0]):
@@ -253,13 +261,16 @@ class DecodeJob(ChunkedJob):
         if not isinstance(blobs, (list, tuple)) or not blobs:
             raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
         head = parse_prefix(blobs[0])
-        if verify_mask(verify, len(blobs))[0] and not _crc_ok(blobs[0]):  # before its shape is believed
-            raise _corrupt("stream 0: crc32 does not match")
+        check = verify_mask(verify, len(blobs))
+        if check[0]:  # before its shape is believed; not again with the others
+            if not _crc_ok(blobs[0]):
+                raise _corrupt("stream 0: crc32 does not match")
+            check[0] = 0
         fmt, shape, n = head.fmt, head.shape, len(blobs)
         xshape = (n, *shape)
         check_out(out, fmt, xshape)
         mean32, std32 = _decode_stats(mean, std, xshape, head)
-        parsed = _parse_all(blobs, head, verify)
+        parsed = _parse_all(blobs, head, check)
         cx = contexts(mean32, std32, fmt, shape, n)
         fps = np.empty(n, np.uint32)
         kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)

@@ -34,7 +34,7 @@ import torch
 
 from ...errors import CorruptStreamError, ParameterMismatchError
 from ..codec_config import CodecConfig, check_config, check_has_data, check_stat, device_of
-from ..interface import ChunkedJob, check_out, copy_into, describe, thread_pool
+from ..interface import ChunkedJob, check_out, check_threads, copy_into, out_layout, thread_pool, verify_mask
 from ..params import (
     GAUSS_BIAS,
     SIGMA_CODE_MAX,
@@ -380,12 +380,7 @@ def _executor(n: int, name: str = "kvc-lanes") -> ThreadPoolExecutor:
     return thread_pool(n, name)
 
 
-def check_threads(threads: int | None) -> int:
-    if threads is None:
-        return 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"codec: threads must be an int >= 1, got {threads!r}")
-    return threads
+
 
 
 def _run(kernel, args: tuple, n_streams: int, threads: int) -> None:
@@ -571,15 +566,7 @@ def _headers_one_by_one(blobs, sizes: np.ndarray, first: Parsed | None = None) -
 
 
 
-def verify_mask(verify, n_streams: int) -> np.ndarray:
-    """``decode_batch``'s ``verify`` (True, False or one bool per stream) as a uint8 mask for the kernels."""
-    if isinstance(verify, (bool, np.bool_)):
-        return np.full(n_streams, 1 if verify else 0, dtype=np.uint8)
-    mask = np.asarray(verify)
-    if mask.dtype != np.bool_ or mask.shape != (n_streams,):
-        raise ValueError(f"codec.decode_batch: verify must be a bool or {n_streams} bools (one per stream), got "
-                         f"{describe(verify)}")
-    return mask.astype(np.uint8)
+
 
 
 def decode_batch_impl(blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
@@ -636,40 +623,10 @@ class DecodeJob(ChunkedJob):
         return self.args[0].nbytes + extra
 
 
-def out_layout(out: torch.Tensor, shape: tuple[int, ...]):
-    """Where the decode kernel writes a CPU ``out`` checked by `check_out`: (a flat writable bit view of the memory
-    it spans, each stream's first element in it, run, stride between runs, stride in a run), element ``i`` of a
-    stream at ``base + (i // run) * between + (i % run) * within``; None when a stream's dims do not fold into
-    two strides (the caller decodes into a contiguous tensor and copies)."""
-    lead = out.dim() - len(shape)
-    if out.numel() == 0:  # streams without elements: nothing to write
-        return bits_view(out.new_empty(0), 0, 0).reshape(0), np.zeros(math.prod(out.shape[:lead]), np.int64), 1, 0, 0
-    dims = [(size, stride) for size, stride in zip(out.shape[lead:], out.stride()[lead:]) if size != 1]
-    folded: list[tuple[int, int]] = []
-    for size, stride in dims:  # merge a dim into the one before when they step like one dim
-        if folded and folded[-1][1] == size * stride:
-            folded[-1] = (folded[-1][0] * size, stride)
-        else:
-            folded.append((size, stride))
-    if len(folded) > 2:
-        return None
-    folded = [(1, 0)] * (2 - len(folded)) + folded
-    (_, between), (run, within) = folded
-    base = np.zeros((), dtype=np.int64)
-    for size, stride in zip(out.shape[:lead], out.stride()[:lead]):
-        base = (base[..., None] + np.arange(size, dtype=np.int64) * stride)
-    span = 1 + sum((size - 1) * stride for size, stride in zip(out.shape, out.stride()))
-    flat = torch.as_strided(out, (span,), (1,))
-    wide = out.dtype == torch.float32
-    bits = flat.view(torch.int32 if wide else torch.int16).numpy().view(np.uint32 if wide else np.uint16)
-    return bits, base.reshape(-1), max(1, run), between, within
 
 
-def bits_view(t: torch.Tensor, n_streams: int, m: int) -> np.ndarray:
-    """A CPU tensor's bit patterns as a writable ``[n_streams, m]`` uint16 / uint32 numpy view."""
-    wide = t.dtype == torch.float32
-    return t.view(torch.int32 if wide else torch.int16).numpy().view(np.uint32 if wide else np.uint16).reshape(
-        n_streams, m)
+
+
 
 
 
