@@ -8,7 +8,7 @@ Two ways in:
 - `compress_context(model, cache, context_ids, repeat_ids)`: the paper's method. The context is prefilled with no
   summary (held whole: KVzip needs the whole context before its replay; with ``chunk_size`` the prefill and the
   replay run in chunks, which bounds the activations, not the cache), the replay scores every held entry
-  (`LossyLayer._score_replay`; the replay's own entries are cropped off afterwards), one threshold over the scores of
+  (`SummaryMixin._score_replay`, lossy/summarize.py; the replay's own entries are cropped off afterwards), one threshold over the scores of
   every layer's region (all rows' selections averaged per layer) sets each layer's share of the budget
   (`LossyLayer.budget_share`), and each layer then keeps its best entries, per head as many as pass (heads hold
   different numbers: `blocks.RaggedBlock`). Batches must not be padded (refused).
