@@ -8,10 +8,11 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
 from .codec import DEFAULT_CODER, GENERATION_CODER, CodecConfig
+from .jsonconfig import JsonConfig
 from .lossy import methods as _lossy_methods  # noqa: F401 (the registry line: LossyConfig checks names against it)
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
-from .validation import JsonConfig, check_choice, check_fraction, check_int, check_number, fail
+from .validation import check_choice, check_fraction, check_int, check_number, fail
 
 MODES = ("none", "lossless", "lossy")
 

@@ -255,7 +255,7 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         uniform = budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
         share = self.budget_share
         if share is None and self.method.layer_share is not None and self.layer_count:
-            share = self.method.layer_share(self.layer_idx, self.layer_count)
+            share = self.method.layer_share(self.layer_idx, self.layer_count, self.lossy.settings)
         fixed = self.fixed_bytes()
         if share is None or uniform <= fixed:
             return uniform
