@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, ClassVar
 
 from .validation import check_keys
@@ -12,15 +12,25 @@ from .validation import check_keys
 
 class JsonConfig:
     """Shared dict/JSON round trip for the config dataclasses (unknown keys are an error, not ignored); a nested
-    config (`_nested`) is written and read by its own `to_dict` / `from_dict`."""
+    config (`_nested`) is written and read by its own `to_dict` / `from_dict`. ``_flat``: fields holding a dataclass
+    whose fields are written flat beside the others (`LossyConfig.settings`), ``_key_order``: the order keys are
+    written in (others follow in field order), so a layout written before keeps its bytes."""
 
     _nested: ClassVar[dict[str, type]] = {}
+    _flat: ClassVar[tuple[str, ...]] = ()
+    _key_order: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
         for field in fields(self):  # type: ignore[arg-type]
             value = getattr(self, field.name)
-            out[field.name] = value.to_dict() if isinstance(value, JsonConfig) else copy.deepcopy(value)
+            if field.name in self._flat:
+                out.update(asdict(value))
+            else:
+                out[field.name] = value.to_dict() if isinstance(value, JsonConfig) else copy.deepcopy(value)
+        if self._key_order:
+            rank = {name: i for i, name in enumerate(self._key_order)}
+            out = dict(sorted(out.items(), key=lambda item: rank.get(item[0], len(rank))))
         return out
 
     @classmethod

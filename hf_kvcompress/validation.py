@@ -71,10 +71,11 @@ def check_fraction(where: str, value: Any, *, count_hint: str) -> None:
     check_number(where, value, low=0.0, high=1.0, low_open=True)
 
 
-def checked(default: Any, check: Callable[..., None], **bounds: Any) -> Any:
+def checked(default: Any, check: Callable[..., None], *, optional: bool = False, **bounds: Any) -> Any:
     """A dataclass field (default ``default``) that `validate` checks with ``check(where, value, **bounds)``, e.g.
-    ``window: int = checked(32, check_int, minimum=1)``: the check is declared beside the field it concerns."""
-    return dataclasses.field(default=default, metadata={"check": (check, bounds)})
+    ``window: int = checked(32, check_int, minimum=1)``: the check is declared beside the field it concerns.
+    ``optional``: None passes too."""
+    return dataclasses.field(default=default, metadata={"check": (check, bounds, optional)})
 
 
 def validate(config: Any, owner: str | None = None) -> None:
@@ -84,8 +85,10 @@ def validate(config: Any, owner: str | None = None) -> None:
     for field in dataclasses.fields(config):
         rule = field.metadata.get("check")
         if rule is not None:
-            check, bounds = rule
-            check(f"{owner}.{field.name}", getattr(config, field.name), **bounds)
+            check, bounds, optional = rule
+            value = getattr(config, field.name)
+            if not (optional and value is None):
+                check(f"{owner}.{field.name}", value, **bounds)
 
 
 def check_keys(owner: str, data: Any, known: Iterable[str]) -> None:

@@ -63,7 +63,7 @@ class LossyConfig(JsonConfig):
             not kept (that method never read them).
     """
 
-    method: str = "summary"
+    method: str = checked("summary", check_choice, choices=registry.METHODS)
     budget: float | None = None
     budget_tokens: int | None = None
     interval: int = checked(256, check_int, minimum=1)
@@ -83,10 +83,12 @@ class LossyConfig(JsonConfig):
     #: the registered lossy methods by name (`hf_kvcompress.lossy.registry`)
     METHODS: ClassVar[Mapping[str, registry.LossyMethod]] = registry.METHODS
     ENTRY_FORMATS: ClassVar[tuple[str, ...]] = registry.ENTRY_FORMATS
+    # `to_dict` writes the method's settings flat beside the shared fields, in the order configs were written before
+    _flat: ClassVar[tuple[str, ...]] = ("settings",)
+    _key_order: ClassVar[tuple[str, ...]] = KEY_ORDER
 
     def __post_init__(self, *legacy: Any) -> None:
         owner = "LossyConfig"
-        check_choice(f"{owner}.method", self.method, tuple(self.METHODS))
         # whether the budget was given (not defaulted): CompressionConfig(budget=...) may fill a defaulted one only
         object.__setattr__(self, "_budget_given", self.budget is not None or self.budget_tokens is not None)
         if self.budget_tokens is not None:
@@ -101,14 +103,6 @@ class LossyConfig(JsonConfig):
         validate(self, owner)
         given = {name: value for name, value in zip(LEGACY_FIELDS, legacy) if value is not None}
         object.__setattr__(self, "settings", _method_settings(self.method, self.settings, given))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The shared fields and the method's own settings, flat (the layout configs were written in before each
-        method owned its settings), in `KEY_ORDER`."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "settings"}
-        out.update(dataclasses.asdict(self.settings))
-        rank = {name: i for i, name in enumerate(KEY_ORDER)}
-        return dict(sorted(out.items(), key=lambda item: rank.get(item[0], len(rank))))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LossyConfig:
