@@ -170,23 +170,8 @@ class CompressedCache(Cache):
     # ------------------------------------------------------------------ building layers
 
     def _layers_for(self, model_config: PretrainedConfig) -> list[Any]:
-        decoder_config = model_config.get_text_config(decoder=True)
-        looped = _per_loop_caches(decoder_config)
-        if looped:
-            raise ValueError(
-                f"CompressedCache does not support {decoder_config.model_type} with {looped}: its forward appends "
-                "copies of its looped layers' caches to the cache (a KV cache per loop), beyond the one layer per "
-                "model layer this cache holds. Use transformers' DynamicCache"
-                + (", or recurrent_kv_cache_mode='last_loop'" if decoder_config.model_type == "dory" else "")
-            )
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
-        for idx, layer_type in enumerate(layer_types):  # every refusal before anything is built
-            if layer_type not in SUPPORTED_LAYER_TYPES:
-                raise ValueError(
-                    f"CompressedCache does not support layer type '{layer_type}' (layer {idx} of "
-                    f"{decoder_config.model_type}): {_unsupported_why(layer_type)}; supported: "
-                    f"{list(SUPPORTED_LAYER_TYPES)}. Use transformers' DynamicCache for this model."
-                )
+        """One layer per model layer, each what `LAYER_FACTORIES` makes of its type (every refusal first)."""
+        layer_types, per_layer_kwargs = _supported_layer_types(model_config)
         return [self._new_layer(idx, layer_type, kwargs) for idx, (layer_type, kwargs)
                 in enumerate(zip(layer_types, per_layer_kwargs))]
 
@@ -563,6 +548,28 @@ def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any) 
             raise ValueError(f"CompressedCache holds {held} tokens but this forward's positions start at {first}: "
                              f"its input does not continue the cached sequence; {advice}")
 
+
+
+def _supported_layer_types(model_config: PretrainedConfig) -> tuple[list[str], list[dict]]:
+    """transformers' layer types and kwargs of the model, or the construction error that says why not."""
+    decoder_config = model_config.get_text_config(decoder=True)
+    looped = _per_loop_caches(decoder_config)
+    if looped:
+        raise ValueError(
+            f"CompressedCache does not support {decoder_config.model_type} with {looped}: its forward appends "
+            "copies of its looped layers' caches to the cache (a KV cache per loop), beyond the one layer per "
+            "model layer this cache holds. Use transformers' DynamicCache"
+            + (", or recurrent_kv_cache_mode='last_loop'" if decoder_config.model_type == "dory" else "")
+        )
+    layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
+    for idx, layer_type in enumerate(layer_types):  # every refusal before anything is built
+        if layer_type not in SUPPORTED_LAYER_TYPES:
+            raise ValueError(
+                f"CompressedCache does not support layer type '{layer_type}' (layer {idx} of "
+                f"{decoder_config.model_type}): {_unsupported_why(layer_type)}; supported: "
+                f"{list(SUPPORTED_LAYER_TYPES)}. Use transformers' DynamicCache for this model."
+            )
+    return layer_types, per_layer_kwargs
 
 
 def _unsupported_why(layer_type: str) -> str:
