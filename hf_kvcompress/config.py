@@ -8,10 +8,11 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
 from .codec import DEFAULT_CODER, GENERATION_CODER, CodecConfig
+from .jsonconfig import JsonConfig
 from .lossy import methods as _lossy_methods  # noqa: F401 (the registry line: LossyConfig checks names against it)
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
-from .validation import JsonConfig, check_choice, check_fraction, check_int, check_number, fail
+from .validation import check_choice, check_fraction, check_int, check_number, checked, fail, validate
 
 MODES = ("none", "lossless", "lossy")
 
@@ -74,15 +75,15 @@ class LosslessConfig(JsonConfig):
             ``hf_kvcompress/cache/pool.py``; ``hf-kvcompress bench generate`` measures the trade).
     """
 
-    predictor: str = "generic"
-    save_predictor: str = "generic"
-    probe_layer: int = 8
+    predictor: str = checked("generic", check_choice, choices=predictor_registry.NAMES)
+    save_predictor: str = checked("generic", check_choice, choices=predictor_registry.NAMES)
+    probe_layer: int = checked(8, check_int, minimum=1)
     window: str = "fixed"
     fixed_window: int = 65536
     header: str = "compact"
     mean_steps: int = 4
-    workers: int | None = None
-    decoded_budget: float = 0.05
+    workers: int | None = checked(None, check_int, optional=True, minimum=1)
+    decoded_budget: float = checked(0.05, check_number, low=0.0, high=1.0)
     coder: str | None = None
 
     #: every predictor name, and those that rerun the model to decode a block (fine for a saved file,
@@ -94,7 +95,7 @@ class LosslessConfig(JsonConfig):
 
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
-        check_choice(f"{owner}.predictor", self.predictor, self.PREDICTORS)
+        validate(self, owner)  # the declared checks (`checked`); the codec's fields are `CodecConfig`'s (below)
         if self.coder is None:  # the speed where statistics are per channel, the rate where a predictor models more
             object.__setattr__(self, "coder", GENERATION_CODER if self.predictor == "generic" else DEFAULT_CODER)
         if self.predictor in self.STORAGE_ONLY:
@@ -103,11 +104,6 @@ class LosslessConfig(JsonConfig):
                                       "with 'generic' or 'context' and store with "
                                       f"LosslessConfig(save_predictor={self.predictor!r}) or "
                                       f"cache.save(path, predictor={self.predictor!r})")
-        check_choice(f"{owner}.save_predictor", self.save_predictor, self.PREDICTORS)
-        check_int(f"{owner}.probe_layer", self.probe_layer, minimum=1)
-        if self.workers is not None:
-            check_int(f"{owner}.workers", self.workers, minimum=1)
-        check_number(f"{owner}.decoded_budget", self.decoded_budget, low=0.0, high=1.0)
         try:
             self.codec_config()
         except ValueError as err:  # ConfigTypeError too; the fields have CodecConfig's names: name them as ours
@@ -140,9 +136,9 @@ class CompressionConfig(JsonConfig):
             in force over: pass ``budget=None`` with it when changing ``mode`` or ``lossy``'s budget.
     """
 
-    mode: str = "lossless"
-    block_tokens: int | None = None
-    residual_tokens: int | None = None
+    mode: str = checked("lossless", check_choice, choices=MODES)
+    block_tokens: int | None = checked(None, check_int, minimum=1)
+    residual_tokens: int | None = checked(None, check_int, minimum=0)
     lossless: LosslessConfig = field(default_factory=LosslessConfig)
     lossy: LossyConfig = field(default_factory=LossyConfig)
     budget: InitVar[float | None] = None
@@ -152,14 +148,12 @@ class CompressionConfig(JsonConfig):
 
     def __post_init__(self, budget: float | None) -> None:
         owner = "CompressionConfig"
-        check_choice(f"{owner}.mode", self.mode, MODES)
-        lossless = self.mode == "lossless"
+        lossless = self.mode == "lossless"  # a bad mode is refused by `validate`, its first check
         if self.block_tokens is None:
             object.__setattr__(self, "block_tokens", 128 if lossless else 256)
         if self.residual_tokens is None:
             object.__setattr__(self, "residual_tokens", 0 if lossless else 128)
-        check_int(f"{owner}.block_tokens", self.block_tokens, minimum=1)
-        check_int(f"{owner}.residual_tokens", self.residual_tokens, minimum=0)
+        validate(self, owner)
         for name, sub in self._nested.items():
             value = getattr(self, name)
             if isinstance(value, dict):

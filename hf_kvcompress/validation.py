@@ -1,6 +1,8 @@
-"""Field checks for every config of the package: `CompressionConfig` and its parts, the codec's `CodecConfig` and
-the evaluation harness's suite files. One wording ("<where> must ..., got ...") and one exception policy; and
-`JsonConfig`, the dict/JSON round trip the config dataclasses share.
+"""Field checks for every config of the package: `CompressionConfig` and its parts, the lossy methods' settings, the
+codec's `CodecConfig` and the evaluation harness's suite files. One wording ("<where> must ..., got ...") and one
+exception policy; and the one validator of declared checks (`checked` fields, `validate`, `Validated`) the config
+dataclasses run at construction. The dict/JSON round trip they share is `jsonconfig.JsonConfig`: it constructs
+configs, and so calls into their modules, which call in here (kept apart, the calls go one way).
 
 It imports only `errors` (a leaf), so the model-independent codec can use it too.
 """
@@ -9,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
-from dataclasses import fields
-from typing import Any, ClassVar, NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 from .errors import ConfigTypeError
 
@@ -70,25 +71,37 @@ def check_fraction(where: str, value: Any, *, count_hint: str) -> None:
     check_number(where, value, low=0.0, high=1.0, low_open=True)
 
 
-class JsonConfig:
-    """Shared dict/JSON round trip for the config dataclasses (unknown keys are an error, not ignored)."""
+def checked(default: Any, check: Callable[..., None], *, optional: bool = False, **bounds: Any) -> Any:
+    """A dataclass field (default ``default``) that `validate` checks with ``check(where, value, **bounds)``, e.g.
+    ``window: int = checked(32, check_int, minimum=1)``: the check is declared beside the field it concerns.
+    ``optional``: None passes too."""
+    return dataclasses.field(default=default, metadata={"check": (check, bounds, optional)})
 
-    _nested: ClassVar[dict[str, type]] = {}
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+def validate(config: Any, owner: str | None = None) -> None:
+    """Run the declared check (`checked`) of every field of the dataclass ``config``, in field order; errors name
+    ``<owner>.<field>`` (owner: the class name)."""
+    owner = owner or type(config).__name__
+    for field in dataclasses.fields(config):
+        rule = field.metadata.get("check")
+        if rule is not None:
+            check, bounds, optional = rule
+            value = getattr(config, field.name)
+            if not (optional and value is None):
+                check(f"{owner}.{field.name}", value, **bounds)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]):
-        if not isinstance(data, dict):
-            raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
-        # init-only shortcuts (e.g. CompressionConfig.budget) are accepted too; to_dict never writes them
-        known = {f.name for f in fields(cls)} | set(getattr(cls, "_shortcuts", ()))  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        kwargs = dict(data)
-        for name, sub in cls._nested.items():
-            if isinstance(kwargs.get(name), dict):
-                kwargs[name] = sub.from_dict(kwargs[name])
-        return cls(**kwargs)
+
+def check_keys(owner: str, data: Any, known: Iterable[str]) -> None:
+    """``data`` is a dict whose keys are all ``known`` (unknown keys are an error, not ignored)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{owner}.from_dict expects a dict, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{owner}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+
+
+class Validated:
+    """Base of a dataclass whose fields are all checked by their declarations (`checked`), at construction."""
+
+    def __post_init__(self) -> None:
+        validate(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +19,86 @@ from transformers.cache_utils import (
 
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
-from ..layer import CompressedLayer, RawStorage, Storage
-from ..layer.hybrid import CompressedHybridLayer, state_bytes
+from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
+from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
-from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
+from ..lossy.layer import LossyHybridLayer, LossyLayer
+from ..lossy.refusals import require_model
 from ..predictors.registry import FITTED, reads_calibration
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
 from .persist import load_cache, save_cache
 
-#: transformers' layer types (`transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`) and what holds them here:
-#: attention KV in a `CompressedLayer` (sliding and chunked windows as transformers' `DynamicSlidingWindowLayer`
-#: holds them), recurrent / convolution states in transformers' own `LinearAttentionLayer`, both for hybrids
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-STATE_LAYER_TYPES = ("conv", "linear_attention")
-HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
-SUPPORTED_LAYER_TYPES = (*ATTENTION_LAYER_TYPES, *STATE_LAYER_TYPES, *HYBRID_LAYER_TYPES, "dummy")
 #: a sliding layer seals (codes) blocks only when its window holds at least this many blocks beyond the residual:
 #: a smaller window keeps every token raw, as transformers does (docs/model_support.md, "Sliding windows")
 SLIDING_MIN_BLOCKS = 4
+
+
+def _attention_layer(cache: CompressedCache, layer_idx: int, kwargs: dict) -> CompressedLayer:
+    """Full attention: lossy mode's layer, else one sealing blocks through the mode's storage."""
+    if cache.config.mode == "lossy":
+        return LossyLayer(cache, layer_idx=layer_idx)
+    return CompressedLayer(cache._storage_for(layer_idx), **_sizes(cache, layer_idx))
+
+
+def _sliding_layer(cache: CompressedCache, layer_idx: int, kwargs: dict) -> CompressedLayer:
+    """A sliding (or chunked) window: never lossy (its memory is bounded already), coded only when large enough."""
+    window = kwargs.get("sliding_window")
+    if window is None:  # a sliding type without a window attends to everything
+        return _attention_layer(cache, layer_idx, kwargs)
+    return SlidingWindowLayer(**_window(cache, layer_idx, window), **_sizes(cache, layer_idx))
+
+
+def _hybrid_layer(cache: CompressedCache, layer_idx: int, kwargs: dict) -> CompressedLayer:
+    """transformers' recurrent states beside full-attention KV."""
+    states = kwargs.get("number_of_states", 1)
+    if cache.config.mode == "lossy":
+        return LossyHybridLayer(cache, layer_idx=layer_idx, number_of_states=states)
+    return CompressedHybridLayer(cache._storage_for(layer_idx), number_of_states=states, **_sizes(cache, layer_idx))
+
+
+def _hybrid_sliding_layer(cache: CompressedCache, layer_idx: int, kwargs: dict) -> CompressedLayer:
+    """transformers' recurrent states beside a sliding window's KV."""
+    window = kwargs.get("sliding_window")
+    if window is None:
+        return _hybrid_layer(cache, layer_idx, kwargs)
+    return SlidingHybridLayer(number_of_states=kwargs.get("number_of_states", 1),
+                              **_window(cache, layer_idx, window), **_sizes(cache, layer_idx))
+
+
+def _state_layer(cache: CompressedCache, layer_idx: int, kwargs: dict) -> LinearAttentionLayer:
+    """Recurrent / convolution states only: transformers' own layer (nothing to seal or code)."""
+    return LinearAttentionLayer(number_of_states=kwargs.get("number_of_states", 1))
+
+
+def _sizes(cache: CompressedCache, layer_idx: int) -> dict[str, Any]:
+    return {"block_tokens": cache.config.block_tokens, "residual_tokens": cache.config.residual_tokens,
+            "layer_idx": layer_idx}
+
+
+def _window(cache: CompressedCache, layer_idx: int, window: int) -> dict[str, Any]:
+    """A sliding layer's storage and settings: coded in lossless mode when the window holds `SLIDING_MIN_BLOCKS`."""
+    config = cache.config
+    seals = config.mode == "lossless" and window - 1 >= config.residual_tokens + SLIDING_MIN_BLOCKS * config.block_tokens
+    return {"storage": cache._storage_for(layer_idx) if seals else RawStorage(), "sliding_window": window,
+            "seals": seals}
+
+
+#: transformers' layer type (`transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`) -> what holds it here:
+#: ``(cache, layer_idx, transformers' kwargs for the layer) -> layer``. Attention KV in a `CompressedLayer` (sliding
+#: and chunked windows in a `SlidingWindowLayer`, as transformers' `DynamicSlidingWindowLayer` holds both),
+#: recurrent / convolution states in transformers' own `LinearAttentionLayer`, both for hybrids; every other type
+#: is refused at construction (`_unsupported_why`).
+LAYER_FACTORIES: dict[str, Callable[[CompressedCache, int, dict], Any]] = {
+    "full_attention": _attention_layer,
+    "sliding_attention": _sliding_layer,
+    "chunked_attention": _sliding_layer,
+    "conv": _state_layer,
+    "linear_attention": _state_layer,
+    "hybrid": _hybrid_layer,
+    "hybrid_sliding": _hybrid_sliding_layer,
+    "dummy": lambda cache, layer_idx, kwargs: DummyLayer(),
+}
+SUPPORTED_LAYER_TYPES = tuple(LAYER_FACTORIES)
 
 
 class CompressedCache(Cache):
@@ -107,50 +170,14 @@ class CompressedCache(Cache):
     # ------------------------------------------------------------------ building layers
 
     def _layers_for(self, model_config: PretrainedConfig) -> list[Any]:
-        decoder_config = model_config.get_text_config(decoder=True)
-        looped = _per_loop_caches(decoder_config)
-        if looped:
-            raise ValueError(
-                f"CompressedCache does not support {decoder_config.model_type} with {looped}: its forward appends "
-                "copies of its looped layers' caches to the cache (a KV cache per loop), beyond the one layer per "
-                "model layer this cache holds. Use transformers' DynamicCache"
-                + (", or recurrent_kv_cache_mode='last_loop'" if decoder_config.model_type == "dory" else "")
-            )
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
-        for idx, layer_type in enumerate(layer_types):  # every refusal before anything is built
-            if layer_type not in SUPPORTED_LAYER_TYPES:
-                raise ValueError(
-                    f"CompressedCache does not support layer type '{layer_type}' (layer {idx} of "
-                    f"{decoder_config.model_type}): {_unsupported_why(layer_type)}; supported: "
-                    f"{list(SUPPORTED_LAYER_TYPES)}. Use transformers' DynamicCache for this model."
-                )
+        """One layer per model layer, each what `LAYER_FACTORIES` makes of its type (every refusal first)."""
+        layer_types, per_layer_kwargs = _supported_layer_types(model_config)
         return [self._new_layer(idx, layer_type, kwargs) for idx, (layer_type, kwargs)
                 in enumerate(zip(layer_types, per_layer_kwargs))]
 
     def _new_layer(self, layer_idx: int, layer_type: str = "full_attention", kwargs: dict | None = None) -> Any:
-        """The layer holding ``layer_type`` (transformers' name) at ``layer_idx``: attention KV compressed per
-        the mode (sliding windows raw unless large enough, never lossy), states as transformers holds them."""
-        kwargs = kwargs or {}
-        if layer_type == "dummy":
-            return DummyLayer()
-        states = kwargs.get("number_of_states", 1)
-        if layer_type in STATE_LAYER_TYPES:
-            return LinearAttentionLayer(number_of_states=states)
-        window = kwargs.get("sliding_window") if layer_type in ("sliding_attention", "chunked_attention",
-                                                                 "hybrid_sliding") else None
-        hybrid = layer_type in HYBRID_LAYER_TYPES
-        if self.config.mode == "lossy" and window is None:
-            if hybrid:
-                return LossyHybridLayer(self, layer_idx=layer_idx, number_of_states=states)
-            return LossyLayer(self, layer_idx=layer_idx)
-        seals = window is None or (self.config.mode == "lossless" and window - 1 >= self.config.residual_tokens
-                                   + SLIDING_MIN_BLOCKS * self.config.block_tokens)
-        storage = self._storage_for(layer_idx) if seals else RawStorage()
-        settings = {"block_tokens": self.config.block_tokens, "residual_tokens": self.config.residual_tokens,
-                    "sliding_window": window, "layer_idx": layer_idx, "seals": seals}
-        if hybrid:
-            return CompressedHybridLayer(storage, number_of_states=states, **settings)
-        return CompressedLayer(storage, **settings)
+        """The layer holding ``layer_type`` (transformers' name) at ``layer_idx`` (`LAYER_FACTORIES`)."""
+        return LAYER_FACTORIES[layer_type](self, layer_idx, kwargs or {})
 
     def _storage_for(self, layer_idx: int) -> Storage:
         if self.lossless is not None:
@@ -521,6 +548,28 @@ def _check_continues(cache: CompressedCache, ids: torch.Tensor, positions: Any) 
             raise ValueError(f"CompressedCache holds {held} tokens but this forward's positions start at {first}: "
                              f"its input does not continue the cached sequence; {advice}")
 
+
+
+def _supported_layer_types(model_config: PretrainedConfig) -> tuple[list[str], list[dict]]:
+    """transformers' layer types and kwargs of the model, or the construction error that says why not."""
+    decoder_config = model_config.get_text_config(decoder=True)
+    looped = _per_loop_caches(decoder_config)
+    if looped:
+        raise ValueError(
+            f"CompressedCache does not support {decoder_config.model_type} with {looped}: its forward appends "
+            "copies of its looped layers' caches to the cache (a KV cache per loop), beyond the one layer per "
+            "model layer this cache holds. Use transformers' DynamicCache"
+            + (", or recurrent_kv_cache_mode='last_loop'" if decoder_config.model_type == "dory" else "")
+        )
+    layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
+    for idx, layer_type in enumerate(layer_types):  # every refusal before anything is built
+        if layer_type not in SUPPORTED_LAYER_TYPES:
+            raise ValueError(
+                f"CompressedCache does not support layer type '{layer_type}' (layer {idx} of "
+                f"{decoder_config.model_type}): {_unsupported_why(layer_type)}; supported: "
+                f"{list(SUPPORTED_LAYER_TYPES)}. Use transformers' DynamicCache for this model."
+            )
+    return layer_types, per_layer_kwargs
 
 
 def _unsupported_why(layer_type: str) -> str:

@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from .layer import CompressedLayer
+from .sliding import SlidingWindowLayer
 from .storage import Storage, storage_bytes
 
 
@@ -92,8 +93,16 @@ class RecurrentStateMixin(LinearAttentionLayer):
 
 
 class CompressedHybridLayer(RecurrentStateMixin, CompressedLayer):
-    """A ``hybrid`` / ``hybrid_sliding`` layer: transformers' recurrent states beside a `CompressedLayer`'s KV."""
+    """A ``hybrid`` layer: transformers' recurrent states beside a `CompressedLayer`'s KV."""
 
     def __init__(self, storage: Storage, *, number_of_states: int = 1, **kwargs):
         CompressedLayer.__init__(self, storage, **kwargs)
+        self._init_states(number_of_states)
+
+
+class SlidingHybridLayer(RecurrentStateMixin, SlidingWindowLayer):
+    """A ``hybrid_sliding`` layer: transformers' recurrent states beside a `SlidingWindowLayer`'s KV."""
+
+    def __init__(self, storage: Storage, *, number_of_states: int = 1, **kwargs):
+        SlidingWindowLayer.__init__(self, storage, **kwargs)
         self._init_states(number_of_states)

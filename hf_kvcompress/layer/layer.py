@@ -13,7 +13,7 @@ def _whole_layer(which: int, name: str) -> property:
     the first update), as on `DynamicLayer`; setting it makes the whole layer residual (`_replace`)."""
 
     def get(layer: CompressedLayer) -> torch.Tensor | None:
-        return torch.cat(layer._held_parts()[which], dim=-2) if layer.is_initialized else None
+        return torch.cat(held_parts(layer)[which], dim=-2) if layer.is_initialized else None
 
     def put(layer: CompressedLayer, tensor: torch.Tensor | None) -> None:
         layer._replace(tensor, which=which)
@@ -22,45 +22,34 @@ def _whole_layer(which: int, name: str) -> property:
 
 
 class CompressedLayer(CacheLayerMixin):
-    """A cache layer whose old tokens are sealed into blocks held by a pluggable `Storage`.
+    """A full-attention cache layer whose old tokens are sealed into blocks held by a pluggable `Storage`.
 
     New tokens land in a plain-tensor residual. Once the residual holds ``residual_tokens + block_tokens``
     tokens, its oldest ``block_tokens`` are handed to the storage and kept only in the form it returns.
     ``keys`` / ``values`` read (and write) the whole layer as plain tensors, as on `DynamicLayer`, so tools
     that inspect or prune caches keep working.
 
-    With ``sliding_window`` set, the layer behaves as transformers' `DynamicSlidingWindowLayer`: attention gets
-    the last ``sliding_window - 1`` tokens followed by the new ones (the same entries in the same order, so the
-    same bits), `get_mask_sizes` and `crop` answer as there (including ``activate_past_recording``), and tokens
-    no future query can reach are dropped: whole blocks, and residual tokens. ``seals=False`` never seals a
-    block (a window too small to be worth coding: the layer is then a plain window, as transformers holds it).
+    Subclasses change what happens around an update through named hooks, as transformers'
+    `DynamicSlidingWindowLayer` derives from `DynamicLayer`: ``_before_append`` (checks), ``_after_append``
+    (seal, drop, schedule), ``_hidden_entries`` (held rows attention no longer sees), ``_drop_out_of_window``,
+    ``_shown_tokens``. `SlidingWindowLayer` (``layer/sliding.py``) is the sliding window, `LossyLayer`
+    (``lossy/layer.py``) the lossy mode.
     """
 
     is_compileable = False
 
-    def __init__(
-        self,
-        storage: Storage,
-        *,
-        block_tokens: int,
-        residual_tokens: int,
-        sliding_window: int | None = None,
-        layer_idx: int | None = None,
-        seals: bool = True,
-    ):
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                           or sliding_window < 1):
-            raise ValueError(f"layer {layer_idx}: sliding_window must be a positive int, got {sliding_window!r}")
+    #: transformers' layer attributes: None / False on a full-attention layer (`SlidingWindowLayer` sets them)
+    sliding_window: int | None = None
+    is_sliding = False
+    #: whether updates seal blocks (a sliding window too small to be worth coding does not)
+    seals = True
+
+    def __init__(self, storage: Storage, *, block_tokens: int, residual_tokens: int, layer_idx: int | None = None):
         self.storage = storage
-        self.seals = seals
         #: as on `DynamicSlidingWindowLayer`: keep tokens that leave the window until the next `crop`
         self.record_past = False
-        #: the first position `DynamicSlidingWindowLayer` would still hold (what ``keys`` / ``values`` show)
-        self.window_start = 0
         self.block_tokens = block_tokens
         self.residual_tokens = residual_tokens
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
         self.layer_idx = layer_idx
         self.blocks: list[Block] = []
         self.block_starts: list[int] = []
@@ -73,7 +62,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def __repr__(self) -> str:
         return (
-            f"CompressedLayer(storage={self.storage.name}, blocks={len(self.blocks)}, "
+            f"{type(self).__name__}(storage={self.storage.name}, blocks={len(self.blocks)}, "
             f"residual={self.residual_length}, tokens={self.seen_tokens})"
         )
 
@@ -91,22 +80,31 @@ class CompressedLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new tokens; return every cached entry of this layer followed by the new ones."""
+        self._before_append(key_states, value_states)
         keys, values = self._append(key_states, value_states)
+        self._after_append(keys, key_states.shape[-2])
+        return keys, values
+
+    def _before_append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Hook: refuse an update before anything changes (the states' shapes are checked in `_append`)."""
+
+    def _after_append(self, keys: torch.Tensor, count: int) -> None:
+        """Hook: what follows the append of ``count`` tokens (``keys``: what attention gets): seal full blocks, drop
+        what a window no longer shows."""
         self._seal_full_blocks()
         self._drop_out_of_window()
-        return keys, values
 
     def activate_past_recording(self) -> None:
         """Keep tokens that leave the sliding window until the next `crop` (transformers' assisted decoding
-        rolls a window back this way); a no-op on a full-attention layer, which keeps every token anyway."""
+        rolls a window back this way); no effect on a full-attention layer, which keeps every token anyway."""
         self.record_past = True
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Check and append new tokens to the residual; return every held entry followed by the new ones."""
-        self._check_states(key_states, value_states)
+        check_states(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = self._held_with(key_states, value_states)
+        keys, values = held_with(self, key_states, value_states)
         self.residual_keys = torch.cat([self.residual_keys, key_states], dim=-2)
         self.residual_values = torch.cat([self.residual_values, value_states], dim=-2)
         self.seen_tokens += key_states.shape[-2]
@@ -120,37 +118,20 @@ class CompressedLayer(CacheLayerMixin):
         return self.seen_tokens
 
     def get_max_length(self) -> int:
-        return -1 if self.sliding_window is None else self.sliding_window
+        return -1
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
         return all(block.exact for block in self.blocks)
 
     def reset(self) -> None:
-        self.window_start = 0
         self.blocks, self.block_starts = [], []
         self.residual_keys = self.residual_values = None
         self.seen_tokens = 0
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count). A sliding
-        layer whose window has filled answers as `DynamicSlidingWindowLayer` does: it needs
-        ``activate_past_recording()`` first, and then also trims itself back to its window (``crop(0)`` too)."""
-        if self.sliding_window is not None and self.seen_tokens >= self.sliding_window:
-            if not self.record_past:
-                raise RuntimeError(
-                    "`crop` was called, but the current layer does not track past states, and the sliding window size "
-                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
-                )
-            if tokens_to_remove > 0:
-                raise RuntimeError(
-                    "Once the sliding window size has been reached, a sliding layer can only be cropped by passing a "
-                    "negative int, to specify how many tokens to remove"
-                )
-            self._crop_tail(-tokens_to_remove)
-            self._drop_out_of_window(force=True)
-            return
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as for DynamicCache."
@@ -184,15 +165,14 @@ class CompressedLayer(CacheLayerMixin):
 
     def restore(self, keys: torch.Tensor, values: torch.Tensor, seen_tokens: int) -> None:
         """Hold ``keys`` / ``values`` as the last of ``seen_tokens`` positions, sealed as updates would have sealed
-        them (a loaded file: a sliding layer's window is the tail of a longer text)."""
+        them (a loaded file: a sliding layer's window is the tail of a longer text, `SlidingWindowLayer`)."""
         if not 0 < keys.shape[-2] <= seen_tokens:
             raise ValueError(f"layer {self.layer_idx}: {keys.shape[-2]} tokens cannot be the last of {seen_tokens}")
         self.reset()
-        self._check_states(keys, values)
+        check_states(self, keys, values)
         self.lazy_initialization(keys, values)
         self.residual_keys, self.residual_values = owned(keys), owned(values)
         self.seen_tokens = seen_tokens
-        self.window_start = seen_tokens - keys.shape[-2] if self.sliding_window is not None else 0
         self._seal_full_blocks()
         self._drop_out_of_window()
 
@@ -202,8 +182,6 @@ class CompressedLayer(CacheLayerMixin):
         ``keys`` / ``values`` (``[batch, kv_heads, tokens, dim]``; None: no newer tokens) as the newest tokens. A
         full-attention layer only, each block ``block_tokens`` long from position 0, as updates seal them; the
         blocks say their rows, heads, widths, dtype and device (`CodedBlock`)."""
-        if self.sliding_window is not None or not self.seals:
-            raise ValueError(f"layer {self.layer_idx}: adopt() is for full-attention layers that seal blocks")
         if keys is None or values is None:
             first = blocks[0]
             shape = (len(first.rows), first.heads, 0)
@@ -213,7 +191,7 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: adopted blocks must hold {self.block_tokens} tokens each, got "
                              f"{[block.tokens for block in blocks]}")
         self.reset()
-        self._check_states(keys, values)
+        check_states(self, keys, values)
         self.lazy_initialization(keys, values)
         self.blocks = list(blocks)
         self.block_starts = [i * self.block_tokens for i in range(len(blocks))]
@@ -263,13 +241,13 @@ class CompressedLayer(CacheLayerMixin):
         return self.held_entries - self._hidden_entries()
 
     def _hidden_entries(self, shown: bool = False) -> int:
-        """Held rows attention no longer sees: the oldest beyond a sliding window's ``sliding_window - 1``; with
-        ``shown``, those ``keys`` / ``values`` do not show (transformers' layer shows a recorded past until `crop`)."""
-        if self.sliding_window is None:
-            return 0
-        if shown:
-            return max(0, self.window_start - (self.seen_tokens - self.held_entries))
-        return max(0, self.held_entries - (self.sliding_window - 1))
+        """Hook: held rows attention no longer sees (none here; a sliding window's oldest, `SlidingWindowLayer`);
+        with ``shown``, those ``keys`` / ``values`` do not show."""
+        return 0
+
+    def _shown_tokens(self) -> int:
+        """Hook: text positions attention sees from this layer (every one seen here), what ``raw_bytes`` counts."""
+        return self.seen_tokens
 
     @property
     def rows(self) -> int:
@@ -282,10 +260,7 @@ class CompressedLayer(CacheLayerMixin):
             return {"tokens": 0, "entries": 0, "raw_bytes": 0, "stored_bytes": 0, "scalars": 0, "held_bytes": 0,
                     "residual_bytes": 0}
         batch, heads, _, dim = self.residual_keys.shape
-        window_tokens = self.seen_tokens
-        if self.sliding_window is not None:
-            window_tokens = min(self.seen_tokens, self.sliding_window - 1)
-        scalars = batch * heads * (dim + self.residual_values.shape[-1]) * window_tokens  # K and V widths may differ
+        scalars = batch * heads * (dim + self.residual_values.shape[-1]) * self._shown_tokens()  # K and V widths may differ
         blocks = sum(block.nbytes() for block in self.blocks)
         stored = blocks + tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
         residual = storage_bytes([self.residual_keys, self.residual_values])  # whole buffers, views included
@@ -301,74 +276,6 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ internals
 
-    def _held_with(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every held entry followed by the new states, as two new tensors (what `DynamicLayer`'s concatenation
-        gives): the storage writes the blocks into them (`Storage.read_into`), so a decoding storage needs no
-        copy of its own. Keys and values share one buffer when their shapes agree (one destination for a
-        codec call that decodes both)."""
-        hidden = self._hidden_entries()
-        blocks, skip = self._visible_blocks(hidden)
-        held = sum(block.entries for block in blocks) - skip
-        residual_k, residual_v = self._visible_residual(hidden)
-        parts_k = [residual_k, key_states]
-        parts_v = [residual_v, value_states]
-        tokens = held + sum(t.shape[-2] for t in parts_k)
-        k_shape = (*key_states.shape[:2], tokens, key_states.shape[3])
-        v_shape = (*value_states.shape[:2], tokens, value_states.shape[3])
-        if k_shape == v_shape:
-            both = key_states.new_empty((2, *k_shape))
-            keys, values = both[0], both[1]  # not unbind: autograd refuses in-place writes to its views
-        else:
-            keys, values = key_states.new_empty(k_shape), value_states.new_empty(v_shape)
-        if skip:  # the oldest block shows only its last tokens: read it alone, copy them
-            (k, v), = self.storage.read_all(blocks[:1])
-            n = blocks[0].entries - skip
-            keys[..., :n, :].copy_(k[..., skip:, :])
-            values[..., :n, :].copy_(v[..., skip:, :])
-            blocks = blocks[1:]
-        else:
-            n = 0
-        if blocks:
-            self.storage.read_into(blocks, keys[..., n:held, :], values[..., n:held, :])
-        at = held
-        for k, v in zip(parts_k, parts_v):
-            n = k.shape[-2]
-            keys[..., at : at + n, :].copy_(k)
-            values[..., at : at + n, :].copy_(v)
-            at += n
-        return keys, values
-
-    def _held_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What attention sees of this layer, in parts (blocks, then the residual)."""
-        hidden = self._hidden_entries(shown=True)
-        blocks, skip = self._visible_blocks(hidden)
-        keys, values = [], []
-        for k, v in self.storage.read_all(blocks):
-            keys.append(k[..., skip:, :])
-            values.append(v[..., skip:, :])
-            skip = 0
-        residual_k, residual_v = self._visible_residual(hidden)
-        keys.append(residual_k)
-        values.append(residual_v)
-        return keys, values
-
-    def _visible_blocks(self, hidden: int) -> tuple[list[Block], int]:
-        """The blocks left once the ``hidden`` oldest entries are, and how many leading entries of the first are."""
-        blocks = self.blocks
-        while blocks and hidden >= blocks[0].entries:
-            hidden -= blocks[0].entries
-            blocks = blocks[1:]
-        if not blocks:
-            return [], 0
-        return list(blocks), hidden
-
-    def _visible_residual(self, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual tokens left once the ``hidden`` oldest entries of the layer are."""
-        hidden -= sum(block.entries for block in self.blocks)
-        if hidden <= 0:
-            return self.residual_keys, self.residual_values
-        return self.residual_keys[..., hidden:, :], self.residual_values[..., hidden:, :]
-
     def _seal_full_blocks(self) -> None:
         while self.seals and self.residual_length >= self.residual_tokens + self.block_tokens:
             n = self.block_tokens
@@ -381,21 +288,7 @@ class CompressedLayer(CacheLayerMixin):
             self.residual_values = owned(self.residual_values[..., n:, :])
 
     def _drop_out_of_window(self, force: bool = False) -> None:
-        """Drop what no future query of a sliding layer can reach: whole blocks, and residual tokens once no block
-        is left (``record_past`` keeps everything until `crop`, which passes ``force``)."""
-        if self.sliding_window is None or (self.record_past and not force):
-            return
-        # transformers keeps the last sliding_window - 1 tokens: the next query attends to those and itself
-        oldest_needed = self.seen_tokens - self.sliding_window + 1
-        self.window_start = max(0, oldest_needed)
-        while self.blocks and self.block_starts[0] + self.blocks[0].tokens <= oldest_needed:
-            self.blocks.pop(0)
-            self.block_starts.pop(0)
-        cut = oldest_needed - (self.seen_tokens - self.residual_length)
-        if not self.blocks and cut > 0 and self.residual_keys is not None:
-            # copies: a slice would keep the whole residual alive
-            self.residual_keys = owned(self.residual_keys[..., cut:, :])
-            self.residual_values = owned(self.residual_values[..., cut:, :])
+        """Hook: drop what no future query can reach (nothing on a full-attention layer)."""
 
     def _select_rows(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -421,7 +314,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(tensor, tensor)
         # everything becomes residual; the untouched side is materialised first so it stays consistent
-        other_k, other_v = self._held_parts()
+        other_k, other_v = held_parts(self)
         self.blocks, self.block_starts = [], []
         if which == 0:
             self.residual_keys = tensor
@@ -431,32 +324,106 @@ class CompressedLayer(CacheLayerMixin):
             self.residual_values = tensor
         self.seen_tokens = self.residual_keys.shape[-2]
 
-    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        where = f"layer {self.layer_idx}" if self.layer_idx is not None else "layer"
-        for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.ndim != 4:
-                raise ValueError(f"{where}: {name} must be 4-D [batch, kv_heads, tokens, head_dim], got {tuple(t.shape)}")
-            if not t.dtype.is_floating_point:
-                raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
-        if key_states.shape[:3] != value_states.shape[:3]:
+
+
+def held_with(layer: CompressedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every entry of ``layer`` attention sees followed by the new states, as two new tensors (what `DynamicLayer`'s concatenation
+    gives): the storage writes the blocks into them (`Storage.read_into`), so a decoding storage needs no
+    copy of its own. Keys and values share one buffer when their shapes agree (one destination for a
+    codec call that decodes both)."""
+    hidden = layer._hidden_entries()
+    blocks, skip = _visible_blocks(layer, hidden)
+    held = sum(block.entries for block in blocks) - skip
+    residual_k, residual_v = _visible_residual(layer, hidden)
+    parts_k = [residual_k, key_states]
+    parts_v = [residual_v, value_states]
+    tokens = held + sum(t.shape[-2] for t in parts_k)
+    k_shape = (*key_states.shape[:2], tokens, key_states.shape[3])
+    v_shape = (*value_states.shape[:2], tokens, value_states.shape[3])
+    if k_shape == v_shape:
+        both = key_states.new_empty((2, *k_shape))
+        keys, values = both[0], both[1]  # not unbind: autograd refuses in-place writes to its views
+    else:
+        keys, values = key_states.new_empty(k_shape), value_states.new_empty(v_shape)
+    if skip:  # the oldest block shows only its last tokens: read it alone, copy them
+        (k, v), = layer.storage.read_all(blocks[:1])
+        n = blocks[0].entries - skip
+        keys[..., :n, :].copy_(k[..., skip:, :])
+        values[..., :n, :].copy_(v[..., skip:, :])
+        blocks = blocks[1:]
+    else:
+        n = 0
+    if blocks:
+        layer.storage.read_into(blocks, keys[..., n:held, :], values[..., n:held, :])
+    at = held
+    for k, v in zip(parts_k, parts_v):
+        n = k.shape[-2]
+        keys[..., at : at + n, :].copy_(k)
+        values[..., at : at + n, :].copy_(v)
+        at += n
+    return keys, values
+
+
+def held_parts(layer: CompressedLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What attention sees of ``layer``, in parts (blocks, then the residual)."""
+    hidden = layer._hidden_entries(shown=True)
+    blocks, skip = _visible_blocks(layer, hidden)
+    keys, values = [], []
+    for k, v in layer.storage.read_all(blocks):
+        keys.append(k[..., skip:, :])
+        values.append(v[..., skip:, :])
+        skip = 0
+    residual_k, residual_v = _visible_residual(layer, hidden)
+    keys.append(residual_k)
+    values.append(residual_v)
+    return keys, values
+
+
+def _visible_blocks(layer: CompressedLayer, hidden: int) -> tuple[list[Block], int]:
+    """The blocks left once the ``hidden`` oldest entries are, and how many leading entries of the first are."""
+    blocks = layer.blocks
+    while blocks and hidden >= blocks[0].entries:
+        hidden -= blocks[0].entries
+        blocks = blocks[1:]
+    if not blocks:
+        return [], 0
+    return list(blocks), hidden
+
+
+def _visible_residual(layer: CompressedLayer, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual tokens left once the ``hidden`` oldest entries of the layer are."""
+    hidden -= sum(block.entries for block in layer.blocks)
+    if hidden <= 0:
+        return layer.residual_keys, layer.residual_values
+    return layer.residual_keys[..., hidden:, :], layer.residual_values[..., hidden:, :]
+
+def check_states(layer: CompressedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Refuse states that are not 4-D float tensors agreeing with each other and with what ``layer`` holds."""
+    where = f"layer {layer.layer_idx}" if layer.layer_idx is not None else "layer"
+    for name, t in (("key_states", key_states), ("value_states", value_states)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{where}: {name} must be 4-D [batch, kv_heads, tokens, head_dim], got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+    if key_states.shape[:3] != value_states.shape[:3]:
+        raise ValueError(
+            f"{where}: key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
+            "disagree on batch, heads or tokens"
+        )
+    if key_states.dtype != value_states.dtype:
+        raise TypeError(f"{where}: key dtype {key_states.dtype} differs from value dtype {value_states.dtype}")
+    if layer.is_initialized:
+        if key_states.dtype != layer.dtype:
+            raise TypeError(f"{where}: got dtype {key_states.dtype}, but this layer holds {layer.dtype}")
+        held_k, held_v = layer.residual_keys, layer.residual_values
+        if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
+            held_k.shape[0],
+            held_k.shape[1],
+            held_k.shape[3],
+        ) or value_states.shape[3] != held_v.shape[3] or value_states.shape[1] != held_v.shape[1]:
             raise ValueError(
-                f"{where}: key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
-                "disagree on batch, heads or tokens"
+                f"{where}: new states {tuple(key_states.shape)} / {tuple(value_states.shape)} do not match the "
+                f"cached [batch, heads, *, dim] = {tuple(held_k.shape)} / {tuple(held_v.shape)}"
             )
-        if key_states.dtype != value_states.dtype:
-            raise TypeError(f"{where}: key dtype {key_states.dtype} differs from value dtype {value_states.dtype}")
-        if self.is_initialized:
-            if key_states.dtype != self.dtype:
-                raise TypeError(f"{where}: got dtype {key_states.dtype}, but this layer holds {self.dtype}")
-            held_k, held_v = self.residual_keys, self.residual_values
-            if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
-                held_k.shape[0],
-                held_k.shape[1],
-                held_k.shape[3],
-            ) or value_states.shape[3] != held_v.shape[3] or value_states.shape[1] != held_v.shape[1]:
-                raise ValueError(
-                    f"{where}: new states {tuple(key_states.shape)} / {tuple(value_states.shape)} do not match the "
-                    f"cached [batch, heads, *, dim] = {tuple(held_k.shape)} / {tuple(held_v.shape)}"
-                )

@@ -7,10 +7,14 @@ the exact context around the region. So the layer keeps the base class's residua
 views, ``get_mask_sizes``, beam/batch row selection, offloading and crop of the exact tail (all through its
 blocks' `Block` interface), and overrides:
 
-- ``update``: append to the residual and mark a summary as due (instead of sealing fixed-size blocks);
+- the update hooks ``_before_append`` (refuse a detached model, or a batch without one) and ``_after_append`` (mark a
+  summary as due, instead of sealing fixed-size blocks);
 - ``reset`` / ``crop`` / ``_select_rows`` / ``_move`` / ``_replace``: the base's work, plus this layer's own
   state (the residual's padding mask, the sink block, the kept queries);
 - ``stats``: adds the summaries, their timings and the kept queries.
+
+The summary step itself (sinks, region, reference queries, the method's call) and the per-entry biases live in
+`summarize.SummaryMixin`; the refusals before any work (`require_model`) in `refusals`.
 
 Its blocks are `LossyBlock` / `LowRankBlock` (``exact = False``, so a crop never reaches into them). It hands the
 base class a `RawStorage`, which only reads the blocks back (``read_all``): ``update`` never seals.
@@ -19,7 +23,6 @@ base class a `RawStorage`, which only reads the blocks back (``read_all``): ``up
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from typing import Any
 
@@ -27,21 +30,16 @@ import torch
 
 from ..layer.hybrid import RecurrentStateMixin
 from ..layer.layer import CompressedLayer
-from ..layer.storage import Block, RawStorage, owned, tensor_nbytes
+from ..layer.storage import RawStorage, owned, tensor_nbytes
 from .attention_hook import ATTENTION_NAME, acquire, is_attached, release, set_active, take_active
-from .blocks import LossyBlock, block_bias
+from .blocks import LossyBlock
 from .budget import budget_bytes, full_budget, token_bytes
 from .methods import METHODS
-from .queries import QueryBuffer, group_by_kv_head, proxy_queries, query_bytes, reposition
-from .region import FitContext, Region, gather_entries
-from .settings import LossyConfig
-
-NEG_INF = float("-inf")
-#: replay queries scored at once (`LossyLayer._score_replay`): bounds the ``[rows, entries]`` weights per head
-REPLAY_ROWS = 256
+from .queries import QueryBuffer, query_bytes
+from .summarize import SummaryMixin
 
 
-class LossyLayer(CompressedLayer):
+class LossyLayer(SummaryMixin, CompressedLayer):
     """One layer in lossy mode.
 
     Held entries, in order: a sink block (the first ``sinks`` real tokens of each row, exact, made at the first
@@ -107,11 +105,8 @@ class LossyLayer(CompressedLayer):
 
     # ------------------------------------------------------------------ transformers' layer interface
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new tokens; return every held entry followed by the new ones (the summary, when due, changes only
-        what later forwards see)."""
+    def _before_append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse an update the layer cannot summarise right: its model detached, or a batch without a model."""
         if self.attached and not is_attached(self.model):
             raise RuntimeError(
                 f"lossy layer {self.layer_idx}: the model no longer runs the lossy attention function "
@@ -124,8 +119,10 @@ class LossyLayer(CompressedLayer):
                 "see the attention mask, so padding would be kept (and taken as attention sinks) like real tokens. "
                 "Build the cache with CompressedCache(config, model=model), or run one row at a time."
             )
-        keys, values = self._append(key_states, value_states)
-        count = key_states.shape[-2]
+
+    def _after_append(self, keys: torch.Tensor, count: int) -> None:
+        """Instead of sealing fixed-size blocks: mark a summary as due (it changes only what later forwards see) and
+        run it now without a model, or register for the attention function's ``observe`` with one."""
         if self.residual_valid is not None:
             ones = torch.ones(self.rows, count, dtype=torch.bool, device=self.residual_valid.device)
             self.residual_valid = torch.cat([self.residual_valid, ones], dim=-1)
@@ -143,7 +140,6 @@ class LossyLayer(CompressedLayer):
             set_active(self.layer_idx, self)
         elif self.pending:
             self.summarize()
-        return keys, values
 
     def replay(
         self, key_states: torch.Tensor, value_states: torch.Tensor, query_states: torch.Tensor, scaling: float | None
@@ -259,7 +255,7 @@ class LossyLayer(CompressedLayer):
         uniform = budget_bytes(self.lossy, self.seen_tokens, self.token_bytes)
         share = self.budget_share
         if share is None and self.method.layer_share is not None and self.layer_count:
-            share = self.method.layer_share(self.layer_idx, self.layer_count)
+            share = self.method.layer_share(self.layer_idx, self.layer_count, self.lossy.settings)
         fixed = self.fixed_bytes()
         if share is None or uniform <= fixed:
             return uniform
@@ -286,199 +282,6 @@ class LossyLayer(CompressedLayer):
         if self.query_buffer.capacity <= 0 or not self.is_initialized:
             return 0
         return self.query_buffer.capacity * query_bytes(self.q_heads, self.residual_keys.shape[-1], self.rows)
-
-    # ------------------------------------------------------------------ the summary
-
-    @torch.no_grad()
-    def summarize(self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None = None) -> None:
-        """Shrink this layer to its budget now (less the room its kept queries will take until the next summary):
-        sinks and the recent window stay exact, the method replaces the rest. ``current``: the queries of the
-        forward in progress (``(queries, first_position, valid)``), fitted on with the kept ones and then
-        forgotten with them. Records the wall time in ``summary_seconds``."""
-        start = time.perf_counter()
-        self.pending = False
-        self.since_summary = 0
-        budget = max(0, self.budget_bytes() - self.query_reserve())
-        per_token = self.token_bytes
-        scores = self.replay_scores
-        self.replay_scores = None
-        if self.sink_block is None:
-            prior = sum(block.entries for block in self.blocks)
-            rest = self._make_sink_block(budget // per_token)
-            if scores is not None and rest is not None:  # the sinks left the residual: so do their scores
-                scores = torch.cat([scores[..., :prior], torch.gather(
-                    scores[..., prior:], 2, rest[:, None, :].expand(-1, scores.shape[1], -1))], dim=-1)
-        elif scores is not None:
-            scores = scores[..., self.sink_block.entries:]
-        sink_bytes = 0 if self.sink_block is None else self.sink_block.nbytes() // max(self.rows, 1)
-        window = min(self.residual_tokens, self.residual_length)
-        # the padding mask is kept (and paid for, one byte per token) only while the window still holds padding
-        held_pad = self.residual_valid is not None and window > 0 and not bool(self.residual_valid[:, -window:].all())
-        valid_bytes = int(held_pad)
-        window = max(0, min(window, (budget - sink_bytes) // (per_token + valid_bytes)))
-        region = self._region(window)
-        context_keys, context_values, context_bias = self._context(window)
-        positions = None
-        if self.method.needs_queries:
-            queries, weight, positions = self._reference_queries(current)
-        else:  # streaming and plain SVD never look at queries
-            queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
-        ctx = FitContext(
-            queries,
-            weight,
-            context_keys,
-            context_values,
-            context_bias,
-            self.scaling or self.residual_keys.shape[-1] ** -0.5,
-            self.attached,
-            self.lossy,
-            positions,
-            self.seen_tokens,
-            _rope_inv_freq(self.model),
-            None if scores is None else scores[..., : region.entries],
-        )
-        middle = max(0, budget - sink_bytes - window * (per_token + valid_bytes))
-        made = self.method.compress(region, middle, ctx)
-        self.blocks = ([self.sink_block] if self.sink_block is not None else []) + made
-        self.block_starts = [0] * len(self.blocks)
-        keep = self.residual_length - window
-        self.residual_keys = owned(self.residual_keys[..., keep:, :])
-        self.residual_values = owned(self.residual_values[..., keep:, :])
-        if self.residual_valid is not None:
-            self.residual_valid = owned(self.residual_valid[:, keep:])
-            if bool(self.residual_valid.all()):
-                self.residual_valid = None
-        self.query_buffer.clear()
-        self.summary_seconds.append(time.perf_counter() - start)
-
-    def _make_sink_block(self, max_tokens: int) -> torch.Tensor | None:
-        """The first ``sinks`` real (non-padding) tokens of each row, taken out of the residual for good; returns the
-        residual entries that stay (``[b, length - sinks]`` indices), None if no sink was taken."""
-        length = self.residual_length
-        old = length - min(self.residual_tokens, length)
-        count = min(self.lossy.sinks, old, max(0, max_tokens))
-        if count <= 0:
-            return None
-        live = self._residual_live()
-        order = torch.arange(length, device=live.device).expand(live.shape[0], -1)
-        # real tokens of the old part first, in order: the first `count` are each row's sinks
-        late = (~live) | (order >= old)
-        index = (order + late.long() * length).argsort(dim=-1)[:, :count].sort(dim=-1).values
-        taken = torch.zeros_like(live).scatter(1, index, True)
-        rest = (order + taken.long() * length).argsort(dim=-1)[:, : length - count].sort(dim=-1).values
-        sink_live = torch.gather(live, 1, index)
-        heads = self.residual_keys.shape[1]
-        bias = torch.where(sink_live, 0.0, NEG_INF)[:, None, :].expand(-1, heads, -1)
-        self.sink_block = LossyBlock(
-            _gather_rows(self.residual_keys, index),
-            _gather_rows(self.residual_values, index),
-            None if bool(sink_live.all()) else bias.to(self.dtype).contiguous(),
-            tokens=count,
-        )
-        self.residual_keys = _gather_rows(self.residual_keys, rest)
-        self.residual_values = _gather_rows(self.residual_values, rest)
-        if self.residual_valid is not None:
-            self.residual_valid = torch.gather(self.residual_valid, 1, rest)
-        return rest
-
-    def _score_replay(self, query: torch.Tensor, count: int) -> None:
-        """A replay forward (KVzip): keep, per entry held before the replay, the most attention any replay query (of
-        any head of its group) gives it, softmax over everything the query sees (held entries, the replay so far)."""
-        keys = self.keys  # every held entry, then the replay's tokens (all still exact in the residual)
-        held = self.replay_scores.shape[-1] if self.replay_scores is not None else keys.shape[-2] - count
-        total = keys.shape[-2]
-        bias = self._held_bias(total - count)
-        heads = keys.shape[1]
-        grouped = group_by_kv_head(query.float(), heads)  # [b, h, g * q, d]
-        groups = grouped.shape[-2] // count
-        scale = self.scaling or keys.shape[-1] ** -0.5
-        best = torch.zeros(keys.shape[0], heads, held, device=keys.device)
-        # the query at replay position i sees every earlier entry and itself: causal over the last `count` columns
-        causal = torch.ones(count, count, dtype=torch.bool, device=keys.device).tril()
-        for start in range(0, count, REPLAY_ROWS):
-            rows = torch.arange(start, min(count, start + REPLAY_ROWS), device=keys.device)
-            q = grouped.view(*grouped.shape[:2], groups, count, -1)[..., rows, :]
-            logits = (q * scale) @ keys.float().transpose(-1, -2)[:, :, None]  # [b, h, g, r, total]
-            if bias is not None:
-                logits[..., : total - count] += bias[:, :, None, None, :]
-            logits[..., total - count :].masked_fill_(~causal[rows], float("-inf"))
-            weights = torch.softmax(logits, dim=-1)[..., :held]
-            best = torch.maximum(best, weights.amax(dim=(2, 3)))
-        self.replay_scores = best if self.replay_scores is None else torch.maximum(self.replay_scores, best)
-
-    def _region(self, window: int) -> Region:
-        """Everything between the sinks and the last ``window`` residual tokens."""
-        blocks = [block for block in self.blocks if block is not self.sink_block]
-        old = self.residual_length - window
-        keys = [block.read()[0] for block in blocks] + [self.residual_keys[..., :old, :]]
-        values = [block.read()[1] for block in blocks] + [self.residual_values[..., :old, :]]
-        bias = [self._bias_of(block) for block in blocks] + [self._residual_bias()[..., :old]]
-        sink_tokens = 0 if self.sink_block is None else self.sink_block.tokens
-        return Region(
-            torch.cat(keys, dim=-2), torch.cat(values, dim=-2), torch.cat(bias, dim=-1),
-            tokens=self.seen_tokens - window - sink_tokens,
-        )
-
-    def _context(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The exact entries a summary keeps around the region: sinks and the recent window."""
-        old = self.residual_length - window
-        keys = [self.residual_keys[..., old:, :]]
-        values = [self.residual_values[..., old:, :]]
-        bias = [self._residual_bias()[..., old:]]
-        if self.sink_block is not None:
-            keys.insert(0, self.sink_block.keys)
-            values.insert(0, self.sink_block.values)
-            bias.insert(0, self._bias_of(self.sink_block))
-        return torch.cat(keys, dim=-2), torch.cat(values, dim=-2), torch.cat(bias, dim=-1)
-
-    def _reference_queries(
-        self, current: tuple[torch.Tensor, int, torch.Tensor | None] | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``([b, h, m, d] float32, [b, h, m], positions)``: queries (moved to future positions, or at their own for a
-        method registered with ``own_positions``, then with their ``[m / groups]`` positions) and their weights."""
-        heads = self.residual_keys.shape[1]
-        if self.attached and (current is not None or len(self.query_buffer)):
-            queries, positions, valid = self.query_buffer.read(current, self.lossy.reference_queries)
-        else:
-            # no model: the most recent keys stand in for queries
-            queries = proxy_queries(self.residual_keys, self.lossy.reference_queries).float()
-            count = queries.shape[-2]
-            positions = torch.arange(self.seen_tokens - count, self.seen_tokens, device=queries.device)
-            valid = self._residual_live()[:, -count:]
-        if not self.method.own_positions:
-            queries = reposition(
-                queries, positions, now=self.seen_tokens, horizon=self.lossy.query_horizon,
-                inv_freq=_rope_inv_freq(self.model),
-            )
-        grouped = group_by_kv_head(queries, heads)
-        groups = grouped.shape[-2] // valid.shape[-1]
-        weight = valid.float().repeat(1, groups)[:, None, :].expand(-1, heads, -1)
-        return grouped, weight, positions if self.method.own_positions else None
-
-    # ------------------------------------------------------------------ biases
-
-    def _residual_live(self) -> torch.Tensor:
-        if self.residual_valid is None:
-            return torch.ones(self.rows, self.residual_length, dtype=torch.bool, device=self.residual_keys.device)
-        return self.residual_valid
-
-    def _residual_bias(self) -> torch.Tensor:
-        live = self._residual_live()
-        heads = self.residual_keys.shape[1]
-        return torch.where(live, 0.0, NEG_INF)[:, None, :].expand(-1, heads, -1).float()
-
-    def _bias_of(self, block: Block) -> torch.Tensor:
-        bias = block_bias(block)
-        if bias is None:
-            return torch.zeros(self.rows, self.residual_keys.shape[1], block.entries, device=self.residual_keys.device)
-        return bias.float()
-
-    def _held_bias(self, held: int) -> torch.Tensor | None:
-        """``[b, h, held]`` float32 biases of the entries held before this forward's tokens, or None if all zero."""
-        if all(block_bias(block) is None for block in self.blocks) and self.residual_valid is None:
-            return None
-        bias = torch.cat([self._bias_of(block) for block in self.blocks] + [self._residual_bias()], dim=-1)
-        return bias[..., :held]
 
     # ------------------------------------------------------------------ bookkeeping overrides
 
@@ -535,77 +338,6 @@ class LossyLayer(CompressedLayer):
         super()._replace(tensor, which)
         self.residual_valid = None
         self.sink_block = None
-
-
-def require_model(config: LossyConfig, model: torch.nn.Module | None) -> None:
-    """Refuse a query-scored method (``needs_queries``) without a model, before any work: the cache alone never sees
-    queries, and the key stand-ins lose to the query-free baselines (measured: docs/lossy.md, at the top)."""
-    if model is None and METHODS[config.method].needs_queries and not full_budget(config):
-        free = " or ".join(repr(name) for name, method in METHODS.items() if not method.needs_queries)
-        raise ValueError(
-            f"CompressedCache: lossy method {config.method!r} scores entries by the model's queries; pass the model: "
-            f"CompressedCache(config, model=model). Without a model use method {free} "
-            "(LossyConfig(method=...)), which need no queries"
-        )
-    refuse_latent_cache(config, model)
-
-
-#: models whose attention reads keys and values computed from the cached ones in another layout, known by type
-#: (the general check, `LossyLayer.check_reads`, sees it only at the first attention call; measured in the
-#: architecture matrix, docs/results/architectures_table.md)
-EXPANDED_READS = {"jetmoe": "each cached KV head once per selected attention expert (mixture of attention heads)"}
-
-
-def refuse_latent_cache(config: LossyConfig, model: torch.nn.Module | None) -> None:
-    """Refuse a query-scored method on a model whose cache holds an MLA latent (DeepSeek-V2/V3 style: a
-    ``kv_lora_rank``-wide compressed KV as keys and the rotary key part as values, up-projected per head only after
-    the cache), before any work: the queries attention scores are not in the latent's space, so neither a selection
-    by their scores nor a refit against them is defined there. `LossyLayer.check_reads` refuses the same at the first
-    attention call for any model whose attention reads other keys or values than the cached ones."""
-    if model is None or not METHODS[config.method].needs_queries or full_budget(config):
-        return
-    text = model.config.get_text_config(decoder=True)
-    if text.model_type in EXPANDED_READS:
-        raise ValueError(
-            f"lossy method {config.method!r} scores entries by the model's queries, but {text.model_type}'s attention "
-            f"reads {EXPANDED_READS[text.model_type]}, not the cached entries as they are: use method 'streaming' or "
-            "'svd' (LossyConfig(method=...)), or mode='lossless'"
-        )
-    configs = getattr(text, "per_layer_config", None) or [text]  # per-layer attributes are read per layer
-    rank = next((getattr(c, "kv_lora_rank", None) for c in configs if getattr(c, "kv_lora_rank", None)), None)
-    if not rank:
-        return
-    rope = next((getattr(c, "qk_rope_head_dim", None) for c in configs if getattr(c, "kv_lora_rank", None)), None)
-    layers = getattr(text, "num_hidden_layers", None)
-    where = f"layers 0..{layers - 1}" if layers else "every layer"
-    raise ValueError(
-        f"lossy method {config.method!r} scores entries by the model's queries, but {where} of this "
-        f"{text.model_type} model cache an MLA latent (keys {rank} wide, values {rope} wide), not the per-head keys "
-        "and values attention reads: use method 'streaming' or 'svd' (LossyConfig(method=...)), which keep or "
-        "approximate the cached entries as they are, or mode='lossless'"
-    )
-
-
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Entries ``index`` (``[b, t]``, per batch row, shared by all heads) of ``x`` (``[b, h, n, d]``)."""
-    return gather_entries(x, index[:, None, :].expand(-1, x.shape[1], -1))
-
-
-#: attached model -> its rotary embedding module (or None): looked up once per model, not at every summary of every
-#: layer (walking SmolLM2's modules 30 times cost 0.03 s of a 2,048-token prefill's summaries); its ``inv_freq`` is
-#: read at each summary (dynamic RoPE variants update it)
-_ROTARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _rope_inv_freq(model: torch.nn.Module | None) -> torch.Tensor | None:
-    """The RoPE frequencies of an attached model (None without a model or rotary embedding)."""
-    if model is None:
-        return None
-    if model not in _ROTARY:
-        _ROTARY[model] = next((module for name, module in model.named_modules()
-                               if name.endswith("rotary_emb") and hasattr(module, "inv_freq")), None)
-    rotary = _ROTARY[model]
-    return None if rotary is None else rotary.inv_freq.detach().float().cpu()
 
 
 class LossyHybridLayer(RecurrentStateMixin, LossyLayer):

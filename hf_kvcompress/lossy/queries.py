@@ -14,7 +14,7 @@ fitting, `reposition` rotates every buffered query from its own position to a po
 held-out attention error of fitted summaries against using the raw past queries (see docs/lossy.md).
 
 Without a model there are no queries: `CompressedCache` refuses the query-scored methods then
-(`layer.require_model`); `proxy_queries` (the cached keys as stand-ins, much weaker) serves only a `LossyLayer`
+(`refusals.require_model`); `proxy_queries` (the cached keys as stand-ins, much weaker) serves only a `LossyLayer`
 driven directly without a model.
 """
 

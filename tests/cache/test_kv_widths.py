@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_kvcompress.blockcoder as blockcoder
 import hf_kvcompress.lossy.layer as lossy_layer
+import hf_kvcompress.lossy.refusals as lossy_refusals
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.coded import CodedBlock
 from hf_kvcompress.calibration import Calibration
@@ -299,7 +300,7 @@ def test_query_scored_methods_refuse_an_mla_latent_when_built(method):
 
 def test_query_scored_methods_refuse_other_attention_inputs_at_the_first_attention(monkeypatch):
     """The generic check behind the config one: attention reading per-head keys computed from the cached latent."""
-    monkeypatch.setattr(lossy_layer, "refuse_latent_cache", lambda config, model: None)
+    monkeypatch.setattr(lossy_refusals, "refuse_latent_cache", lambda config, model: None)
     model = fresh_model("deepseek_v3")
     cache = CompressedCache(lossy("summary"), model=model)
     with pytest.raises(ValueError, match=r"lossy layer 0: attention reads keys \[4, 24\] and values \[4, 8\] .* "

@@ -165,7 +165,7 @@ def test_lossy_mode_keeps_sliding_layers_as_plain_windows():
     assert same_bits(want.logits[0], got.logits[0])  # the prefill's logits: nothing summarised before them
     assert all(torch.isfinite(step).all() for step in got.logits)
     sliding, full = cache.layers[0], cache.layers[1]
-    assert type(sliding).__name__ == "CompressedLayer" and not sliding.seals
+    assert type(sliding).__name__ == "SlidingWindowLayer" and not sliding.seals
     assert type(full).__name__ == "LossyLayer"
     assert sliding.entries == SEALING - 1
 

@@ -12,17 +12,33 @@ head does not use are freed, `held_bytes` counts what is stored); attention read
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ...layer.storage import Block
+from ...validation import check_int, check_number, checked
 from ..blocks import RaggedBlock
 from ..budget import entry_bytes
 from ..region import FitContext, Region
-from ..registry import register
-from .snapkv import snap_scores
+from ..registry import MethodSettings, register
+from .snapkv import KERNEL, WINDOW, _odd, snap_scores
 
 #: every head keeps at least this share of an even split of the layer's entries (the paper's safeguard, 0.2)
 SAFEGUARD = 0.2
+
+
+@dataclass(frozen=True)
+class AdaKVSettings(MethodSettings):
+    """AdaKV's own settings (Feng et al. 2024, https://arxiv.org/abs/2407.11550): ``safeguard``, the share of an even
+    split every head keeps at least (`SAFEGUARD`); ``window`` / ``kernel``: SnapKV's scores (`snapkv.SnapKVSettings`)."""
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2407.11550"
+
+    safeguard: float = checked(SAFEGUARD, check_number, low=0.0, high=1.0)
+    window: int = checked(WINDOW, check_int, minimum=1)
+    kernel: int = checked(KERNEL, _odd)
 
 
 def adaptive_keep(score: torch.Tensor, total: int, safeguard: float = SAFEGUARD) -> torch.Tensor:
@@ -44,7 +60,7 @@ def adaptive_keep(score: torch.Tensor, total: int, safeguard: float = SAFEGUARD)
     return keep
 
 
-@register("adakv", paper="https://arxiv.org/abs/2407.11550", needs_queries=True, own_positions=True)
+@register("adakv", settings=AdaKVSettings, needs_queries=True, own_positions=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the best-scored entries of all heads of ``region`` together within ``budget`` bytes per batch row."""
     _, h, n, d = region.keys.shape
@@ -55,5 +71,6 @@ def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     total = min(h * n, (budget - h * 4) // per_entry)  # the counts: one int32 per head
     if total <= 0:
         return []
-    keep = adaptive_keep(snap_scores(region, ctx), total)
+    own = ctx.config.settings
+    keep = adaptive_keep(snap_scores(region, ctx, own.window, own.kernel), total, own.safeguard)
     return [RaggedBlock.from_mask(region.keys, region.values, keep, tokens=region.tokens, fmt=ctx.config.entry_format)]

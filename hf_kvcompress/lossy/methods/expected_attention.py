@@ -13,13 +13,16 @@ summary), not the whole prompt: the library keeps no running moments.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ...layer.storage import Block
 from ..budget import kept_blocks
 from ..queries import apply_rope, rotate
 from ..region import FitContext, Region
-from ..registry import register
+from ..registry import MethodSettings, register
 
 
 def mean_rotation(inv_freq: torch.Tensor, now: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +73,15 @@ def expected_scores(region: Region, ctx: FitContext) -> torch.Tensor:
     return score.masked_fill(~region.live, float("-inf"))
 
 
-@register("expected_attention", paper="https://arxiv.org/abs/2510.00636", needs_queries=True, own_positions=True)
+@dataclass(frozen=True)
+class ExpectedAttentionSettings(MethodSettings):
+    """Expected Attention's settings (Devoto et al. 2025, https://arxiv.org/abs/2510.00636): its horizon of
+    future positions is the shared ``LossyConfig.query_horizon``; nothing of its own."""
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2510.00636"
+
+
+@register("expected_attention", settings=ExpectedAttentionSettings, needs_queries=True, own_positions=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the entries of ``region`` with the highest expected attention times value norm that fit in ``budget``
     bytes per batch row, as they are."""

@@ -8,7 +8,7 @@ Two ways in:
 - `compress_context(model, cache, context_ids, repeat_ids)`: the paper's method. The context is prefilled with no
   summary (held whole: KVzip needs the whole context before its replay; with ``chunk_size`` the prefill and the
   replay run in chunks, which bounds the activations, not the cache), the replay scores every held entry
-  (`LossyLayer._score_replay`; the replay's own entries are cropped off afterwards), one threshold over the scores of
+  (`SummaryMixin._score_replay`, lossy/summarize.py; the replay's own entries are cropped off afterwards), one threshold over the scores of
   every layer's region (all rows' selections averaged per layer) sets each layer's share of the budget
   (`LossyLayer.budget_share`), and each layer then keeps its best entries, per head as many as pass (heads hold
   different numbers: `blocks.RaggedBlock`). Batches must not be padded (refused).
@@ -21,7 +21,8 @@ Two ways in:
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,7 +32,7 @@ from ..blocks import RaggedBlock
 from ..budget import entry_bytes
 from ..matching import Kernel
 from ..region import FitContext, Region
-from ..registry import register
+from ..registry import MethodSettings, register
 from .adakv import adaptive_keep
 
 #: the repeat prompt of the paper (fed before the context's second pass; tokenize it with the model's tokenizer)
@@ -51,7 +52,15 @@ def _per_entry(region: Region, fmt: str) -> int:
                        value_dim=region.values.shape[-1])
 
 
-@register("kvzip", paper="https://arxiv.org/abs/2505.23416", needs_queries=True, own_positions=True)
+@dataclass(frozen=True)
+class KVzipSettings(MethodSettings):
+    """KVzip's settings (Kim et al. 2025, https://arxiv.org/abs/2505.23416): the repeat prompt is `REPEAT_PROMPT`
+    and the heads share one threshold (no per-head floor); nothing to set."""
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2505.23416"
+
+
+@register("kvzip", settings=KVzipSettings, needs_queries=True, own_positions=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the best-scored entries of all heads of ``region`` together within ``budget`` bytes per batch row: the
     replay's scores when a replay ran (`compress_context`), else the reference queries' largest weights."""

@@ -12,21 +12,40 @@ first, then newer tokens), so entries next to each other there may be far apart 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ...layer.storage import Block
+from ...validation import check_int, checked
 from ..budget import kept_blocks
 from ..region import FitContext, Region
-from ..registry import register
+from ..registry import MethodSettings, register
 from ..scores import attention_mass
 
 #: observation window, in queries per query head (the paper's experiments use the last 32 prompt tokens)
 WINDOW = 32
 #: pooling kernel over neighbouring entries (odd, so that it centres on the entry; the authors' code uses 5 or 7)
 KERNEL = 7
+
+
+def _odd(where: str, value: object) -> None:
+    check_int(where, value, minimum=1)
+    if value % 2 == 0:  # type: ignore[operator]
+        raise ValueError(f"{where} must be odd (the pooling centres on the entry), got {value}")
+
+
+@dataclass(frozen=True)
+class SnapKVSettings(MethodSettings):
+    """SnapKV's own settings (Li et al. 2024, https://arxiv.org/abs/2404.14469): ``window``, the observation window
+    in queries per query head (`WINDOW`); ``kernel``, the pooling kernel over neighbouring entries (`KERNEL`)."""
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2404.14469"
+
+    window: int = checked(WINDOW, check_int, minimum=1)
+    kernel: int = checked(KERNEL, _odd)
 
 
 def window_context(ctx: FitContext, window: int) -> FitContext:
@@ -50,10 +69,11 @@ def snap_scores(region: Region, ctx: FitContext, window: int = WINDOW, kernel: i
     return pooled.masked_fill(~region.live, float("-inf"))
 
 
-@register("snapkv", paper="https://arxiv.org/abs/2404.14469", needs_queries=True, own_positions=True)
+@register("snapkv", settings=SnapKVSettings, needs_queries=True, own_positions=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the entries of ``region`` with the highest pooled observation-window votes that fit in ``budget`` bytes
     per batch row, as they are."""
     if region.entries == 0:
         return []
-    return kept_blocks(region, budget, snap_scores(region, ctx), ctx.config.entry_format)
+    own = ctx.config.settings
+    return kept_blocks(region, budget, snap_scores(region, ctx, own.window, own.kernel), ctx.config.entry_format)

@@ -20,19 +20,50 @@ are Attention Matching's (Zweiger et al. 2026, https://arxiv.org/abs/2602.16284)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ...layer.storage import Block
+from ...validation import check_bool, check_choice, check_number, checked
 from ..blocks import kept_block
 from ..budget import entry_bytes, tiered
 from ..matching import Fit, Kernel, fit_row, row, row_context
 from ..region import FitContext, Region, dead_bias_or_none, gather_entries
-from ..registry import register
+from ..registry import MethodSettings, register
 from ..scores import top_entries
 from ..solvers import truncated_svd
 
 
-@register("summary", paper="https://arxiv.org/abs/2602.16284", needs_queries=True)
+@dataclass(frozen=True)
+class SummarySettings(MethodSettings):
+    """The summary's own settings (the stages are those of the module docstring; the per-entry weights of stage 2
+    are Attention Matching's, Zweiger et al. 2026, https://arxiv.org/abs/2602.16284).
+
+    Attributes:
+        entropy_threshold: attention entropy (nats) above which a cached entry counts as compressible
+            (``selection="entropy"`` only).
+        error_tolerance: relative attention-output error that picks the smallest sufficient SVD rank (stage 3).
+        selection: stage 1: ``"mass"`` (keep the most attended entries) or ``"entropy"`` (the criterion of the
+            proposal docs/lossy.md tests: entries above ``entropy_threshold`` are compressible, the lowest-entropy
+            ones are kept).
+        fit_bias: fit a per-entry logit bias (Attention Matching) for summary entries; needs a model attached.
+        ridge: ridge strength of the value refit, relative to the mean diagonal of its normal matrix (0 = plain
+            least squares, solved with ``gelsd``).
+    """
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2602.16284"
+    SELECTIONS: ClassVar[tuple[str, ...]] = ("mass", "entropy")
+
+    entropy_threshold: float = checked(2.5, check_number, low=0.0, high=100.0)
+    error_tolerance: float = checked(0.05, check_number, low=0.0, high=1.0, low_open=True)
+    selection: str = checked("mass", check_choice, choices=SELECTIONS)
+    fit_bias: bool = checked(True, check_bool)
+    ridge: float = checked(1e-3, check_number, low=0.0, high=1e6)
+
+
+@register("summary", settings=SummarySettings, needs_queries=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Summarise ``region`` into at most ``budget`` bytes per batch row."""
     cfg = ctx.config

@@ -4,12 +4,15 @@ reconstructed from the factors. Factors are stored in the cache dtype (``entry_f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ...layer.storage import Block
 from ..blocks import LowRankBlock
 from ..region import FitContext, Region, dead_bias_or_none
-from ..registry import register
+from ..registry import MethodSettings, register
 from ..solvers import truncated_svd
 
 
@@ -22,7 +25,15 @@ def rank_for_budget(heads: int, entries: int, head_dim: int, element_size: int, 
     return max(0, min(head_dim, value_dim, entries, (budget - bias_bytes) // per_rank))
 
 
-@register("svd", paper="https://doi.org/10.1007/BF02288367", needs_queries=False)
+@dataclass(frozen=True)
+class SVDSettings(MethodSettings):
+    """Plain truncated SVD's settings (Eckart and Young 1936, https://doi.org/10.1007/BF02288367): its rank follows
+    from the budget; nothing of its own."""
+
+    PAPER: ClassVar[str] = "https://doi.org/10.1007/BF02288367"
+
+
+@register("svd", settings=SVDSettings, needs_queries=False)
 def compress(region: Region, budget: int, ctx: FitContext | None) -> list[Block]:
     """Low-rank factors of ``region``'s keys and values within ``budget`` bytes per batch row."""
     _, h, n, d = region.keys.shape

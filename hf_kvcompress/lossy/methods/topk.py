@@ -4,14 +4,25 @@ as they are; drop the rest. Selection is per batch row and KV head (the group's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ...layer.storage import Block
 from ..budget import kept_blocks
 from ..region import FitContext, Region
-from ..registry import register
+from ..registry import MethodSettings, register
 from ..scores import attention_mass
 
 
-@register("topk", paper="https://arxiv.org/abs/2306.14048, https://arxiv.org/abs/2404.14469", needs_queries=True)
+@dataclass(frozen=True)
+class TopKSettings(MethodSettings):
+    """Top-K's settings: none of its own (H2O, Zhang et al. 2023, https://arxiv.org/abs/2306.14048; SnapKV
+    without pooling, https://arxiv.org/abs/2404.14469): the reference queries, sinks and window are shared."""
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2306.14048, https://arxiv.org/abs/2404.14469"
+
+
+@register("topk", settings=TopKSettings, needs_queries=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the most attended entries of ``region`` that fit in ``budget`` bytes per batch row."""
     if region.entries == 0:

@@ -10,15 +10,26 @@ the newest query of every query head, averaged over the layer's query heads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ...layer.storage import Block
 from ..budget import kept_blocks
 from ..region import FitContext, Region
-from ..registry import register
+from ..registry import MethodSettings, register
 from ..scores import attention_mass
 from .snapkv import window_context
 
 
-@register("tova", paper="https://arxiv.org/abs/2401.06104", needs_queries=True, own_positions=True)
+@dataclass(frozen=True)
+class TOVASettings(MethodSettings):
+    """TOVA's settings (Oren et al. 2024, https://arxiv.org/abs/2401.06104): it scores with the newest query
+    alone; nothing of its own."""
+
+    PAPER: ClassVar[str] = "https://arxiv.org/abs/2401.06104"
+
+
+@register("tova", settings=TOVASettings, needs_queries=True, own_positions=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the entries of ``region`` the newest query attends to most (head average) that fit in ``budget`` bytes
     per batch row, the same positions in every head."""
