@@ -56,26 +56,28 @@ from ..version import __version__
 from .binding import bindable, binding_problem
 from .cache import CompressedCache
 from .coded import CodedBlock, LosslessCoding
-from .persist import (
+from .container import (
     DTYPES,
-    _check_block,
-    _check_blocks,
-    _dict,
-    _int,
-    _layer_device,
-    _read_row,
-    _write_row,
+    PREFIX,
+    check_block,
+    check_blocks,
+    check_int,
+    check_object,
+    frame,
     open_regular,
     read_exactly,
+    read_regular,
+    read_row,
+    unframe,
+    write_row,
 )
+from .persist import layer_device
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"\x89HFKVP\r\n"
 FORMAT = "hf_kvcompress.prefix_chunk"
 VERSION = 1
-_PREFIX = struct.Struct("<8sII")  # magic, version, header length
-_DIGEST = 32  # trailing SHA-256 over everything before it
 SUFFIX = ".kvp"
 #: the default bound: 8 GiB (about 1.3 million tokens of SmolLM2-135M KV at the generic rate, 0.65 x 45 MiB per 2,048
 #: tokens), or a quarter of the disk space free when the store is opened, whichever is smaller
@@ -373,12 +375,6 @@ class PrefixStore:
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return next(self.model.parameters()).dtype, heads, dim
 
-    def _digest(self, body: bytes | memoryview) -> bytes:
-        """A chunk's trailing digest: SHA-256, or HMAC-SHA256 keyed by ``secret``."""
-        if self._secret is not None:
-            return hmac.new(self._secret, body, hashlib.sha256).digest()
-        return hashlib.sha256(body).digest()
-
     def _coding(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessCoding:
         """A block coder of the store's settings over ``blocks`` (the layer-below lookup of `context`)."""
         calibration = self.calibration
@@ -417,15 +413,13 @@ class PrefixStore:
             head = taken[0]
             layers.append({"layer": layer_idx, "heads": head.heads, "key_dim": head.dim, "value_dim": head.value_dim,
                            "blocks": [{"start": b.start, "tokens": b.tokens,
-                                       "rows": [_write_row(r, payload) for r in b.rows]} for b in taken]})
+                                       "rows": [write_row(r, payload) for r in b.rows]} for b in taken]})
         dtype = taken[0].dtype
         header = {"format": FORMAT, "version": VERSION, "key": key.hex(), "namespace": self.namespace.hex(),
                   "first": first, "tokens": self.chunk_tokens, "token_ids": row[first:stop].tolist(),
                   "dtype": str(dtype).replace("torch.", ""), "layers": layers, "payload_bytes": len(payload),
                   "model": _model_name(self.model)}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        body = _PREFIX.pack(MAGIC, VERSION, len(blob)) + blob + bytes(payload)
-        return body + self._digest(body)
+        return b"".join(frame(MAGIC, VERSION, header, payload, self._secret))
 
     def _held_blocks(self, cache: Cache, layer: object, first: int, stop: int) -> list[CodedBlock] | None:
         """``layer``'s coded blocks of tokens ``first..stop`` when they are coded exactly as the store codes them
@@ -447,44 +441,25 @@ class PrefixStore:
         store (then removed: a damaged file, a FIFO, a link, a file larger than a chunk can be)."""
         path = self._path(key)
         try:
-            fd, size = open_regular(path, follow_links=False)
+            data = read_regular(path, magic=MAGIC, follow_links=False, max_bytes=self._max_chunk_bytes())
         except CacheFileError as err:
             if not isinstance(err.__cause__, FileNotFoundError):
                 self._drop(path, err)
             return None
         try:
-            cap = self._max_chunk_bytes()
-            if size > cap:  # a sparse or planted file: never read
-                raise CacheFileError(f"{size} bytes, more than a chunk of this model can hold ({cap})")
-            return self._check_chunk(read_exactly(fd, size), key, index, row)
+            return self._check_chunk(data, key, index, row)
         except Exception as err:  # any parse failure (a 4,300-digit integer is a ValueError of its own)
             self._drop(path, err)
             return None
-        finally:
-            os.close(fd)
 
     def _drop(self, path: Path, why: object) -> None:
         log.warning("prefix store: %s is damaged (%s); removed, computing its tokens again", path.name, why)
         _unlink(path, 0)  # never follows a link: a link planted at a chunk's name is removed, not its target
 
     def _check_chunk(self, data: bytes, key: bytes, index: int, row: np.ndarray) -> dict[str, Any]:
-        if len(data) < _PREFIX.size + _DIGEST or not data.startswith(MAGIC):
-            raise CacheFileError(f"truncated or not a prefix chunk ({len(data)} bytes)")
-        _magic, version, size = _PREFIX.unpack_from(data, 0)
-        if version != VERSION:
-            raise CacheFileError(f"chunk format version {version}, this library reads {VERSION}")
-        if not hmac.compare_digest(self._digest(memoryview(data)[:-_DIGEST]), data[-_DIGEST:]):
-            keyed = " or written without this store's secret" if self._secret is not None else ""
-            raise CacheFileError(f"checksum mismatch: truncated or corrupt{keyed}")
-        end = _PREFIX.size + size
-        if end > len(data) - _DIGEST:
-            raise CacheFileError("header does not fit the file")
-        try:
-            header = json.loads(data[_PREFIX.size : end].decode())
-        except Exception as err:
-            raise CacheFileError(f"corrupt header ({type(err).__name__}: {err})") from err
-        payload = data[end : len(data) - _DIGEST]
-        h = _dict(header, "chunk header", None)
+        framed = unframe(data, MAGIC, (VERSION,), "prefix chunk", key=self._secret)
+        header, payload = framed.header, framed.payload
+        h = check_object(header, "chunk header", None)
         if set(h) - {"model"} != _HEADER_FIELDS or not isinstance(h.get("model", ""), str):
             raise CacheFileError("the chunk header's fields are not a chunk's")  # "model" (a label) is optional
         first = index * self.chunk_tokens
@@ -493,7 +468,7 @@ class PrefixStore:
         if h["first"] != first or h["tokens"] != self.chunk_tokens or h["token_ids"] != row[first:first + self.chunk_tokens].tolist():
             raise CacheFileError("the chunk holds other tokens than its key")  # a hash collision or an edited file
         dtype, heads, dim = self._kv_shape()
-        if DTYPES.get(h["dtype"]) != dtype or _int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
+        if DTYPES.get(h["dtype"]) != dtype or check_int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
             raise CacheFileError(f"dtype {h['dtype']!r} (the model's K/V: {dtype}) or payload length")
         layers = h["layers"]
         count = len(_layer_types(self.model))
@@ -501,12 +476,12 @@ class PrefixStore:
             raise CacheFileError(f"holds {len(layers) if isinstance(layers, list) else '?'} layers, the model {count}")
         cursor = [0]
         for i, entry in enumerate(layers):
-            entry = _dict(entry, f"layer {i}", {"layer", "heads", "key_dim", "value_dim", "blocks"})
+            entry = check_object(entry, f"layer {i}", {"layer", "heads", "key_dim", "value_dim", "blocks"})
             if (entry["layer"], entry["heads"], entry["key_dim"]) != (i, heads, dim):  # as `_check_kv` checks puts
                 raise CacheFileError(f"layer entry {i} names layer {entry['layer']!r} of {entry['heads']!r} heads x "
                                      f"{entry['key_dim']!r}, the model {heads} x {dim}")
-            value_dim = _int(entry["value_dim"], f"layer {i} value_dim", 1, 1 << 16)
-            _check_blocks(entry["blocks"], f"layer {i}", first, first + self.chunk_tokens, 1, heads,
+            value_dim = check_int(entry["value_dim"], f"layer {i} value_dim", 1, 1 << 16)
+            check_blocks(entry["blocks"], f"layer {i}", first, first + self.chunk_tokens, 1, heads,
                           max(dim, value_dim), self.config, cursor)
             if any(b["tokens"] != self.config.block_tokens for b in entry["blocks"]):
                 raise CacheFileError(f"layer {i}: blocks of another size than block_tokens")
@@ -579,11 +554,11 @@ class PrefixStore:
                 i = entry["layer"]
                 for b in entry["blocks"]:
                     with _blame(number):
-                        rows = [_read_row(r, chunk["payload"]) for r in b["rows"]]
+                        rows = [read_row(r, chunk["payload"]) for r in b["rows"]]
                         block = CodedBlock(source or coding, i, b["start"], b["tokens"], rows, entry["heads"],
-                                           entry["key_dim"], dtype, _layer_device(self.model, i),
+                                           entry["key_dim"], dtype, layer_device(self.model, i),
                                            value_dim=entry["value_dim"])
-                        _check_block(block, source or coding, (source or coding).predictor, sides)
+                        check_block(block, source or coding, (source or coding).predictor, sides)
                     checker[(i, b["start"])] = block
                     per_layer.setdefault(i, []).append(block)
         keys0 = None
@@ -647,7 +622,7 @@ def folder_model(folder: str | Path) -> str | None:
         try:
             fd, _size = open_regular(path, follow_links=False)  # regular files only: no FIFO to block on
             try:
-                magic, _version, size = _PREFIX.unpack(read_exactly(fd, _PREFIX.size))
+                magic, _version, size = PREFIX.unpack(read_exactly(fd, PREFIX.size))
                 if magic != MAGIC or size > 1 << 24:  # a header holds ids and block entries: far below 16 MiB
                     return None
                 header = json.loads(read_exactly(fd, size))

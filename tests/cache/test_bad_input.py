@@ -133,13 +133,13 @@ def test_model_must_be_the_model_object():
 
 
 def test_saving_to_a_folder_is_one_clear_error_before_any_coding(tmp_path, monkeypatch):
-    from hf_kvcompress.cache import persist
+    from hf_kvcompress.cache import files
 
     model = tiny_model("llama-gqa")
     cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model)
     with torch.no_grad():
         model(random_ids(1, 20), cache=cache)
-    monkeypatch.setattr(persist, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
+    monkeypatch.setattr(files, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(IsADirectoryError) as info:
         cache.save(".")
