@@ -84,7 +84,7 @@ def unframe(data: bytes, magic: bytes, versions: tuple[int, ...], kind: str, key
         raise CacheFileError(f"{kind} format version {version}, this library reads {list(versions)}"
                              f"{version_note(version)}")
     if not hmac.compare_digest(digest([memoryview(data)[:-DIGEST_BYTES]], key), data[-DIGEST_BYTES:]):
-        keyed = " or keyed with another secret" if key is not None else ""
+        keyed = " or written without this store's secret" if key is not None else ""  # only a store keys
         raise CacheFileError(f"checksum mismatch: the file is truncated or corrupt{keyed}")
     end = PREFIX.size + size
     if size > MAX_HEADER or end > len(data) - DIGEST_BYTES:

@@ -36,7 +36,7 @@ from test_prefix_store import (
 )
 
 from hf_kvcompress import CompressedCache, PrefixStore
-from hf_kvcompress.cache import container
+from hf_kvcompress.cache import container, store_folder
 from hf_kvcompress.cache import store as store_module
 from hf_kvcompress.cache.binding import first_disagreement, tolerance
 from hf_kvcompress.cache.store import MARKER, clear
@@ -346,7 +346,7 @@ def test_temporary_files_count_toward_max_bytes_until_their_writer_is_gone(tmp_p
     sizes = sorted(p.stat().st_size for p in chunk_files(tmp_path))
     live = store.folder / f".{'ab' * 8}.k2j4_x9q.tmp"
     live.write_bytes(b"\0" * sizes[0])
-    old = time.time() - store_module.TEMP_GRACE_SECONDS - 1
+    old = time.time() - store_folder.TEMP_GRACE_SECONDS - 1
     os.utime(live, (old, old))
     with live.open("rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # a writer at work
