@@ -18,6 +18,7 @@ from transformers.cache_utils import (
 
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
+from ..identity import layer_types
 from ..layer import CompressedLayer, RawStorage, Storage
 from ..layer.hybrid import CompressedHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
@@ -411,7 +412,7 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
         settings = config.lossless
         if model is None:
             return None, "none: no model attached (pass model= to use its calibration)"
-        types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        types = layer_types(model.config)
         if set(types) != {"full_attention"}:
             # calibrations are fitted on models whose layers all hold every token (their heads read the layers
             # below); other structures code with per-block statistics

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
 from ..errors import CacheFileError
+from ..identity import kv_shape, layer_types
 from ..layer import CompressedLayer
 from ..predictors import make_predictor
 from .binding import binding_problem
@@ -28,14 +29,13 @@ from .coded import CodedBlock, LosslessCoding
 from .container import (
     DTYPES,
     PREFIX,
-    check_block,
     check_blocks,
     check_int,
     check_object,
     frame,
     open_regular,
+    read_blocks,
     read_exactly,
-    read_row,
     unframe,
     write_row,
 )
@@ -74,7 +74,7 @@ class Chunks:
     def raw_bytes(self) -> int:
         """The K/V bytes a chunk holds uncompressed (every layer, keys and values)."""
         dtype, heads, dim = self.kv_shape()
-        return 2 * len(layer_types(self.model)) * heads * dim * self.chunk_tokens * dtype.itemsize
+        return 2 * len(layer_types(self.model.config)) * heads * dim * self.chunk_tokens * dtype.itemsize
 
     def max_bytes(self) -> int:
         """The most a chunk file of this model may hold: twice its raw K/V (coded streams of incompressible
@@ -84,9 +84,7 @@ class Chunks:
 
     def kv_shape(self) -> tuple[torch.dtype, int, int]:
         """The model's K/V dtype, KV heads and head size (from its weights' dtype and its config)."""
-        config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads, dim = kv_shape(self.model.config)
         return next(self.model.parameters()).dtype, heads, dim
 
     def _coding(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessCoding:
@@ -167,7 +165,7 @@ class Chunks:
         if DTYPES.get(h["dtype"]) != dtype or check_int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
             raise CacheFileError(f"dtype {h['dtype']!r} (the model's K/V: {dtype}) or payload length")
         layers = h["layers"]
-        count = len(layer_types(self.model))
+        count = len(layer_types(self.model.config))
         if not isinstance(layers, list) or len(layers) != count:
             raise CacheFileError(f"holds {len(layers) if isinstance(layers, list) else '?'} layers, the model {count}")
         cursor = [0]
@@ -200,14 +198,11 @@ class Chunks:
             dtype = DTYPES[chunk["dtype"]]
             for entry in chunk["layers"]:
                 i = entry["layer"]
-                for b in entry["blocks"]:
-                    with _blame(number):
-                        rows = [read_row(r, chunk["payload"]) for r in b["rows"]]
-                        block = CodedBlock(source or coding, i, b["start"], b["tokens"], rows, entry["heads"],
-                                           entry["key_dim"], dtype, layer_device(self.model, i),
-                                           value_dim=entry["value_dim"])
-                        check_block(block, source or coding, (source or coding).predictor, sides)
-                    checker[(i, b["start"])] = block
+                with _blame(number):
+                    read = read_blocks(entry, chunk["payload"], source or coding, i, dtype,
+                                       layer_device(self.model, i), (source or coding).predictor, sides)
+                for block in read:
+                    checker[(i, block.start)] = block
                     per_layer.setdefault(i, []).append(block)
         keys0 = None
         for i, blocks in sorted(per_layer.items()):
@@ -302,10 +297,6 @@ def _model_name(model: torch.nn.Module) -> str:
     check reads (the namespace binds chunks to the model's fingerprint)."""
     name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
     return str(name)[-200:]
-
-
-def layer_types(model: torch.nn.Module) -> list[str]:
-    return get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
 
 
 def layer_kv(layer: object, stop: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,6 +172,12 @@ def check_int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
     return value
 
 
+def check_ints(values: list, what: str, low: int, high: int = 1 << 62) -> None:
+    """`check_int` of every value of ``values`` (token ids)."""
+    for value in values:
+        check_int(value, what, low, high)
+
+
 def check_extent(offset: object, length: object, where: str, cursor: list[int]) -> int:
     """Check that [offset, offset + length) is the next piece of the payload; advance the cursor."""
     if check_int(offset, f"{where} offset", 0) != cursor[0]:
@@ -309,6 +315,21 @@ def write_tensor(tensor: torch.Tensor, payload: bytearray) -> dict[str, Any]:
              "bytes": len(data)}
     payload += data
     return entry
+
+
+def read_blocks(kv: dict[str, Any], payload: bytes, coding: LosslessCoding, layer: int, dtype: torch.dtype,
+                device: torch.device, predictor: Predictor, sides: dict[tuple, dict]) -> list[CodedBlock]:
+    """The blocks of a checked layer entry (``kv``: its ``heads``, ``key_dim``, ``value_dim`` and ``blocks``,
+    `check_blocks`) as blocks of ``coding``, their streams copied out of ``payload`` and each checked against the
+    codec and ``predictor`` (`check_block`) before any is decoded."""
+    out = []
+    for b in kv["blocks"]:
+        rows = [read_row(row, payload) for row in b["rows"]]
+        block = CodedBlock(coding, layer, b["start"], b["tokens"], rows, kv["heads"], kv["key_dim"], dtype, device,
+                           value_dim=kv["value_dim"])
+        check_block(block, coding, predictor, sides)
+        out.append(block)
+    return out
 
 
 def read_row(entry: dict[str, Any], payload: bytes) -> CodedRow:

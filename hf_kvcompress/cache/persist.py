@@ -34,7 +34,7 @@ from ..calibration import Calibration, CalibrationError, calibration_dir, find_c
 from ..codec import CorruptStreamError, coder_of_stream
 from ..config import CompressionConfig
 from ..errors import CacheFileError
-from ..identity import ModelIdentity, model_identity
+from ..identity import ModelIdentity, kv_shape, model_identity
 from ..layer import CompressedLayer
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
@@ -45,12 +45,13 @@ from .binding import binding_problem
 from .coded import CodedBlock, LosslessCoding, PredictorMismatchError, coding_over
 from .container import (
     DTYPES,
-    check_block,
     check_blocks,
     check_int,
+    check_ints,
     check_object,
     check_str,
     check_tensor,
+    read_blocks,
     read_regular,
     read_row,
     read_tensor,
@@ -280,12 +281,10 @@ def _reading(saved: _Saved, target: CompressedCache, model: torch.nn.Module | No
     sides: dict[tuple, dict] = {}  # the side data each block shape needs, asked of the predictor once per shape
     for entry in entries:
         layer, kv = entry["layer"], entry["kv"]
-        for b in (kv or {}).get("blocks", ()):
-            coded = [read_row(row, saved.payload) for row in b["rows"]]
-            block = CodedBlock(coding, layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
-                               saved.dtype, torch.device("cpu"), value_dim=kv["value_dim"])
-            check_block(block, coding, predictor, sides)
-            blocks[(layer, b["start"])] = block
+        if kv is not None:
+            for block in read_blocks(kv, saved.payload, coding, layer, saved.dtype, torch.device("cpu"), predictor,
+                                     sides):
+                blocks[(layer, block.start)] = block
     adopting = _adopts(header, saved.config, target, predictor, coding)
     return _Reading(name, coding, blocks, entries, token_ids, adopting)
 
@@ -430,10 +429,7 @@ def _check_layers(header: dict[str, Any], target: CompressedCache) -> None:
     # a file that records the model's identity matched it (config included) already, and its shapes are the
     # model's own, whatever the config's head fields say (multi-query falcon, an MLA latent's one head)
     if header["model"] is None:
-        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-        dim = getattr(text, "head_dim", None)
-        if dim is None and heads is not None and getattr(text, "hidden_size", None):
-            dim = text.hidden_size // text.num_attention_heads
+        heads, dim = kv_shape(text)
         if heads is not None and header["kv_heads"] != heads:
             raise CacheFileError(f"holds {header['kv_heads']} KV heads per layer, the model has {heads}")
         if dim is not None and header["head_dim"] != dim:
@@ -577,8 +573,7 @@ def _check_header(header: object, payload: bytes) -> _Saved:
         raise CacheFileError(f"token_ids must be {rows} rows of {tokens} ids")
     if ids is not None:
         for r in ids:
-            for t in r:
-                check_int(t, "token id", 0, 1 << 62)
+            check_ints(r, "token id", 0, 1 << 62)
     layers = h["layers"]
     cursor = [0]  # streams and side tensors tile the payload in order: no gaps, overlaps or reuse
     if h["version"] == LAYERED:

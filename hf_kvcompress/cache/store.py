@@ -40,12 +40,12 @@ from transformers.cache_utils import Cache
 from ..calibration import Calibration
 from ..config import CompressionConfig
 from ..errors import CacheFileError
-from ..identity import model_identity
+from ..identity import layer_types, model_identity
 from ..layer import CompressedLayer
 from ..version import __version__
 from .binding import bindable, binding_problem
 from .cache import CompressedCache
-from .chunks import FORMAT, MAGIC, VERSION, BadChunk, Chunks, folder_model, layer_kv, layer_types
+from .chunks import FORMAT, MAGIC, VERSION, BadChunk, Chunks, folder_model, layer_kv
 from .container import read_regular
 from .store_folder import (
     MARKER,
@@ -141,7 +141,7 @@ class PrefixStore:
             raise TypeError(f"PrefixStore: secret must be non-empty bytes or None, got {type(secret).__name__}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
             raise ValueError(f"PrefixStore: max_bytes must be a positive int (bytes), got {max_bytes!r}")
-        types = layer_types(model)
+        types = layer_types(model.config)
         if set(types) != {"full_attention"}:
             raise ValueError(
                 f"PrefixStore: {model.config.model_type} has {sorted(set(types) - {'full_attention'})} layers; the "
