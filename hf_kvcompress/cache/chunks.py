@@ -37,7 +37,7 @@ from .container import (
     read_blocks,
     read_exactly,
     unframe,
-    write_row,
+    write_blocks,
 )
 from .persist import layer_device
 from .store_folder import own_files
@@ -124,8 +124,7 @@ class Chunks:
                     taken.append(block)
             head = taken[0]
             layers.append({"layer": layer_idx, "heads": head.heads, "key_dim": head.dim, "value_dim": head.value_dim,
-                           "blocks": [{"start": b.start, "tokens": b.tokens,
-                                       "rows": [write_row(r, payload) for r in b.rows]} for b in taken]})
+                           "blocks": write_blocks(taken, payload)})
         dtype = taken[0].dtype
         header = {"format": FORMAT, "version": VERSION, "key": key.hex(), "namespace": namespace.hex(),
                   "first": first, "tokens": self.chunk_tokens, "token_ids": row[first:stop].tolist(),

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
-from ..codec import CorruptStreamError, stream_info
+from ..codec import CodecConfig, CorruptStreamError, stream_info
 from ..codec.codec_config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..errors import CacheFileError
@@ -251,11 +251,11 @@ def check_row(row: object, where: str, heads: int, elements: int, cursor: list[i
         check_tensor(row["listed"], f"{where} listed", cursor)
 
 
-def check_block(block: CodedBlock, coding: LosslessCoding, predictor: Predictor, sides: dict[tuple, dict]) -> None:
-    """Each stream must declare the block's dtype and channel-major shape; side data must be what the
-    predictor sends for such a block (names, per-row shapes, dtypes; ``sides`` memoises them per shape)."""
+def check_block(block: CodedBlock, config: CodecConfig, predictor: Predictor, sides: dict[tuple, dict]) -> None:
+    """Each stream must declare the block's dtype and channel-major shape (under ``config``, its layer's codec
+    settings); side data must be what the predictor sends for such a block (names, per-row shapes, dtypes;
+    ``sides`` memoises them per shape)."""
     where = f"layer {block.layer}, block at token {block.start}"
-    config = coding.codec_for(block.layer)
     for r, row in enumerate(block.rows):
         for s, blob in enumerate(row.blobs):
             try:
@@ -299,6 +299,12 @@ def check_listed(listed: torch.Tensor | None, where: str, streams: int, elements
 # ---------------------------------------------------------------------- payload: tensors and coded rows
 
 
+def write_blocks(blocks: list[CodedBlock], payload: bytearray) -> list[dict[str, Any]]:
+    """The block entries of ``blocks`` (in order), their streams and tensors appended to ``payload``."""
+    return [{"start": b.start, "tokens": b.tokens, "rows": [write_row(row, payload) for row in b.rows]}
+            for b in blocks]
+
+
 def write_row(row: CodedRow, payload: bytearray) -> dict[str, Any]:
     streams = []
     for blob in row.blobs:
@@ -322,12 +328,12 @@ def read_blocks(kv: dict[str, Any], payload: bytes, coding: LosslessCoding, laye
     """The blocks of a checked layer entry (``kv``: its ``heads``, ``key_dim``, ``value_dim`` and ``blocks``,
     `check_blocks`) as blocks of ``coding``, their streams copied out of ``payload`` and each checked against the
     codec and ``predictor`` (`check_block`) before any is decoded."""
-    out = []
+    out, config = [], coding.codec_for(layer)
     for b in kv["blocks"]:
         rows = [read_row(row, payload) for row in b["rows"]]
         block = CodedBlock(coding, layer, b["start"], b["tokens"], rows, kv["heads"], kv["key_dim"], dtype, device,
                            value_dim=kv["value_dim"])
-        check_block(block, coding, predictor, sides)
+        check_block(block, config, predictor, sides)
         out.append(block)
     return out
 

@@ -27,7 +27,7 @@ from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
 from ..version import __version__
 from .coded import CodedBlock, LosslessCoding, coding_over
-from .container import frame, write_row, write_tensor
+from .container import frame, write_blocks, write_tensor
 from .persist import (
     FORMAT,
     LAYERED,
@@ -181,32 +181,29 @@ def _kv_entry(cache: CompressedCache, plan: _Plan, index: int, layer: Compressed
     taken = _generation_blocks(cache, layer, index, plan.predictor, plan.coding)
     if taken is not None:  # the cache's own blocks are the file's: their streams, not decoded and coded again
         keys, values = layer.residual_keys, layer.residual_values
-        entries = [{"start": b.start, "tokens": b.tokens, "rows": [write_row(row, payload) for row in b.rows]}
-                   for b in taken]
-        blocks = entries + _code_blocks(plan, index, keys, values, len(taken) * cache.config.block_tokens,
-                                        cache.config.block_tokens, payload)
+        blocks = taken + _code_blocks(plan, index, keys, values, len(taken) * cache.config.block_tokens,
+                                      cache.config.block_tokens)
         return {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3],
-                "sliding_window": None, "start": 0, "blocks": blocks}, keys
+                "sliding_window": None, "start": 0, "blocks": write_blocks(blocks, payload)}, keys
     if not layer.is_initialized:
         return None, None
     keys, values = layer.keys, layer.values
     first = layer.seen_tokens - keys.shape[2]
+    blocks = _code_blocks(plan, index, keys, values, first, cache.config.block_tokens)
     return {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3],
-            "sliding_window": layer.sliding_window, "start": first,
-            "blocks": _code_blocks(plan, index, keys, values, first, cache.config.block_tokens, payload)}, keys
+            "sliding_window": layer.sliding_window, "start": first, "blocks": write_blocks(blocks, payload)}, keys
 
 
-def _code_blocks(plan: _Plan, index: int, keys: torch.Tensor, values: torch.Tensor, first: int, block_tokens: int,
-                 payload: bytearray) -> list[dict[str, Any]]:
-    """Code ``keys`` / ``values`` (positions ``first ..``) in blocks of ``block_tokens``: their block entries."""
-    entries = []
+def _code_blocks(plan: _Plan, index: int, keys: torch.Tensor, values: torch.Tensor, first: int,
+                 block_tokens: int) -> list[CodedBlock]:
+    """Code ``keys`` / ``values`` (positions ``first ..``) in blocks of ``block_tokens``."""
+    blocks = []
     for at in range(0, keys.shape[2], block_tokens):
         stop = min(at + block_tokens, keys.shape[2])
         block = plan.coding.encode_block(index, keys[:, :, at:stop], values[:, :, at:stop], first + at)
         plan.blocks[(index, first + at)] = block
-        entries.append({"start": first + at, "tokens": stop - at,
-                        "rows": [write_row(row, payload) for row in block.rows]})
-    return entries
+        blocks.append(block)
+    return blocks
 
 
 def _header(cache: CompressedCache, plan: _Plan, entries: list[dict[str, Any]], keys0: torch.Tensor | None,
