@@ -23,6 +23,7 @@ from ..errors import CacheFileError
 from ..identity import kv_shape, layer_types
 from ..layer import CompressedLayer
 from ..predictors import make_predictor
+from ..predictors.rerun import layer_device
 from .binding import binding_problem
 from .cache import CompressedCache
 from .coded import CodedBlock, LosslessCoding
@@ -39,7 +40,6 @@ from .container import (
     unframe,
     write_blocks,
 )
-from .persist import layer_device
 from .store_folder import own_files
 
 MAGIC = b"\x89HFKVP\r\n"

@@ -39,7 +39,7 @@ from ..layer import CompressedLayer
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
-from ..predictors.rerun import decoder_layers
+from ..predictors.rerun import layer_device
 from ..version import __version__
 from .binding import binding_problem
 from .coded import CodedBlock, LosslessCoding, PredictorMismatchError, coding_over
@@ -644,16 +644,3 @@ def _check_layered(layers: object, n_layers: int, rows: int, tokens: int, config
                                                  f"not begin with the {rows} batch rows")
                 if (state["conv"][i] is None) != (state["conv_kernel"][i] is None):
                     raise CacheFileError(f"{where} state {i}: a conv state and its kernel size go together")
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def layer_device(model: torch.nn.Module | None, layer: int) -> torch.device:
-    """The device of ``model``'s decoder layer ``layer`` (CPU without a model), where its K/V are held."""
-    if model is None:
-        return torch.device("cpu")
-    try:
-        return next(decoder_layers(model)[layer].parameters()).device
-    except (StopIteration, IndexError, ValueError):
-        return torch.device("cpu")
