@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import PrefixStore
-from hf_kvcompress.cache import store as store_module
+from hf_kvcompress.cache import chunks as chunks_module
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.models import load_model
 from hf_kvcompress.predictors.rerun import first_keys
@@ -48,9 +48,9 @@ def measure(model, ids: torch.Tensor, prefix: int, root: str, repeats: int) -> d
             times = {"prefill": timed(lambda: model(ids[:, :prefix], cache=DynamicCache())),
                      "first_keys": timed(lambda: first_keys(model, ids[:, :prefix])),
                      "cache_for": timed(lookup)}
-        with mock.patch.object(store_module, "binding_problem", lambda *a, **k: None):
+        with mock.patch.object(chunks_module, "binding_problem", lambda *a, **k: None):
             times["unbound"] = timed(lookup)
-        with mock.patch.object(store_module.PrefixStore, "_first_bad", lambda *a, **k: None):
+        with mock.patch.object(chunks_module.Chunks, "first_bad", lambda *a, **k: None):
             times["adopt_only"] = timed(lookup)
         for name, seconds in times.items():
             runs.setdefault(name, []).append(seconds)

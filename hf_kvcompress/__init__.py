@@ -11,23 +11,39 @@ from typing import TYPE_CHECKING, Any
 
 from .version import __version__
 
+#: the documented exception types (`errors`: a leaf module, no torch), importable from here
+ERRORS = ("CacheFileError", "CalibrationError", "ChunkError", "ChunkPayloadError", "ConfigTypeError",
+          "CorruptStreamError", "ParameterMismatchError", "PredictorMismatchError", "UnknownModelError")
+
 #: public name -> the module that defines it (a module name alone: the module itself)
 _PUBLIC = {
     "CompressedCache": ".cache",
     "PrefixStore": ".cache",
+    "Calibration": ".calibration",
     "CompressionConfig": ".config",
     "LosslessConfig": ".config",
     "LossyConfig": ".config",
     "configure_threads": ".threads",
     "codec": ".codec",
     "downloads": ".downloads",
+    **{name: ".errors" for name in ERRORS},
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from . import codec as codec
     from . import downloads as downloads
     from .cache import CompressedCache, PrefixStore
+    from .calibration import Calibration
     from .config import CompressionConfig, LosslessConfig, LossyConfig
+    from .errors import CacheFileError as CacheFileError
+    from .errors import CalibrationError as CalibrationError
+    from .errors import ChunkError as ChunkError
+    from .errors import ChunkPayloadError as ChunkPayloadError
+    from .errors import ConfigTypeError as ConfigTypeError
+    from .errors import CorruptStreamError as CorruptStreamError
+    from .errors import ParameterMismatchError as ParameterMismatchError
+    from .errors import PredictorMismatchError as PredictorMismatchError
+    from .errors import UnknownModelError as UnknownModelError
     from .threads import configure_threads
 
 
@@ -46,6 +62,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "PrefixStore", "__version__",
-    "configure_threads",
+    "Calibration", "CompressedCache", "CompressionConfig", "LosslessConfig", "LossyConfig", "PrefixStore", "__version__",
+    "configure_threads", *ERRORS,
 ]

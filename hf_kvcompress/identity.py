@@ -1,5 +1,6 @@
 """What identifies a model: a fingerprint of its architecture config, dtype and a sample of every weight tensor.
-Calibrations and saved caches record it and refuse to be used with another model. Reads the model it is given
+Calibrations and saved caches record it and refuse to be used with another model. Also what its config says of
+its cache: KV heads and head size (`kv_shape`), each layer's cache layer type (`layer_types`). Reads the model it is given
 only (no loading, no download)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 #: config keys that describe how a model is run or named, not what it computes
 _RUNTIME_KEYS = frozenset({
@@ -87,6 +89,23 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """A short hash of the model's architecture config, dtype and a sample of every weight tensor (see
     `model_identity`): calibrations and saved caches record it and refuse to be used with another model."""
     return model_identity(model).fingerprint
+
+
+def kv_shape(config: Any) -> tuple[int | None, int | None]:
+    """A model's KV heads and head size per layer, from its transformers config (its text decoder's):
+    ``num_key_value_heads`` (else ``num_attention_heads``: no grouping) and ``head_dim`` (else ``hidden_size //
+    num_attention_heads``); None for what the config does not say."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    dim = getattr(text, "head_dim", None)
+    if not dim and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
+        dim = text.hidden_size // text.num_attention_heads
+    return heads, dim
+
+
+def layer_types(config: Any) -> list[str]:
+    """transformers' cache layer type of each layer of the model with ``config`` (its text decoder's)."""
+    return list(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
 
 
 def _overall(dtype: str, config: dict[str, Any], groups: dict[str, str]) -> str:

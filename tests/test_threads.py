@@ -99,3 +99,22 @@ def test_version_and_help_import_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "hf-kvcompress " in out and "{demo,calibrate,store,eval,bench}" in out
     assert "HEAVY []" in out, out
+
+
+def test_the_error_types_and_calibration_import_from_the_package_without_torch():
+    """`from hf_kvcompress import CacheFileError` (every documented error type) imports no torch; the names are the
+    types the library raises, and `Calibration` loads on first use like `CompressedCache`."""
+    import hf_kvcompress
+    from hf_kvcompress import errors
+
+    code = ("import sys\nfrom hf_kvcompress import CacheFileError, CalibrationError, ChunkPayloadError\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out, out
+    documented = sorted(name for name, value in vars(errors).items() if isinstance(value, type)
+                        and issubclass(value, Exception) and value.__module__ == errors.__name__ and name != "CliError")
+    assert sorted(hf_kvcompress.ERRORS) == documented
+    for name in documented:
+        assert getattr(hf_kvcompress, name) is getattr(errors, name) and name in hf_kvcompress.__all__
+    from hf_kvcompress.calibration import Calibration
+    assert hf_kvcompress.Calibration is Calibration

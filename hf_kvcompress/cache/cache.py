@@ -19,6 +19,7 @@ from transformers.cache_utils import (
 
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
+from ..identity import layer_types
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
 from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer, state_bytes
 from ..layer.storage import row_index, storage_bytes
@@ -26,7 +27,7 @@ from ..lossy.layer import LossyHybridLayer, LossyLayer
 from ..lossy.refusals import require_model
 from ..predictors.registry import FITTED, reads_calibration
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
-from .persist import load_cache, save_cache
+from .files import CacheFiles
 
 #: a sliding layer seals (codes) blocks only when its window holds at least this many blocks beyond the residual:
 #: a smaller window keeps every token raw, as transformers does (docs/model_support.md, "Sliding windows")
@@ -101,11 +102,13 @@ LAYER_FACTORIES: dict[str, Callable[[CompressedCache, int, dict], Any]] = {
 SUPPORTED_LAYER_TYPES = tuple(LAYER_FACTORIES)
 
 
-class CompressedCache(Cache):
+class CompressedCache(CacheFiles, Cache):
     """A KV cache that seals old tokens into compressed blocks.
 
     Args:
-        config: what to compress and how; defaults to ``CompressionConfig()``.
+        config: what to compress and how; defaults to ``CompressionConfig()``. A transformers model config
+            (``CompressedCache(config=model.config)``, as `DynamicCache` takes it) is taken as ``model_config``,
+            compressed with the default ``CompressionConfig()``.
         model: the model this cache serves. Needed by predictors that rerun (part of) the model and lets the
             cache build one layer per model layer, with sliding-window layers where the model has them.
         model_config: the model's config, when the model itself is not at hand (layer types only).
@@ -123,12 +126,17 @@ class CompressedCache(Cache):
 
     def __init__(
         self,
-        config: CompressionConfig | None = None,
+        config: CompressionConfig | PretrainedConfig | None = None,
         *,
         model: torch.nn.Module | None = None,
         model_config: PretrainedConfig | None = None,
         calibration: Calibration | str | Path | None = "auto",
     ):
+        if isinstance(config, PretrainedConfig):  # `DynamicCache(config=model.config)`'s call: the model's layers
+            if model_config is not None and model_config is not config:
+                raise TypeError("CompressedCache: config is a model config and model_config another; pass the model's "
+                                "config as model_config= and a CompressionConfig as config=")
+            config, model_config = None, config
         if config is None:
             config = CompressionConfig()
         if not isinstance(config, CompressionConfig):
@@ -314,21 +322,7 @@ class CompressedCache(Cache):
         if self.token_ids is not None:
             self.token_ids = self.token_ids.index_select(0, index)
 
-    # ------------------------------------------------------------------ save / load
-
-    def save(self, path: str | Path, *, predictor: str | None = None, probe_layer: int | None = None,
-             progress: bool = False) -> Path:
-        """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
-        token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"context"``;
-        ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
-        resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use).
-        Raises ``ValueError`` for a cache that cannot be saved (empty, lossy) and ``OSError`` for a path that
-        cannot be written (``FileNotFoundError``: no such folder; ``IsADirectoryError``: a folder), both before
-        any coding."""
-        name = predictor or self.config.lossless.save_predictor
-        if self._calibration_pending and reads_calibration(name):
-            self.resolve_calibration(predictor=name)
-        return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
+    # ------------------------------------------------------------------ save / load: `files.CacheFiles`
 
     @property
     def calibration_pending(self) -> bool:
@@ -349,21 +343,6 @@ class CompressedCache(Cache):
             self.calibration, self.calibration_note = calibration_for(self.model, predictors=wanted)
             self._calibration_pending = False  # after the lookup: one interrupted midway is tried again
         return self.calibration
-
-    @classmethod
-    def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
-             calibration: Calibration | str | Path | None = None, config: CompressionConfig | None = None,
-             progress: bool = False, verify: bool | None = None) -> CompressedCache:
-        """Rebuild a cache saved with `save`: bit-identical K/V; generation continues as without the round
-        trip. A file saved with a calibration needs that calibration: ``calibration`` or, when not given, the
-        model's default one (never fitted here). Raises `CacheFileError` for files from another model,
-        calibration or library version, corrupt files, or a predictor that does not reproduce here. Blocks coded
-        as generation codes them (a ``"generic"`` file) are adopted, not re-coded. ``verify`` (default: when a
-        ``model`` is given, i.e. for generating) decodes every stream once here, so that a file edited behind its
-        checksum is a `CacheFileError` here, never an error inside `generate`; ``verify=False`` leaves each
-        stream's checks to its first read (`CorruptStreamError` there)."""
-        return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config, progress=progress,
-                          verify=verify)
 
     def layer(self, layer_idx: int) -> CompressedLayer:
         """The `CompressedLayer` at ``layer_idx`` (a clear error where there is none)."""
@@ -460,7 +439,7 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
         settings = config.lossless
         if model is None:
             return None, "none: no model attached (pass model= to use its calibration)"
-        types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        types = layer_types(model.config)
         if set(types) != {"full_attention"}:
             # calibrations are fitted on models whose layers all hold every token (their heads read the layers
             # below); other structures code with per-block statistics

@@ -46,6 +46,7 @@ from ..blockcoder import (
 from ..calibration import Calibration
 from ..codec import CodecConfig, CorruptStreamError, stream_info
 from ..errors import ChunkError, ChunkPayloadError
+from ..identity import kv_shape
 from ..predictors.base import ROUNDING_TOLERANCE, BlockInputs, LayerValues, Predictor, PredictorSession
 from ..predictors.below import BelowPredictor
 from ..predictors.context import ContextPredictor
@@ -275,8 +276,7 @@ class ChunkCoder:
         if portable and calibration is not None:
             raise ValueError("portable coding is model-free: it takes no calibration")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        kv_heads, head_dim = kv_shape(text)
         if calibration is not None:
             rope = None
         else:

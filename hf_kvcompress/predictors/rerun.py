@@ -27,6 +27,16 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def layer_device(model: torch.nn.Module | None, layer: int) -> torch.device:
+    """The device of ``model``'s decoder layer ``layer`` (CPU without a model), where its K/V are held."""
+    if model is None:
+        return torch.device("cpu")
+    try:
+        return next(decoder_layers(model)[layer].parameters()).device
+    except (StopIteration, IndexError, ValueError):
+        return torch.device("cpu")
+
+
 def run_decoder(
     model: torch.nn.Module,
     token_ids: torch.Tensor,

@@ -20,6 +20,28 @@ def test_config_must_be_a_compression_config():
         CompressedCache({"mode": "none"})  # type: ignore[arg-type]
 
 
+def test_a_model_config_as_config_builds_the_models_layers_as_dynamic_cache_does():
+    """`CompressedCache(config=model.config)`, transformers' `DynamicCache(config=model.config)` call: one layer per
+    model layer, sliding windows where the model has them, the default compression; a second, other model config
+    is refused naming the arguments."""
+    from helpers import RAW, sliding_model
+    from transformers import DynamicCache
+
+    model = sliding_model(RAW)
+    cache = CompressedCache(config=model.config)
+    assert cache.config == CompressionConfig() and cache.model_config is model.config
+    dynamic = DynamicCache(config=model.config)
+    assert len(cache.layers) == len(dynamic.layers) == 6
+    assert [layer.sliding_window for layer in cache.layers] == [getattr(layer, "sliding_window", None)
+                                                                 for layer in dynamic.layers]
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache, use_cache=True)
+        model(random_ids(1, 20), cache=dynamic, use_cache=True)
+    assert cache.get_seq_length() == dynamic.get_seq_length() == 20
+    with pytest.raises(TypeError, match="pass the model's config as model_config= and a CompressionConfig as config="):
+        CompressedCache(model.config, model_config=tiny_model("llama-gqa").config)
+
+
 def test_wrong_dtype_is_rejected():
     cache = CompressedCache(NONE)
     k, v = kv()
@@ -133,13 +155,13 @@ def test_model_must_be_the_model_object():
 
 
 def test_saving_to_a_folder_is_one_clear_error_before_any_coding(tmp_path, monkeypatch):
-    from hf_kvcompress.cache import persist
+    from hf_kvcompress.cache import files
 
     model = tiny_model("llama-gqa")
     cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model)
     with torch.no_grad():
         model(random_ids(1, 20), cache=cache)
-    monkeypatch.setattr(persist, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
+    monkeypatch.setattr(files, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(IsADirectoryError) as info:
         cache.save(".")

@@ -116,7 +116,7 @@ def test_load_of_a_generic_file_is_cheaper_than_the_prefill_in_decodes(model, tm
 def test_a_generic_save_writes_the_caches_own_streams(model, tmp_path, monkeypatch):
     """Full blocks go to the file as generation coded them (no decode, no encode); only the residual is coded.
     The bytes are those of a save that decodes and codes every token again."""
-    import hf_kvcompress.cache.persist as persist
+    import hf_kvcompress.cache.files as files
 
     cache, _ = filled(model)
     decodes = cache.lossless.decodes
@@ -124,7 +124,7 @@ def test_a_generic_save_writes_the_caches_own_streams(model, tmp_path, monkeypat
     fast = cache.save(tmp_path / "fast.kvc", predictor="generic").read_bytes()
     assert cache.lossless.decodes == decodes  # nothing decoded
     assert counts["encodes"] == LAYERS  # one residual block per layer (13 tokens), the 2 sealed blocks taken
-    monkeypatch.setattr(persist, "_generation_blocks", lambda *args: None)
+    monkeypatch.setattr(files, "_generation_blocks", lambda *args: None)
     slow = cache.save(tmp_path / "slow.kvc", predictor="generic").read_bytes()
     assert counts["encodes"] == LAYERS + 3 * LAYERS and cache.lossless.decodes > decodes
     assert fast == slow

@@ -30,7 +30,9 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
 from hf_kvcompress.cache import store as store_module
+from hf_kvcompress.cache import store_folder
 from hf_kvcompress.cache.coded import LosslessCoding
+from hf_kvcompress.cache.container import DIGEST_BYTES, PREFIX
 from hf_kvcompress.cache.store import SUFFIX, clear, folder_usage
 from hf_kvcompress.calibration import Calibration
 
@@ -224,15 +226,15 @@ def _flip(offset):
 
 
 def _payload_middle(data: bytes) -> int:
-    header_end = store_module._PREFIX.size + store_module._PREFIX.unpack_from(data)[2]
-    return (header_end + len(data) - store_module._DIGEST) // 2
+    header_end = PREFIX.size + PREFIX.unpack_from(data)[2]
+    return (header_end + len(data) - DIGEST_BYTES) // 2
 
 
 DAMAGE = {
     "magic": _flip(lambda data: 1),
     "version": _flip(lambda data: 8),
     "header length": _flip(lambda data: 12),
-    "header": _flip(lambda data: store_module._PREFIX.size + 40),
+    "header": _flip(lambda data: PREFIX.size + 40),
     "payload": _flip(_payload_middle),
     "digest": _flip(lambda data: len(data) - 1),
     "empty": lambda data: b"",
@@ -277,12 +279,12 @@ def test_damaged_chunk_is_a_miss_removed_with_one_warning(tmp_path, caplog, thre
 
 def _resealed(data: bytes, edit) -> bytes:
     """``data`` with its header edited by ``edit`` (a dict -> None) and a valid digest again."""
-    prefix = store_module._PREFIX
+    prefix = PREFIX
     _, version, size = prefix.unpack_from(data)
     header = json.loads(data[prefix.size : prefix.size + size])
     edit(header)
     blob = json.dumps(header, separators=(",", ":")).encode()
-    body = prefix.pack(store_module.MAGIC, version, len(blob)) + blob + data[prefix.size + size : -store_module._DIGEST]
+    body = prefix.pack(store_module.MAGIC, version, len(blob)) + blob + data[prefix.size + size : -DIGEST_BYTES]
     return body + hashlib.sha256(body).digest()
 
 
@@ -676,7 +678,7 @@ def _killed_child(path: str) -> None:
     model = llama(F32)
     store = open_store(Path(path), model)
     ids = random_ids(1, 100, seed=16)
-    store_module.os = _HalfWritingOs()
+    store_folder.os = _HalfWritingOs()  # the module that writes chunks (`store_folder.write_atomic`)
     store.put(ids[:, : 3 * CHUNK], prefill(model, ids[:, : 3 * CHUNK]))
     print("DONE", flush=True)  # not reached
 
@@ -741,7 +743,7 @@ def test_writer_killed_mid_chunk_leaves_nothing_that_loads(tmp_path, caplog):
         assert holds_prefix(store.cache_for(ids), reference, CHUNK)
     assert caplog.records == []
     assert store.evict() == 0 and leftover.exists()  # younger than the grace: its writer may not have locked it yet
-    old = time.time() - store_module.TEMP_GRACE_SECONDS - 1
+    old = time.time() - store_folder.TEMP_GRACE_SECONDS - 1
     os.utime(leftover, (old, old))
     size = leftover.stat().st_size
     assert store.evict() == size and temp_files(root) == []  # unlocked: its writer is gone (not an hour later)

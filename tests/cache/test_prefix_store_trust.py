@@ -36,6 +36,7 @@ from test_prefix_store import (
 )
 
 from hf_kvcompress import CompressedCache, PrefixStore
+from hf_kvcompress.cache import container, store_folder
 from hf_kvcompress.cache import store as store_module
 from hf_kvcompress.cache.binding import first_disagreement, tolerance
 from hf_kvcompress.cache.store import MARKER, clear
@@ -218,13 +219,13 @@ def test_forged_chunk_is_a_miss_removed_and_generation_goes_on(tmp_path, caplog,
 def reads(monkeypatch) -> list[int]:
     """Bytes asked of every file read from now on (the store's bounded reads)."""
     asked = []
-    original = store_module.read_exactly
+    original = container.read_exactly
 
     def counting(fd, count):
         asked.append(count)
         return original(fd, count)
 
-    monkeypatch.setattr(store_module, "read_exactly", counting)
+    monkeypatch.setattr(container, "read_exactly", counting)  # every bounded read (`container.read_regular`)
     return asked
 
 
@@ -345,7 +346,7 @@ def test_temporary_files_count_toward_max_bytes_until_their_writer_is_gone(tmp_p
     sizes = sorted(p.stat().st_size for p in chunk_files(tmp_path))
     live = store.folder / f".{'ab' * 8}.k2j4_x9q.tmp"
     live.write_bytes(b"\0" * sizes[0])
-    old = time.time() - store_module.TEMP_GRACE_SECONDS - 1
+    old = time.time() - store_folder.TEMP_GRACE_SECONDS - 1
     os.utime(live, (old, old))
     with live.open("rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # a writer at work

@@ -1,0 +1,298 @@
+"""`CompressedCache.save` / `CompressedCache.load` (the `CacheFiles` methods the cache takes, as transformers'
+models take their hub methods from ``PushToHubMixin``), and writing a cache file in short steps: plan (the
+file's predictor, coding and version), write each layer (the cache's own blocks where they are the file's,
+else coded here), the header, the frame (`container.frame`). The format is `persist`'s; loading is
+`persist.load_cache`. This module calls the cache, never the other way round."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from ..calibration import Calibration
+from ..codec import DEFAULT_CODER
+from ..config import CompressionConfig
+from ..identity import model_identity
+from ..layer import CompressedLayer
+from ..layer.hybrid import state_tensors
+from ..layer.storage import Block
+from ..predictors import make_predictor
+from ..predictors.base import Predictor
+from ..predictors.registry import reads_calibration
+from ..version import __version__
+from .coded import CodedBlock, LosslessCoding, coding_over
+from .container import frame, write_blocks, write_tensor
+from .persist import (
+    FORMAT,
+    LAYERED,
+    MAGIC,
+    VERSION,
+    CompressedCache,
+    load_cache,
+    reproducibility,
+    uses_calibration,
+)
+
+
+class CacheFiles:
+    """The file methods of `CompressedCache` (a mixin: `cache.CompressedCache` derives from it)."""
+
+    def save(self: Any, path: str | Path, *, predictor: str | None = None, probe_layer: int | None = None,
+             progress: bool = False) -> Path:
+        """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
+        token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"generic"``: the file takes
+        generation's blocks as they are and `load` adopts them; ``"context"`` files are smaller, with a
+        calibration; ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
+        resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use).
+        Raises ``ValueError`` for a cache that cannot be saved (empty, lossy) and ``OSError`` for a path that
+        cannot be written (``FileNotFoundError``: no such folder; ``IsADirectoryError``: a folder), both before
+        any coding."""
+        name = predictor or self.config.lossless.save_predictor
+        if self.calibration_pending and reads_calibration(name):
+            self.resolve_calibration(predictor=name)
+        return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
+
+    @classmethod
+    def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
+             calibration: Calibration | str | Path | None = None, config: CompressionConfig | None = None,
+             progress: bool = False, verify: bool | None = None) -> Any:
+        """Rebuild a cache saved with `save`: bit-identical K/V; generation continues as without the round
+        trip. A file saved with a calibration needs that calibration: ``calibration`` or, when not given, the
+        model's default one (never fitted here). Raises `CacheFileError` for files from another model,
+        calibration or library version, corrupt files, or a predictor that does not reproduce here. Blocks coded
+        as generation codes them (a ``"generic"`` file) are adopted, not re-coded. ``verify`` (default: when a
+        ``model`` is given, i.e. for generating) decodes every stream once here, so that a file edited behind its
+        checksum is a `CacheFileError` here, never an error inside `generate`; ``verify=False`` leaves each
+        stream's checks to its first read (`CorruptStreamError` there)."""
+        return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config,
+                          progress=progress, verify=verify)
+
+
+@dataclass
+class _Plan:
+    """What a save codes with: the predictor (by name and built), its coding over the file's own blocks, the
+    file's version and the tokens it holds."""
+
+    name: str
+    probe_layer: int | None
+    predictor: Predictor
+    coding: LosslessCoding
+    blocks: dict[tuple[int, int], Block]  # the file's blocks as they are made, for the layer-below lookups
+    layered: bool
+    tokens: int
+    token_ids: torch.Tensor | None
+
+
+def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None = None, probe_layer: int | None = None,
+               progress: bool = False) -> Path:
+    """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
+    ``save_predictor``)."""
+    target = _writable(path)
+    plan = _plan(cache, predictor, probe_layer)
+    payload = bytearray()
+    entries, first = _write_layers(cache, plan, payload, progress)
+    header = _header(cache, plan, entries, first, len(payload))
+    with open(target, "wb") as out:
+        for piece in frame(MAGIC, header["version"], header, payload):
+            out.write(piece)
+    if cache.calibration is not None and not uses_calibration(cache):
+        cache.calibration.release()  # heads read for this save only: generation does not hold them
+    return target
+
+
+def _writable(path: str | Path) -> Path:
+    target = Path(path)
+    if target.is_dir():  # before any coding: open() would raise a bare IsADirectoryError after it
+        raise IsADirectoryError(f"save: {str(target)!r} is a folder; pass a file path, e.g. {str(target / 'cache.kvc')!r}")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"save: the folder {target.parent} does not exist")
+    return target
+
+
+def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None) -> _Plan:
+    """Check that ``cache`` can be saved with ``predictor``; the predictor and coding the file is written with."""
+    layers = cache.kv_layers()
+    states = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+              and bool(state_tensors(layer))]
+    if max((layer.seen_tokens for layer in layers), default=0) == 0 and not states:
+        raise ValueError("save: the cache is empty")
+    if any(not block.exact for layer in layers for block in layer.blocks):
+        raise ValueError("save: only caches that hold their tokens exactly (no lossy summary)")
+    settings = cache.config.lossless
+    name = predictor or settings.save_predictor
+    k = probe_layer or settings.probe_layer
+    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k)
+    chosen.portable = True  # the file is read on other machines
+    layered = not _fits_version_3(cache)
+    if layered and chosen.below_depth() > 0:
+        raise ValueError(
+            f"save: the '{name}' predictor reads the layers below each block, but this cache's layers do not all hold "
+            "the same tokens (sliding windows, KV-sharing or state layers); save with predictor='generic'"
+        )
+    token_ids = cache.token_ids
+    tokens = max((layer.seen_tokens for layer in layers), default=0)
+    if tokens == 0:  # recurrent states only (a mamba model): the recorded ids say how many tokens they hold
+        if token_ids is None:
+            raise ValueError("save: a cache of recurrent states only needs the model attached (model=...) from "
+                             "its first forward, so that it knows how many tokens its states hold")
+        tokens = token_ids.shape[1]
+    if not chosen.practical_in_generation:
+        _check_tokens_for_rerun(cache, token_ids, tokens)
+    mine = cache.lossless
+    if mine is None or mine.predictor.name != chosen.name or not chosen.exact_everywhere:
+        # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
+        # coder such as ``huff``); a save with generation's predictor keeps generation's blocks and their coder
+        settings = dataclasses.replace(settings, coder=DEFAULT_CODER)
+    blocks: dict[tuple[int, int], Block] = {}
+    coding = coding_over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
+    if not chosen.practical_in_generation:
+        coding.extras_source = chosen.model_extras(token_ids)
+    return _Plan(name, k, chosen, coding, blocks, layered, tokens, token_ids)
+
+
+def _write_layers(cache: CompressedCache, plan: _Plan, payload: bytearray,
+                  progress: bool) -> tuple[list[dict[str, Any]], torch.Tensor | None]:
+    """Every layer's entry of the header, its streams and tensors appended to ``payload``; and the first K/V
+    layer's keys (rows and dtype of what is held), None for a cache of states only."""
+    held = [(index, layer) for index, layer in enumerate(cache.layers)
+            if isinstance(layer, (CompressedLayer, LinearAttentionCacheLayerMixin))]
+    entries, keys0 = [], None
+    for index, layer in tqdm(held, desc=f"saving ({plan.name})", disable=not progress, leave=False):
+        kv, keys = _kv_entry(cache, plan, index, layer, payload) if isinstance(layer, CompressedLayer) \
+            else (None, None)
+        keys0 = keys if keys0 is None else keys0
+        if plan.layered:
+            state = _write_state(layer, payload) if isinstance(layer, LinearAttentionCacheLayerMixin) else None
+            entries.append({"layer": index, "kv": kv, "state": state})
+        else:
+            entries.append({"layer": index, "blocks": kv["blocks"]})
+    return entries, keys0
+
+
+def _kv_entry(cache: CompressedCache, plan: _Plan, index: int, layer: CompressedLayer,
+              payload: bytearray) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+    """A K/V layer's entry (None: it holds nothing yet) and its keys' tensor (for shape and dtype)."""
+    taken = _generation_blocks(cache, layer, index, plan.predictor, plan.coding)
+    if taken is not None:  # the cache's own blocks are the file's: their streams, not decoded and coded again
+        keys, values = layer.residual_keys, layer.residual_values
+        blocks = taken + _code_blocks(plan, index, keys, values, len(taken) * cache.config.block_tokens,
+                                      cache.config.block_tokens)
+        return {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3],
+                "sliding_window": None, "start": 0, "blocks": write_blocks(blocks, payload)}, keys
+    if not layer.is_initialized:
+        return None, None
+    keys, values = layer.keys, layer.values
+    first = layer.seen_tokens - keys.shape[2]
+    blocks = _code_blocks(plan, index, keys, values, first, cache.config.block_tokens)
+    return {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3],
+            "sliding_window": layer.sliding_window, "start": first, "blocks": write_blocks(blocks, payload)}, keys
+
+
+def _code_blocks(plan: _Plan, index: int, keys: torch.Tensor, values: torch.Tensor, first: int,
+                 block_tokens: int) -> list[CodedBlock]:
+    """Code ``keys`` / ``values`` (positions ``first ..``) in blocks of ``block_tokens``."""
+    blocks = []
+    for at in range(0, keys.shape[2], block_tokens):
+        stop = min(at + block_tokens, keys.shape[2])
+        block = plan.coding.encode_block(index, keys[:, :, at:stop], values[:, :, at:stop], first + at)
+        plan.blocks[(index, first + at)] = block
+        blocks.append(block)
+    return blocks
+
+
+def _header(cache: CompressedCache, plan: _Plan, entries: list[dict[str, Any]], keys0: torch.Tensor | None,
+            payload_bytes: int) -> dict[str, Any]:
+    """The file's JSON header (`persist._check_header` checks every field of it at load)."""
+    if keys0 is None:  # states only: their first tensor says the rows and dtype
+        keys0 = state_tensors(next(layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+                                   and bool(state_tensors(layer))))[0]
+    token_ids = plan.token_ids
+    if token_ids is not None and tuple(token_ids.shape) != (keys0.shape[0], plan.tokens):
+        token_ids = None  # ids of other rows or tokens than the cache holds (recorded partly): not the cache's
+    layered = plan.layered
+    return {
+        "format": FORMAT,
+        "version": LAYERED if layered else VERSION,
+        "library_version": __version__,
+        "config": cache.config.to_dict(),
+        "predictor": {"name": plan.name, "probe_layer": plan.probe_layer},
+        "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
+        # only a file coded with the calibration names it (a 'generic' file loads without one)
+        "calibration_sha256": cache.calibration.meta["tensors_sha256"]
+        if cache.calibration is not None and bool(getattr(plan.predictor, "calibrated", False)) else None,
+        "dtype": str(keys0.dtype).replace("torch.", ""),
+        "kv_layers": len(cache.layers) if layered else len(entries),
+        "rows": keys0.shape[0],
+        "kv_heads": None if layered else keys0.shape[1],
+        "head_dim": None if layered else keys0.shape[3],
+        "tokens": plan.tokens,
+        "token_ids": token_ids.tolist() if token_ids is not None else None,
+        "reproducibility": reproducibility(),
+        "layers": entries,
+        "payload_bytes": payload_bytes,
+    }
+
+
+def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: int, chosen: Predictor,
+                       coding: LosslessCoding) -> list[CodedBlock] | None:
+    """``layer``'s sealed blocks when they are what the file would code (the save's predictor is generation's and
+    codes alike on every CPU, the same codec settings and marginals; whole blocks from position 0 of a
+    full-attention layer), else None: the save then codes every token itself."""
+    mine = cache.lossless
+    if mine is None or not chosen.exact_everywhere or mine.predictor.name != chosen.name or not layer.is_initialized:
+        return None
+    if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.blocks:
+        return None
+    block_tokens = cache.config.block_tokens
+    if layer.block_starts != [i * block_tokens for i in range(len(layer.blocks))] or any(
+            not isinstance(b, CodedBlock) or b.tokens != block_tokens or len(b.rows) != layer.rows
+            for b in layer.blocks):
+        return None
+    if coding.codec_for(index) != mine.codec_for(index):
+        return None
+    return list(layer.blocks)
+
+
+def _fits_version_3(cache: CompressedCache) -> bool:
+    """Whether version 3 holds ``cache``: only full-attention layers, all holding every token in one K/V shape."""
+    shapes = set()
+    for layer in cache.layers:
+        if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.is_initialized:
+            return False
+        shapes.add((tuple(layer.residual_keys.shape[1:2]), layer.residual_keys.shape[3],
+                    layer.residual_values.shape[3], layer.seen_tokens))
+    return len(shapes) == 1 and len({(s[1], s[2]) for s in shapes if s[1] == s[2]}) == 1
+
+
+def _check_tokens_for_rerun(cache: CompressedCache, token_ids: torch.Tensor | None, tokens: int) -> None:
+    if cache.model is None:
+        raise ValueError("save: this predictor reruns the model; the cache needs model=... attached")
+    if token_ids is None or token_ids.shape[1] != tokens:
+        raise ValueError(
+            "save: this predictor reruns the model on the cached tokens, but the cache did not see them all "
+            "(attach the model when creating the cache, before the first forward pass)"
+        )
+    if cache.saw_padding:
+        raise ValueError("save: this predictor cannot rerun padded (left-padded batch) inputs; use 'context'")
+
+
+def _write_state(layer: LinearAttentionCacheLayerMixin, payload: bytearray) -> dict[str, Any]:
+    """A linear-attention / hybrid layer's conv and recurrent states, raw, as transformers holds them."""
+    count = layer.number_of_states
+
+    def tensor(states: dict, i: int) -> dict[str, Any] | None:
+        t = states.get(i)
+        return None if t is None else write_tensor(t.detach().cpu(), payload)
+
+    conv = [tensor(layer.conv_states, i) if layer.is_conv_states_initialized[i] else None for i in range(count)]
+    recurrent = [tensor(layer.recurrent_states, i) if layer.is_recurrent_states_initialized[i] else None
+                 for i in range(count)]
+    kernel = [layer.conv_kernel_size[i] if conv[i] is not None else None for i in range(count)]
+    return {"conv": conv, "recurrent": recurrent, "conv_kernel": kernel,
+            "previous": [bool(layer.has_previous_state[i]) for i in range(count)]}
