@@ -157,12 +157,12 @@ def storage_only_files(model, calibration, ids, folder: Path) -> None:
 
 def store(model, calibration, ids, folder: Path) -> None:
     for coder in ("huff", "lanes"):
-        for predictor in ("generic", "context"):
+        for predictor in ("generic", "context", "below"):  # the predictors a PrefixStore takes
             config = CompressionConfig(mode="lossless", block_tokens=32, residual_tokens=16,
                                        lossless=LosslessConfig(coder=coder))
             root = folder / f"store-{coder}-{predictor}"
             prefix = PrefixStore(model, path=root, chunk_tokens=64, predictor=predictor, config=config,
-                                 calibration=calibration if predictor == "context" else None)
+                                 calibration=calibration if predictor != "generic" else None)
             cache = CompressedCache(config, model=model)
             with torch.inference_mode():
                 model(ids, cache=cache, use_cache=True)
