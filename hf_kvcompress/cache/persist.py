@@ -37,12 +37,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from ..blockcodec import BlockCodec, CodedBlock, CodedRow
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
 from ..calibration import Calibration, CalibrationError, calibration_dir, find_calibration
 from ..codec import DEFAULT_CODER, CorruptStreamError, coder_of_stream, stream_info
 from ..codec.codec_config import MAX_WINDOW
 from ..config import CompressionConfig
-from ..errors import CacheFileError
+from ..errors import CacheFileError, PredictorMismatchError
 from ..identity import ModelIdentity, model_identity
 from ..layer import CompressedLayer
 from ..layer.hybrid import state_tensors
@@ -53,7 +54,6 @@ from ..predictors.registry import reads_calibration
 from ..predictors.rerun import decoder_layers
 from ..version import __version__
 from .binding import binding_problem
-from .coded import CodedBlock, CodedRow, LosslessCoding, PredictorMismatchError, coding_over
 
 
 class CompressedCache(Protocol):
@@ -65,7 +65,7 @@ class CompressedCache(Protocol):
     model: torch.nn.Module | None
     model_config: Any
     layers: list[Any]
-    lossless: LosslessCoding | None
+    lossless: BlockCodec | None
     token_ids: torch.Tensor | None
     saw_padding: bool
 
@@ -121,8 +121,8 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     settings = cache.config.lossless
     name = predictor or settings.save_predictor
     k = probe_layer or settings.probe_layer
-    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k)
-    chosen.portable = True  # the file is read on other machines
+    # portable: the file is read on other machines
+    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k, portable=True)
     layered = not _fits_version_3(cache)
     if layered and chosen.below_depth() > 0:
         raise ValueError(
@@ -140,14 +140,14 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     if needs_tokens:
         _check_tokens_for_rerun(cache, token_ids, tokens)
 
-    mine = cache.lossless
-    if mine is None or mine.predictor.name != chosen.name or not chosen.exact_everywhere:
-        # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
-        # coder such as ``huff``); a save with generation's predictor keeps generation's blocks and their coder
-        settings = dataclasses.replace(settings, coder=DEFAULT_CODER)
     block_tokens = cache.config.block_tokens
     blocks: dict[tuple[int, int], Block] = {}  # the file's blocks as they are made, for the layer-below lookups
-    coding = coding_over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
+    coding = BlockCodec.over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
+    if cache.lossless is None or not coding.codes_like(cache.lossless):
+        # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
+        # coder such as ``huff``); a save that codes as generation keeps generation's blocks and their coder
+        coding = BlockCodec.over(dataclasses.replace(settings, coder=DEFAULT_CODER), chosen, cache.calibration,
+                                 lambda layer, start: blocks.get((layer, start)))
     if needs_tokens:
         coding.extras_source = chosen.model_extras(token_ids)
     payload = bytearray()
@@ -206,7 +206,7 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
         "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
         # only a file coded with the calibration names it (a 'generic' file loads without one)
         "calibration_sha256": cache.calibration.meta["tensors_sha256"]
-        if cache.calibration is not None and bool(getattr(chosen, "calibrated", False)) else None,
+        if cache.calibration is not None and chosen.calibrated else None,
         "dtype": str(first.dtype).replace("torch.", ""),
         "kv_layers": len(cache.layers) if layered else len(layer_entries),
         "rows": first.shape[0],
@@ -234,12 +234,12 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
 
 
 def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: int, chosen: Predictor,
-                       coding: LosslessCoding) -> list[CodedBlock] | None:
+                       coding: BlockCodec) -> list[CodedBlock] | None:
     """``layer``'s sealed blocks when they are what the file would code (the save's predictor is generation's and
     codes alike on every CPU, the same codec settings and marginals; whole blocks from position 0 of a
     full-attention layer), else None: the save then codes every token itself."""
     mine = cache.lossless
-    if mine is None or not chosen.exact_everywhere or mine.predictor.name != chosen.name or not layer.is_initialized:
+    if mine is None or not coding.codes_like(mine) or not layer.is_initialized:
         return None
     if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.blocks:
         return None
@@ -247,8 +247,6 @@ def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: in
     if layer.block_starts != [i * block_tokens for i in range(len(layer.blocks))] or any(
             not isinstance(b, CodedBlock) or b.tokens != block_tokens or len(b.rows) != layer.rows
             for b in layer.blocks):
-        return None
-    if coding.codec_for(index) != mine.codec_for(index):
         return None
     return list(layer.blocks)
 
@@ -266,7 +264,7 @@ def _fits_version_3(cache: CompressedCache) -> bool:
 
 def uses_calibration(cache: CompressedCache) -> bool:
     """Whether ``cache``'s in-generation predictor codes with its calibration (else only saves read it)."""
-    return cache.lossless is not None and bool(getattr(cache.lossless.predictor, "calibrated", False))
+    return cache.lossless is not None and cache.lossless.predictor.calibrated
 
 
 def load_cache(path: str | Path, *, cache_class: type[CompressedCache], model: torch.nn.Module | None = None,
@@ -372,13 +370,12 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
     try:
         # the file's predictor as it coded: with the calibration the file names, or without one
         predictor = make_predictor(name, calibration=target.calibration if want_cal is not None else None,
-                                   model=model, probe_layer=k)
-        predictor.portable = True  # as it was written
+                                   model=model, probe_layer=k, portable=True)  # portable: as it was written
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
     blocks: dict[tuple[int, int], Block] = {}  # the file's blocks as they are checked, for the layer-below lookups
-    coding = coding_over(_file_settings(header, saved), predictor, target.calibration,
-                         lambda layer, start: blocks.get((layer, start)))
+    coding = BlockCodec.over(_file_settings(header, saved), predictor, target.calibration,
+                             lambda layer, start: blocks.get((layer, start)))
     token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
     if not predictor.practical_in_generation:
         if token_ids is None:
@@ -394,7 +391,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
         layer, kv = entry["layer"], entry["kv"]
         for b in (kv or {}).get("blocks", ()):
             coded = [_read_row(row, saved.payload) for row in b["rows"]]
-            block = CodedBlock(coding, layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
+            block = CodedBlock(layer, b["start"], b["tokens"], coded, kv["heads"], kv["key_dim"],
                                saved.dtype, torch.device("cpu"), value_dim=kv["value_dim"])
             _check_block(block, coding, predictor, sides)
             blocks[(layer, b["start"])] = block
@@ -408,7 +405,7 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
                 continue
             held = target.layers[layer] if layer < len(target.layers) else None
             count = _adoptable_blocks(kv, header["tokens"], target, held) if adopting else 0
-            adopted = [_adopted(blocks[(layer, b["start"])], target.lossless, device) for b in kv["blocks"][:count]]
+            adopted = [_adopted(blocks[(layer, b["start"])], device) for b in kv["blocks"][:count]]
             keys, values = [], []
             for b in kv["blocks"][count:]:  # the newest tokens, which generation holds as plain tensors
                 decoded = coding.decoded(blocks[(layer, b["start"])])
@@ -494,17 +491,11 @@ def _file_settings(header: dict[str, Any], saved) -> Any:
 
 
 def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,
-            coding: LosslessCoding) -> bool:
-    """Whether the file's blocks are coded exactly as ``target`` codes blocks in generation, so that `load` takes
-    them as they are: the same predictor, one whose statistics every CPU computes alike (a file's portable coding
-    is then generation's), and the same codec settings and marginals for every layer."""
+            coding: BlockCodec) -> bool:
+    """Whether the file's blocks are coded exactly as ``target`` codes blocks in generation (`BlockCodec.codes_like`),
+    in blocks of the same length, so that `load` takes them as they are."""
     mine = target.lossless
-    if mine is None or header["predictor"]["name"] != mine.predictor.name or not predictor.exact_everywhere:
-        return False
-    if saved.block_tokens != target.config.block_tokens:
-        return False
-    return all(coding.codec_for(entry["layer"]) == mine.codec_for(entry["layer"]) for entry in _layer_entries(header)
-               if entry["kv"] is not None)
+    return mine is not None and saved.block_tokens == target.config.block_tokens and coding.codes_like(mine)
 
 
 def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, layer: object) -> int:
@@ -525,10 +516,11 @@ def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, 
     return count
 
 
-def _adopted(block: CodedBlock, coding: LosslessCoding, device: torch.device) -> CodedBlock:
-    """A checked block of a file as a block of the cache it loads into (its streams not decoded)."""
-    return CodedBlock(coding, block.layer, block.start, block.tokens, block.rows, block.heads, block.dim,
-                      block.dtype, device, value_dim=block.value_dim)
+def _adopted(block: CodedBlock, device: torch.device) -> CodedBlock:
+    """A checked block of a file, moved into the cache it loads into (its streams not decoded; its decoded tensors
+    go to ``device``)."""
+    block.device = device
+    return block
 
 
 def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:
@@ -660,7 +652,7 @@ def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any],
         counter.fill_(tokens)
 
 
-def _check_block(block: CodedBlock, coding: LosslessCoding, predictor: Predictor, sides: dict[tuple, dict]) -> None:
+def _check_block(block: CodedBlock, coding: BlockCodec, predictor: Predictor, sides: dict[tuple, dict]) -> None:
     """Each stream must declare the block's dtype and channel-major shape; side data must be what the
     predictor sends for such a block (names, per-row shapes, dtypes; ``sides`` memoises them per shape)."""
     where = f"layer {block.layer}, block at token {block.start}"

@@ -7,23 +7,17 @@ tensors between reads, and both are counted in `CompressedCache.stats()['held_by
   a fraction of the sealed blocks' raw size). The most recent blocks win (they are the ones a crop or an
   assisted-generation rollback unseals, and recency is as good as any order for a scan that reads every
   block each step). A larger budget trades memory for fewer decodes per step.
-- the chain memo of `LosslessCoding`: predictors that read the layer(s) below need those layers' decoded
+- the chain memo of `blockcodec.BlockCodec`: predictors that read the layer(s) below need those layers' decoded
   blocks while the next layer decodes; entries are dropped as soon as no layer above can need them.
 
-Everything stored here is an owned, compact copy (`owned`), never a view into a larger buffer.
+Everything stored here is an owned, compact copy (`blockcodec.flat_values`), never a view into a larger buffer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layer.storage import owned
 from ..predictors.base import LayerValues
-
-
-def flat_values(values: LayerValues) -> LayerValues:
-    """``values`` without its ``below`` chain, every tensor owned (what the pool and the memo keep)."""
-    return LayerValues(owned(values.keys), owned(values.values), owned(values.surprise), None)
 
 
 def kv_bytes(values: LayerValues) -> int:

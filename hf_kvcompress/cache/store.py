@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
+from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
 from ..downloads import cache_dir
@@ -55,7 +56,7 @@ from ..predictors import make_predictor
 from ..version import __version__
 from .binding import bindable, binding_problem
 from .cache import CompressedCache
-from .coded import CodedBlock, LosslessCoding
+from .coded import LosslessCoding
 from .persist import (
     DTYPES,
     _check_block,
@@ -379,15 +380,12 @@ class PrefixStore:
             return hmac.new(self._secret, body, hashlib.sha256).digest()
         return hashlib.sha256(body).digest()
 
-    def _coding(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessCoding:
-        """A block coder of the store's settings over ``blocks`` (the layer-below lookup of `context`)."""
-        calibration = self.calibration
-        predictor = make_predictor(self.predictor, calibration=calibration)
-        predictor.portable = portable  # chunks are read by other processes (and machines: LMCache tiers)
-        settings = self.config.lossless
-        marginals = calibration.marginal if calibration is not None and self.predictor != "generic" else None
-        return LosslessCoding(predictor, settings.codec_config(), lambda layer, start: blocks.get((layer, start)),
-                               marginals, settings.workers)
+    def _coding(self, blocks: dict[tuple[int, int], CodedBlock]) -> BlockCodec:
+        """A block codec of the store's settings over ``blocks`` (the layer-below lookup of `context`); portable:
+        chunks are read by other processes (and machines: LMCache tiers)."""
+        predictor = make_predictor(self.predictor, calibration=self.calibration, portable=True)
+        return BlockCodec.over(self.config.lossless, predictor, self.calibration,
+                               lambda layer, start: blocks.get((layer, start)))
 
     def _encode_chunk(self, cache: Cache, index: int, key: bytes, row: np.ndarray,
                       whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bytes:
@@ -431,9 +429,7 @@ class PrefixStore:
         """``layer``'s coded blocks of tokens ``first..stop`` when they are coded exactly as the store codes them
         (a `CompressedCache` in generation with the store's predictor and codec settings), else None."""
         coding = getattr(cache, "lossless", None)
-        if self.predictor != "generic" or not isinstance(layer, CompressedLayer) or coding is None \
-                or coding.predictor.name != "generic" or coding.codec_config != self.config.lossless.codec_config() \
-                or coding.marginals is not None:
+        if not isinstance(layer, CompressedLayer) or coding is None or not self._coding({}).codes_like(coding):
             return None
         found = {start: block for start, block in zip(layer.block_starts, layer.blocks)}
         taken = [found.get(at) for at in range(first, stop, self.config.block_tokens)]
@@ -570,7 +566,8 @@ class PrefixStore:
         causes raises `_BadChunk` naming it."""
         coding = cache.lossless
         checker: dict[tuple[int, int], CodedBlock] = {}
-        source = self._coding(checker) if self.predictor != "generic" else None
+        mine = self._coding(checker)
+        source = None if mine.codes_like(coding) else mine  # else adopted: coded as the cache codes in generation
         sides: dict[tuple, dict] = {}
         per_layer: dict[int, list[CodedBlock]] = {}
         for number, chunk in enumerate(chunks):
@@ -580,7 +577,7 @@ class PrefixStore:
                 for b in entry["blocks"]:
                     with _blame(number):
                         rows = [_read_row(r, chunk["payload"]) for r in b["rows"]]
-                        block = CodedBlock(source or coding, i, b["start"], b["tokens"], rows, entry["heads"],
+                        block = CodedBlock(i, b["start"], b["tokens"], rows, entry["heads"],
                                            entry["key_dim"], dtype, _layer_device(self.model, i),
                                            value_dim=entry["value_dim"])
                         _check_block(block, source or coding, (source or coding).predictor, sides)

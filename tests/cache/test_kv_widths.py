@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import hf_kvcompress.blockcoder as blockcoder
 import hf_kvcompress.lossy.layer as lossy_layer
 from hf_kvcompress import CompressedCache, CompressionConfig
-from hf_kvcompress.cache.coded import CodedBlock
+from hf_kvcompress.blockcodec import CodedBlock
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import stream_info
 from hf_kvcompress.predictors.generic import KIND_MEAN, KIND_STD
