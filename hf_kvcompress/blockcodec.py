@@ -118,6 +118,9 @@ class BlockCodec:
         self.find_block = find_block or (lambda layer, start: None)
         self.workers = workers if workers is not None else thread_plan().codec  # LosslessConfig.workers=None
         self.extras_source: ExtrasSource | None = None
+        #: decoded blocks kept across reads (a cache's `cache.pool.DecodedPool`: ``get``, ``wants``, ``offer``),
+        #: consulted before the chain memo; None: only the memo
+        self.pool = None
         #: layers of the model (None while unknown): the top layer's blocks need no chain memo entry
         self.layer_count: int | None = None
         self.depth = predictor.below_depth()
@@ -209,14 +212,7 @@ class BlockCodec:
                 f"'{self.predictor.name}' predictor did not reproduce the means it was encoded with "
                 f"(different thread count, CPU, library version or calibration?): {err}"
             ) from err
-        out = []
-        for block, item, (keys, values) in zip(blocks, items, decoded):
-            self.decodes += 1
-            block.verified = True
-            found = item.session.finish(keys, values)
-            self._keep(block, found)
-            out.append(found)
-        return out
+        return self.record_decoded(blocks, decoded, [item.session for item in items])
 
     def predict_together(self, blocks: list[CodedBlock]) -> tuple[list[PredictorSession] | None, dict] | None:
         """Sessions and statistics of same-shaped blocks decoded together, or None if a session is not
@@ -274,6 +270,33 @@ class BlockCodec:
                 for name in blocks[0].rows[0].side}
         return factors, side
 
+    def record_decoded(self, blocks: list[CodedBlock], decoded: list[tuple[torch.Tensor, torch.Tensor]],
+                       sessions: list[PredictorSession] | None = None) -> list[LayerValues]:
+        """Bookkeeping of blocks just decoded (each block's keys and values ``[rows, heads, tokens, width]``):
+        shown to their sessions (None: predicted without one, a `PlainSession` with nothing below), checked,
+        counted, offered to the pool (which copies what it keeps)."""
+        out = []
+        for i, (block, (keys, values)) in enumerate(zip(blocks, decoded)):
+            if sessions is None:  # PlainSession.finish of a block with nothing below
+                found = LayerValues(keys, values, torch.ones(len(block.rows), block.tokens))
+            else:
+                found = sessions[i].finish(keys, values)
+            block.verified = True
+            self.decodes += 1
+            self._keep(block, found)
+            out.append(found)
+        return out
+
+    def held_of(self, blocks: list[Block], *, keep: bool = False) -> list[LayerValues | None]:
+        """Each coded block's values where held decoded (None for the others); ``keep``: a held block advances the
+        chain memo as a decode would."""
+        found = [self._held(b) if isinstance(b, CodedBlock) else None for b in blocks]
+        if keep:
+            for block, values in zip(blocks, found):
+                if values is not None:
+                    self._keep(block, values)
+        return found
+
     def mismatch(self, layer: int, err: ParameterMismatchError) -> PredictorMismatchError:
         return PredictorMismatchError(
             f"layer {layer}: the '{self.predictor.name}' predictor did not reproduce the statistics the blocks "
@@ -330,12 +353,17 @@ class BlockCodec:
         return LayerValues(found.keys, found.values, found.surprise, self._below(layer - 1, start, depth - 1))
 
     def _held(self, block: Block) -> LayerValues | None:
-        """The block's values if held decoded (here: in the chain memo)."""
+        """The block's values if held decoded (in the pool or the chain memo)."""
+        found = self.pool.get(block) if self.pool is not None else None
+        if found is not None:
+            return found
         hit = self._chain.get((block.layer, block.start))
         return hit[1] if hit is not None and hit[0] is block else None
 
     def _keep(self, block: Block, values: LayerValues) -> None:
-        """Store what the next layers may need; drop what no layer above can need any more."""
+        """Store what the next layers and steps may need; drop what no layer above can need any more."""
+        if self.pool is not None and self.pool.wants(block, values):
+            self.pool.offer(block, flat_values(values))
         if self.depth == 0:
             return
         layer, start = block.layer, block.start

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from ..blockcodec import BlockCodec, CodedBlock, flat_values
+from ..blockcodec import BlockCodec, CodedBlock
 from ..blockcoder import decode_stacked, one_thread
 from ..codec import (
     CodecConfig,
@@ -25,7 +25,7 @@ from ..codec import (
 )
 from ..layer.storage import Block, Storage
 from ..predictors import make_predictor
-from ..predictors.base import KINDS, LayerValues, Predictor, PredictorSession
+from ..predictors.base import KINDS, LayerValues, Predictor
 from ..threads import available_cores
 from .pool import DecodedPool
 
@@ -44,8 +44,8 @@ class _Ahead:
     def fits(self, blocks: list[Block], coding: LosslessCoding) -> bool:
         """Whether ``blocks`` (a layer's list at its read) still hold these blocks at these places, none of
         them held decoded meanwhile."""
-        return all(i < len(blocks) and blocks[i] is block and coding._held(block) is None
-                   for i, block in zip(self.indices, self.blocks))
+        return all(i < len(blocks) and blocks[i] is block for i, block in zip(self.indices, self.blocks)) and \
+            all(held is None for held in coding.held_of(self.blocks))
 
 
 class LosslessCoding(BlockCodec):
@@ -63,26 +63,28 @@ class LosslessCoding(BlockCodec):
                  decoded_budget: float = 0.0):
         super().__init__(predictor, codec_config, calibration, find_block, workers)
         self.pool = DecodedPool(decoded_budget)
-        #: raw bytes of every sealed block (the pool's budget is a fraction of it); refreshed by the cache
-        self.sealed_raw_bytes = 0
         #: the blocks of a layer (set by the cache): lets a layer's read start the next layer's decode ahead
         self.blocks_of: Callable[[int], list[Block]] | None = None
         self._ahead: _Ahead | None = None
 
+    @property
+    def sealed_raw_bytes(self) -> int:
+        """Raw bytes of every sealed block (the pool's budget is a fraction of it); refreshed by the cache."""
+        return self.pool.sealed_raw_bytes
+
+    @sealed_raw_bytes.setter
+    def sealed_raw_bytes(self, value: int) -> None:
+        self.pool.sealed_raw_bytes = value
+
     def encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
-        self.sealed_raw_bytes += (keys.numel() + values.numel()) * keys.element_size()  # before the pool sees it
+        self.pool.sealed_raw_bytes += (keys.numel() + values.numel()) * keys.element_size()  # before the pool sees it
         return super().encode_block(layer, keys, values, start)
 
     def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values of one layer's ``blocks`` on their device. Blocks not held decoded are decoded
         together in one codec call when the predictor's sessions are independent (per-block statistics:
         no block needs another's values), else one by one in layer order."""
-        found: list[LayerValues | None] = [
-            self._held(b) if isinstance(b, CodedBlock) else None for b in blocks
-        ]
-        for block, values in zip(blocks, found):
-            if values is not None:
-                self._keep(block, values)  # a held block advances the chain memo as a decode would
+        found = self.held_of(blocks, keep=True)
         missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
         if self.predictor.kind_batched and len(missing) > 1:
             with one_thread():
@@ -127,10 +129,12 @@ class LosslessCoding(BlockCodec):
                 ahead.job.cancel()
             del ahead  # its buffers go before the next layer's are allocated (peak RSS: docs/results/codec.md 12.5)
         runs: list[list[int]] = []  # same-shaped blocks not held decoded, in runs of adjacent positions
-        for i, block in enumerate(blocks):
-            if direct[i] or not isinstance(block, CodedBlock) or self.depth != 0 or block.split or \
-                    self._held(block) is not None:
+        candidates = [i for i, block in enumerate(blocks)
+                      if not direct[i] and isinstance(block, CodedBlock) and self.depth == 0 and not block.split]
+        for i, held in zip(candidates, self.held_of([blocks[i] for i in candidates])):
+            if held is not None:
                 continue
+            block = blocks[i]
             if runs and runs[-1][-1] == i - 1 and _same_shape(blocks[i - 1], block):
                 runs[-1].append(i)
             else:
@@ -204,7 +208,7 @@ class LosslessCoding(BlockCodec):
         into = _destination(keys, values, at[ahead.indices[0]], len(ahead.blocks), ahead.blocks[0])
         if into is not None:
             into.copy_(ahead.out)
-        for i, block, decoded in zip(ahead.indices, ahead.blocks, self._record_decoded(ahead.blocks, _views(ahead.out))):
+        for i, block, decoded in zip(ahead.indices, ahead.blocks, self.record_decoded(ahead.blocks, _views(ahead.out))):
             if into is None:
                 keys[..., at[i] : at[i] + block.tokens, :].copy_(decoded.keys)
                 values[..., at[i] : at[i] + block.tokens, :].copy_(decoded.values)
@@ -250,7 +254,7 @@ class LosslessCoding(BlockCodec):
         else:  # [blocks, heads, rows, width, tokens] -> [blocks, rows, heads, tokens, width], per kind
             keys, values = (decoded[kind].permute(0, 2, 1, 4, 3).contiguous() for kind in KINDS)
             pairs = [(keys[i], values[i]) for i in range(count)]
-        return self._record_decoded(blocks, pairs, sessions)
+        return self.record_decoded(blocks, pairs, sessions)
 
     def _decode_in_place(self, blocks: list[CodedBlock], means: torch.Tensor, stds: torch.Tensor,
                          config: CodecConfig, into: torch.Tensor) -> list[LayerValues]:
@@ -261,34 +265,7 @@ class LosslessCoding(BlockCodec):
                          verify=verify)
         except ParameterMismatchError as err:
             raise self.mismatch(blocks[0].layer, err) from err
-        return self._record_decoded(blocks, _views(into))
-
-    def _record_decoded(self, blocks: list[CodedBlock], decoded: list[tuple[torch.Tensor, torch.Tensor]],
-                sessions: list[PredictorSession] | None = None) -> list[LayerValues]:
-        """Bookkeeping of blocks just decoded (each block's keys and values ``[rows, heads, tokens, width]``):
-        shown to their sessions (None: predicted without one, a `PlainSession` with nothing below), checked,
-        counted, offered to the pool (which copies what it keeps)."""
-        out = []
-        for i, (block, (keys, values)) in enumerate(zip(blocks, decoded)):
-            if sessions is None:  # PlainSession.finish of a block with nothing below
-                found = LayerValues(keys, values, torch.ones(len(block.rows), block.tokens))
-            else:
-                found = sessions[i].finish(keys, values)
-            block.verified = True
-            self.decodes += 1
-            self._keep(block, found)
-            out.append(found)
-        return out
-
-    def _held(self, block: Block) -> LayerValues | None:
-        found = self.pool.get(block)
-        return found if found is not None else super()._held(block)
-
-    def _keep(self, block: Block, values: LayerValues) -> None:
-        """Offer the block to the pool (what the next steps may need), then to the chain memo (the next layers)."""
-        if self.pool.wants(block, values, self.sealed_raw_bytes):
-            self.pool.offer(block, flat_values(values), self.sealed_raw_bytes)
-        super()._keep(block, values)
+        return self.record_decoded(blocks, _views(into))
 
     def decoded_tensors(self) -> list[torch.Tensor]:
         """Every decoded tensor held between reads (pool and chain memo; shared tensors appear twice)."""
@@ -308,7 +285,7 @@ class LosslessCoding(BlockCodec):
             self._ahead = None
         self.pool.clear()
         super().forget()
-        self.sealed_raw_bytes = 0
+        self.pool.sealed_raw_bytes = 0
 
 
 class CodedStorage(Storage):
@@ -380,8 +357,8 @@ def coding_for(cache) -> LosslessCoding:
     )
     # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
     _check_layer_chain(cache, predictor)
-    coding = LosslessCoding.over(settings, predictor, cache.calibration, functools.partial(find_block, cache),
-                                 decoded_budget=settings.decoded_budget)
+    coding = LosslessCoding(predictor, settings.codec_config(), cache.calibration, functools.partial(find_block, cache),
+                            settings.workers, decoded_budget=settings.decoded_budget)
     coding.blocks_of = functools.partial(layer_blocks, cache)
     return coding
 

@@ -37,9 +37,11 @@ class DecodedPool:
         self.fraction = fraction
         self.entries: dict[tuple[int, int], tuple[object, LayerValues, int]] = {}
         self.nbytes = 0
+        #: raw bytes of every sealed block of the cache (the budget is a fraction of it); kept up to date by the cache
+        self.sealed_raw_bytes = 0
 
-    def budget(self, sealed_raw_bytes: int) -> int:
-        return int(self.fraction * sealed_raw_bytes)
+    def budget(self, sealed_raw_bytes: int | None = None) -> int:
+        return int(self.fraction * (self.sealed_raw_bytes if sealed_raw_bytes is None else sealed_raw_bytes))
 
     def get(self, block) -> LayerValues | None:
         hit = self.entries.get((block.layer, block.start))
@@ -50,24 +52,24 @@ class DecodedPool:
             return None
         return hit[1]
 
-    def wants(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
+    def wants(self, block, values: LayerValues) -> bool:
         """Whether `offer` would keep ``values`` (so that callers copy only what is kept)."""
         if self.get(block) is values:
             return False  # already held as it is
         size = kv_bytes(values)
-        budget = self.budget(sealed_raw_bytes)
+        budget = self.budget()
         if size > budget:
             return False
         if self.nbytes + size <= budget:
             return True
         return min((k[1], k[0]) for k in self.entries) < (block.start, block.layer)
 
-    def offer(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
+    def offer(self, block, values: LayerValues) -> bool:
         """Keep ``values`` (already owned, flat) if the budget allows, evicting older blocks for newer ones."""
         key = (block.layer, block.start)
         self.drop(*key)
         size = kv_bytes(values)
-        budget = self.budget(sealed_raw_bytes)
+        budget = self.budget()
         if size > budget:
             return False
         # newest first: evict the oldest entries while the newcomer does not fit and is newer than them
