@@ -19,8 +19,7 @@ from ..codec import (
     CorruptStreamError,
     ParameterMismatchError,
     PendingDecode,
-    coder_of,
-    decode_batch,
+    decode_streams,
     start_decode_batch,
 )
 from ..layer.storage import Block, Storage
@@ -183,7 +182,7 @@ class LosslessCoding(BlockCodec):
         with one_thread():
             predicted = self.predict_together(chosen)
         config = self.codec_for(layer)
-        if predicted is None or predicted[0] is not None or not coder_of(config).batched:
+        if predicted is None or predicted[0] is not None:
             return
         means, stds = predicted[1]["kv"]
         blobs, verify = _batch_streams(chosen)
@@ -229,7 +228,7 @@ class LosslessCoding(BlockCodec):
             return None
         sessions, parts = predicted
         config = self.codec_for(first.layer)
-        if into is not None and sessions is None and coder_of(config).batched:  # (`into` is None for split blocks)
+        if into is not None and sessions is None:  # (`into` is None for split blocks)
             return self._decode_in_place(blocks, *parts["kv"], config, into)
         device = first.device if self.depth == 0 else torch.device("cpu")
         count, batch, heads, tokens = len(blocks), len(first.rows), first.heads, first.tokens
@@ -261,8 +260,8 @@ class LosslessCoding(BlockCodec):
         """Blocks predicted in one batch, decoded in one codec call into ``into`` (`_destination`)."""
         blobs, verify = _batch_streams(blocks)
         try:
-            decode_batch(blobs, means.flatten(0, 2), stds.flatten(0, 2), config, out=into, threads=self.workers,
-                         verify=verify)
+            decode_streams(blobs, means.flatten(0, 2), stds.flatten(0, 2), config, out=into, threads=self.workers,
+                           verify=verify)
         except ParameterMismatchError as err:
             raise self.mismatch(blocks[0].layer, err) from err
         return self.record_decoded(blocks, _views(into))

@@ -160,6 +160,40 @@ def decode(
     return coder_of_stream(blob).decode(blob, mean, std, config, marginal, threads=threads, workers=workers)
 
 
+def encode_streams(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, config: CodecConfig,
+                   threads: int | None = None) -> list[bytes]:
+    """`encode_batch` of ``x`` ``[N, width, tokens]`` with per-stream statistics ``[N, width, 1 or tokens]`` (compact:
+    a per-channel statistic stays ``[width, 1]``), as the block coder (`hf_kvcompress.blockcoder`) codes every block:
+    a batched coder takes them compact in one call; a coder that codes stream by stream (``ans``) is handed each
+    stream's statistics expanded to the stream's shape, which is what its streams in saved files fingerprint. Each
+    stream's bytes are those whatever the call's batch holds beside it."""
+    cfg = check_config(config)
+    coder = CODERS[cfg.coder]
+    if coder.batched:
+        return encode_batch(x, mean, std, cfg, threads=threads)
+    shape = tuple(x.shape[1:])
+    return [encode(x[i], mean[i].expand(shape), std[i].expand(shape), cfg) for i in range(x.shape[0])]
+
+
+def decode_streams(blobs: list[bytes], mean: torch.Tensor, std: torch.Tensor, config: CodecConfig, out: torch.Tensor,
+                   threads: int = 1, verify: bool | Sequence[bool] = True) -> torch.Tensor:
+    """Inverse of `encode_streams`, into ``out`` (``[N, width, tokens]``, or any shape and strides `decode_batch`
+    takes): one call of a batched coder, else stream by stream (``threads``: an ``ans`` stream's forked workers,
+    and every stream verified). `CorruptStreamError` for a stream that does not decode to ``out``'s dtype and
+    stream shape exactly."""
+    cfg = check_config(config)
+    coder = CODERS[cfg.coder]
+    if coder.batched:
+        return decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
+    shape = (mean.shape[-2], out.shape[-1])
+    xs = [decode(b, m.expand(shape), s.expand(shape), config=cfg, workers=threads) for b, m, s in zip(blobs, mean, std)]
+    for x in xs:
+        if x.dtype != out.dtype or tuple(x.shape) != shape:
+            raise CorruptStreamError(f"a stream decoded to {x.dtype} {list(x.shape)}, not the block's "
+                                     f"{out.dtype} {list(shape)}")
+    return out.copy_(torch.stack(xs).view(out.shape))
+
+
 def decode_range(
     blob: bytes,
     start: int,
