@@ -170,13 +170,13 @@ def test_a_layers_blocks_decode_in_one_codec_call_per_kind(monkeypatch):
     with torch.no_grad():
         model(random_ids(1, 80, seed=5), cache=cache)
     calls = []
-    real = blockcoder.decode_batch
+    real = blockcoder.decode_streams
 
     def counted(blobs, mean, std, *args, **kwargs):
         calls.append((len(blobs), tuple(mean.shape[1:2])))
         return real(blobs, mean, std, *args, **kwargs)
 
-    monkeypatch.setattr(blockcoder, "decode_batch", counted)
+    monkeypatch.setattr(blockcoder, "decode_streams", counted)
     blocks = len(cache.layers[0].blocks)
     heads = cache.layers[0].blocks[0].heads
     with torch.no_grad():
