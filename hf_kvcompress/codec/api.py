@@ -8,9 +8,17 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CorruptStreamError
-from .codec_config import CodecConfig, check_config, check_has_data
+from .codec_config import CodecConfig
 from .coders import CODERS
-from .interface import CodecStats, Coder, PendingDecode, check_parallel, unknown_stream
+from .interface import (
+    CodecStats,
+    Coder,
+    PendingDecode,
+    check_config,
+    check_has_data,
+    check_parallel,
+    unknown_stream,
+)
 from .tables import Marginal
 
 
