@@ -215,7 +215,7 @@ class LosslessCoding(BlockCodec):
 
     def _decode_together(self, blocks: list[CodedBlock], into: torch.Tensor | None = None) -> list[LayerValues] | None:
         """Decode same-shaped blocks whose sessions are independent in one codec call per part of their streams
-        (`_predict_together`; None if they are not independent), also into ``into`` when given (`_destination`):
+        (`BlockCodec.predict_together`; None if they are not independent), also into ``into`` when given (`_destination`):
         in place when the predictor predicted them in one batch.
 
         When the predictor reads no layer below (``depth == 0``: its sessions never look at decoded values),
