@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -380,6 +381,11 @@ class PrefixStore:
             return hmac.new(self._secret, body, hashlib.sha256).digest()
         return hashlib.sha256(body).digest()
 
+    @functools.cached_property
+    def _codec(self) -> BlockCodec:
+        """The store's block codec without blocks, built once: what `BlockCodec.codes_like` compares."""
+        return self._coding({})
+
     def _coding(self, blocks: dict[tuple[int, int], CodedBlock]) -> BlockCodec:
         """A block codec of the store's settings over ``blocks`` (the layer-below lookup of `context`); portable:
         chunks are read by other processes (and machines: LMCache tiers)."""
@@ -429,7 +435,7 @@ class PrefixStore:
         """``layer``'s coded blocks of tokens ``first..stop`` when they are coded exactly as the store codes them
         (a `CompressedCache` in generation with the store's predictor and codec settings), else None."""
         coding = getattr(cache, "lossless", None)
-        if not isinstance(layer, CompressedLayer) or coding is None or not self._coding({}).codes_like(coding):
+        if not isinstance(layer, CompressedLayer) or coding is None or not self._codec.codes_like(coding):
             return None
         found = {start: block for start, block in zip(layer.block_starts, layer.blocks)}
         taken = [found.get(at) for at in range(first, stop, self.config.block_tokens)]

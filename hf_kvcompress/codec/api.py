@@ -32,9 +32,14 @@ def coder_of_stream(blob) -> Coder:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
     for coder in CODERS.values():
-        if coder.owns(blob):
+        if _owns(coder, blob):
             return coder
     raise unknown_stream(blob)
+
+
+def _owns(coder: Coder, blob) -> bool:
+    """Whether ``blob`` starts with one of ``coder``'s magic byte strings (`Coder.magic`)."""
+    return any(bytes(blob[: len(m)]) == m for m in coder.magic)
 
 
 def _has_data(*values) -> None:
@@ -50,8 +55,8 @@ def _batch_coder(blobs, cfg: CodecConfig) -> Coder:
     another coder's streams; each coder checks every stream)."""
     coder = CODERS[cfg.coder]
     first = blobs[0] if isinstance(blobs, (list, tuple)) and blobs else None
-    if isinstance(first, (bytes, bytearray, memoryview)) and not coder.owns(first):
-        other = next((c.name for c in CODERS.values() if c.owns(first)), None)
+    if isinstance(first, (bytes, bytearray, memoryview)) and not _owns(coder, first):
+        other = next((c.name for c in CODERS.values() if _owns(c, first)), None)
         raise CorruptStreamError(f"codec.decode_batch: stream 0 is {'not a codec stream' if other is None else f'a {other!r} stream'}, "
                                  f"but the config says coder={cfg.coder!r}; pass the encoder's config")
     return coder

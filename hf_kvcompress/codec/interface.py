@@ -253,10 +253,6 @@ class Coder(ABC):
             raise ValueError(f"CodecConfig(coder={self.name!r}) codes windows {list(self.windows)}: window must be one "
                              f"of them, got {cfg.window!r}")
 
-    def owns(self, blob) -> bool:
-        """Whether ``blob`` starts with one of this coder's magic byte strings."""
-        return any(bytes(blob[: len(m)]) == m for m in self.magic)
-
     # -- batches: the calls every coder implements
 
     @abstractmethod
