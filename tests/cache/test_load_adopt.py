@@ -54,7 +54,7 @@ def test_generic_file_blocks_are_adopted_without_decoding_or_encoding(model, tmp
     assert loaded.lossless.decodes == 2 and counts["encodes"] == 0
     for index, (mine, theirs) in enumerate(zip(loaded.kv_layers(), cache.kv_layers())):
         assert len(mine.blocks) == 2 and mine.block_starts == [0, 16] and mine.residual_length == TOKENS - 32
-        assert all(isinstance(b, CodedBlock) and b.verified == (index == 0)
+        assert all(isinstance(b, CodedBlock) and b.device.type == "cpu" and b.verified == (index == 0)
                    for b in mine.blocks)
         # the same streams generation coded
         assert [r.blobs for b in mine.blocks for r in b.rows] == [r.blobs for b in theirs.blocks for r in b.rows]
