@@ -34,11 +34,8 @@ import torch
 from .codec import (
     CodecConfig,
     CorruptStreamError,
-    coder_of,
-    decode,
-    decode_batch,
-    encode,
-    encode_batch,
+    decode_streams,
+    encode_streams,
     set_table_cache,
 )
 from .codec.params import settle
@@ -360,12 +357,8 @@ def _groups(streams: list[_Stream]) -> list[list[_Stream]]:
 
 def _encode(out: list[CodedStreams], streams: list[_Stream], threads: int) -> None:
     for group in _groups(streams):
-        config = group[0].config
-        if not coder_of(config).batched:  # per stream, with the [width, tokens] shapes the decoder fingerprints
-            blobs = [encode(s.data, s.mean, s.std.expand(s.shape), config) for s in group]
-        else:
-            blobs = encode_batch(torch.stack([s.data for s in group]), _stacked([s.mean for s in group]),
-                                 _stacked([s.std for s in group]), config, threads=threads)
+        blobs = encode_streams(torch.stack([s.data for s in group]), _stacked([s.mean for s in group]),
+                               _stacked([s.std for s in group]), group[0].config, threads=threads)
         for s, blob in zip(group, blobs):
             out[s.item].blobs[s.row][s.stream] = blob
 
@@ -373,18 +366,10 @@ def _encode(out: list[CodedStreams], streams: list[_Stream], threads: int) -> No
 def _decode(out: list[tuple[torch.Tensor, torch.Tensor]], streams: list[_Stream], threads: int) -> None:
     for group in _groups(streams):
         first = group[0]
-        blobs = [s.data for s in group]
-        if not coder_of(first.config).batched:
-            xs = _decode_each(blobs, [s.mean for s in group], [s.std.expand(s.shape) for s in group], first.config,
-                              threads)
-            for x in xs:
-                if x.dtype != first.dtype or tuple(x.shape) != first.shape:
-                    raise CorruptStreamError(f"a stream decoded to {x.dtype} {list(x.shape)}, not the block's "
-                                             f"{first.dtype} {list(first.shape)}")
-        else:  # (`out` checks every stream's dtype and shape)
-            xs = decode_batch(blobs, _stacked([s.mean for s in group]), _stacked([s.std for s in group]), first.config,
-                              out=torch.empty((len(group), *first.shape), dtype=first.dtype), threads=threads,
-                              verify=[s.verify for s in group])
+        # (every stream's dtype and shape checked against `out`)
+        xs = decode_streams([s.data for s in group], _stacked([s.mean for s in group]), _stacked([s.std for s in group]),
+                            first.config, out=torch.empty((len(group), *first.shape), dtype=first.dtype), threads=threads,
+                            verify=[s.verify for s in group])
         for s, x in zip(group, xs):
             keys, values = out[s.item]
             (keys if s.kind == "k" else values)[s.row, s.head] = x.T
@@ -410,26 +395,13 @@ def decode_stacked(blobs: list[bytes], means, stds, config: CodecConfig, *, shap
             mean = torch.stack([means[i] for i in members]).flatten(0, -3)
             std = torch.stack([stds[i] for i in members]).flatten(0, -3)
         group = [blobs[i * per_block + j] for i in members for j in range(per_block)]
-        if coder_of(config).batched:
-            out = torch.empty((len(group), *shape), dtype=dtype, device=device)
-            x = decode_batch(group, mean, std, config, out=out, threads=threads,
-                             verify=[verify[i] for i in members for _ in range(per_block)])
-        else:  # per stream, with the [width, tokens] shapes the encoder fingerprinted
-            x = torch.stack(_decode_each(group, [m.expand(shape) for m in mean], [s.expand(shape) for s in std],
-                                         config, threads)).to(device)
+        x = decode_streams(group, mean, std, config, out=torch.empty((len(group), *shape), dtype=dtype, device=device),
+                           threads=threads, verify=[verify[i] for i in members for _ in range(per_block)])
         x = x.view(len(members), per_block, *shape)
         for j, i in enumerate(members):
             parts[i] = x[j]
     # one group (the usual case) decoded into one tensor already in block order: no stacking copy
     return x if len(shapes) == 1 else torch.stack(parts)
-
-
-def _decode_each(blobs: list[bytes], means: list[torch.Tensor], stds: list[torch.Tensor], config: CodecConfig,
-                 threads: int) -> list[torch.Tensor]:
-    """Streams of a coder that is not `batched` (``ans``), one call each (its ``workers`` decode windows in
-    forked processes). It fingerprints mean and std as given: they come in the shapes the encoder had
-    (``[width, tokens]`` views)."""
-    return [decode(b, m, s, config=config, workers=threads) for b, m, s in zip(blobs, means, stds)]
 
 
 def _stacked(stats: list[torch.Tensor]) -> torch.Tensor:

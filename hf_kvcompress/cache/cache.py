@@ -165,6 +165,8 @@ class CompressedCache(CacheFiles, Cache):
         if model_config is not None:
             layers = self._layers_for(model_config)
             self._layer_count = len(layers)
+            if self.lossless is not None:  # the codec's chain memo keeps nothing of the top layer
+                self.lossless.layer_count = len(layers)
         super().__init__(layers=layers)
         #: ``[batch, tokens]`` ids of every cached position, recorded when a model is attached (probe/twin
         #: saves rerun the model on them); None when unknown.
@@ -204,7 +206,7 @@ class CompressedCache(CacheFiles, Cache):
             raise ValueError(f"CompressedCache: layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, which "
                              "holds no attention KV; update() is for attention layers")
         if layer_idx == 0 and self.lossless is not None:  # once per forward: the pool budget's reference
-            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self)
+            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self.kv_layers())
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ recurrent states (hybrid models)
@@ -252,6 +254,8 @@ class CompressedCache(CacheFiles, Cache):
         self.layers.extend(DummyLayer() if kind is None else self._new_layer(index, *kind)
                            for index, kind in enumerate(kinds))
         self._layer_count = len(kinds)
+        if self.lossless is not None:
+            self.lossless.layer_count = len(kinds)
 
     @property
     def kv_layer_count(self) -> int | None:
@@ -301,7 +305,7 @@ class CompressedCache(CacheFiles, Cache):
         """Blocks were replaced or removed: decoded copies of the old ones would only pin memory."""
         if self.lossless is not None:
             self.lossless.forget()
-            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self)
+            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self.kv_layers())
 
     def reset(self) -> None:
         super().reset()
@@ -414,7 +418,7 @@ class CompressedCache(CacheFiles, Cache):
         if self.lossless is None:
             return None
         predictor = self.lossless.predictor
-        if getattr(predictor, "calibrated", True):
+        if predictor.calibrated or not predictor.fitted_by_calibration:
             return predictor.name
         return f"{predictor.name} without a calibration (per-block statistics, as 'generic')"
 

@@ -6,6 +6,7 @@ and filling a cache from checked chunks (adopted as they are, or decoded once). 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import struct
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig
 from ..errors import CacheFileError
@@ -26,7 +28,7 @@ from ..predictors import make_predictor
 from ..predictors.rerun import layer_device
 from .binding import binding_problem
 from .cache import CompressedCache
-from .coded import CodedBlock, LosslessCoding
+from .coded import LosslessCoding
 from .container import (
     DTYPES,
     PREFIX,
@@ -87,15 +89,17 @@ class Chunks:
         heads, dim = kv_shape(self.model.config)
         return next(self.model.parameters()).dtype, heads, dim
 
-    def _coding(self, blocks: dict[tuple[int, int], CodedBlock], portable: bool = True) -> LosslessCoding:
-        """A block coder of the store's settings over ``blocks`` (the layer-below lookup of `context`)."""
-        calibration = self.calibration
-        predictor = make_predictor(self.predictor, calibration=calibration)
-        predictor.portable = portable  # chunks are read by other processes (and machines: LMCache tiers)
-        settings = self.config.lossless
-        marginals = calibration.marginal if calibration is not None and self.predictor != "generic" else None
-        return LosslessCoding(predictor, settings.codec_config(), lambda layer, start: blocks.get((layer, start)),
-                               marginals, settings.workers)
+    @functools.cached_property
+    def _codec(self) -> BlockCodec:
+        """The store's block codec without blocks, built once: what `BlockCodec.codes_like` compares."""
+        return self._coding({})
+
+    def _coding(self, blocks: dict[tuple[int, int], CodedBlock]) -> BlockCodec:
+        """A block codec of the store's settings over ``blocks`` (the layer-below lookup of `context`); portable:
+        chunks are read by other processes (and machines: LMCache tiers)."""
+        predictor = make_predictor(self.predictor, calibration=self.calibration, portable=True)
+        return BlockCodec.over(self.config.lossless, predictor, self.calibration,
+                               lambda layer, start: blocks.get((layer, start)))
 
     def encode(self, cache: Cache, index: int, key: bytes, namespace: bytes, row: np.ndarray,
                whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bytes:
@@ -136,9 +140,7 @@ class Chunks:
         """``layer``'s coded blocks of tokens ``first..stop`` when they are coded exactly as the store codes them
         (a `CompressedCache` in generation with the store's predictor and codec settings), else None."""
         coding = getattr(cache, "lossless", None)
-        if self.predictor != "generic" or not isinstance(layer, CompressedLayer) or coding is None \
-                or coding.predictor.name != "generic" or coding.codec_config != self.config.lossless.codec_config() \
-                or coding.marginals is not None:
+        if not isinstance(layer, CompressedLayer) or coding is None or not self._codec.codes_like(coding):
             return None
         found = {start: block for start, block in zip(layer.block_starts, layer.blocks)}
         taken = [found.get(at) for at in range(first, stop, self.config.block_tokens)]
@@ -190,7 +192,8 @@ class Chunks:
         causes raises `BadChunk` naming it."""
         coding = cache.lossless
         checker: dict[tuple[int, int], CodedBlock] = {}
-        source = self._coding(checker) if self.predictor != "generic" else None
+        mine = self._coding(checker)
+        source = None if mine.codes_like(coding) else mine  # else adopted: coded as the cache codes in generation
         sides: dict[tuple, dict] = {}
         per_layer: dict[int, list[CodedBlock]] = {}
         for number, chunk in enumerate(chunks):

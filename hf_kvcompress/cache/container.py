@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from ..blockcodec import BlockCodec, CodedBlock, CodedRow
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
 from ..codec import CodecConfig, CorruptStreamError, stream_info
 from ..codec.codec_config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..errors import CacheFileError
 from ..predictors.base import Predictor
-from .coded import CodedBlock, CodedRow, LosslessCoding
 
 PREFIX = struct.Struct("<8sII")  # magic, version, header length
 DIGEST_BYTES = 32  # the trailing SHA-256 / HMAC-SHA256
@@ -323,7 +323,7 @@ def write_tensor(tensor: torch.Tensor, payload: bytearray) -> dict[str, Any]:
     return entry
 
 
-def read_blocks(kv: dict[str, Any], payload: bytes, coding: LosslessCoding, layer: int, dtype: torch.dtype,
+def read_blocks(kv: dict[str, Any], payload: bytes, coding: BlockCodec, layer: int, dtype: torch.dtype,
                 device: torch.device, predictor: Predictor, sides: dict[tuple, dict]) -> list[CodedBlock]:
     """The blocks of a checked layer entry (``kv``: its ``heads``, ``key_dim``, ``value_dim`` and ``blocks``,
     `check_blocks`) as blocks of ``coding``, their streams copied out of ``payload`` and each checked against the
@@ -331,7 +331,7 @@ def read_blocks(kv: dict[str, Any], payload: bytes, coding: LosslessCoding, laye
     out, config = [], coding.codec_for(layer)
     for b in kv["blocks"]:
         rows = [read_row(row, payload) for row in b["rows"]]
-        block = CodedBlock(coding, layer, b["start"], b["tokens"], rows, kv["heads"], kv["key_dim"], dtype, device,
+        block = CodedBlock(layer, b["start"], b["tokens"], rows, kv["heads"], kv["key_dim"], dtype, device,
                            value_dim=kv["value_dim"])
         check_block(block, config, predictor, sides)
         out.append(block)

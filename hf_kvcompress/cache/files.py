@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration
 from ..codec import DEFAULT_CODER
 from ..config import CompressionConfig
@@ -26,7 +27,6 @@ from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
 from ..version import __version__
-from .coded import CodedBlock, LosslessCoding, coding_over
 from .container import frame, write_blocks, write_tensor
 from .persist import (
     FORMAT,
@@ -82,7 +82,7 @@ class _Plan:
     name: str
     probe_layer: int | None
     predictor: Predictor
-    coding: LosslessCoding
+    coding: BlockCodec
     blocks: dict[tuple[int, int], Block]  # the file's blocks as they are made, for the layer-below lookups
     layered: bool
     tokens: int
@@ -127,8 +127,8 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
     settings = cache.config.lossless
     name = predictor or settings.save_predictor
     k = probe_layer or settings.probe_layer
-    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k)
-    chosen.portable = True  # the file is read on other machines
+    # portable: the file is read on other machines
+    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k, portable=True)
     layered = not _fits_version_3(cache)
     if layered and chosen.below_depth() > 0:
         raise ValueError(
@@ -144,13 +144,13 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
         tokens = token_ids.shape[1]
     if not chosen.practical_in_generation:
         _check_tokens_for_rerun(cache, token_ids, tokens)
-    mine = cache.lossless
-    if mine is None or mine.predictor.name != chosen.name or not chosen.exact_everywhere:
-        # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
-        # coder such as ``huff``); a save with generation's predictor keeps generation's blocks and their coder
-        settings = dataclasses.replace(settings, coder=DEFAULT_CODER)
     blocks: dict[tuple[int, int], Block] = {}
-    coding = coding_over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
+    coding = BlockCodec.over(settings, chosen, cache.calibration, lambda layer, start: blocks.get((layer, start)))
+    if cache.lossless is None or not coding.codes_like(cache.lossless):
+        # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
+        # coder such as ``huff``); a save that codes as generation keeps generation's blocks and their coder
+        coding = BlockCodec.over(dataclasses.replace(settings, coder=DEFAULT_CODER), chosen, cache.calibration,
+                                 lambda layer, start: blocks.get((layer, start)))
     if not chosen.practical_in_generation:
         coding.extras_source = chosen.model_extras(token_ids)
     return _Plan(name, k, chosen, coding, blocks, layered, tokens, token_ids)
@@ -225,7 +225,7 @@ def _header(cache: CompressedCache, plan: _Plan, entries: list[dict[str, Any]], 
         "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
         # only a file coded with the calibration names it (a 'generic' file loads without one)
         "calibration_sha256": cache.calibration.meta["tensors_sha256"]
-        if cache.calibration is not None and bool(getattr(plan.predictor, "calibrated", False)) else None,
+        if cache.calibration is not None and plan.predictor.calibrated else None,
         "dtype": str(keys0.dtype).replace("torch.", ""),
         "kv_layers": len(cache.layers) if layered else len(entries),
         "rows": keys0.shape[0],
@@ -240,12 +240,12 @@ def _header(cache: CompressedCache, plan: _Plan, entries: list[dict[str, Any]], 
 
 
 def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: int, chosen: Predictor,
-                       coding: LosslessCoding) -> list[CodedBlock] | None:
+                       coding: BlockCodec) -> list[CodedBlock] | None:
     """``layer``'s sealed blocks when they are what the file would code (the save's predictor is generation's and
     codes alike on every CPU, the same codec settings and marginals; whole blocks from position 0 of a
     full-attention layer), else None: the save then codes every token itself."""
     mine = cache.lossless
-    if mine is None or not chosen.exact_everywhere or mine.predictor.name != chosen.name or not layer.is_initialized:
+    if mine is None or not coding.codes_like(mine) or not layer.is_initialized:
         return None
     if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.blocks:
         return None
@@ -253,8 +253,6 @@ def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: in
     if layer.block_starts != [i * block_tokens for i in range(len(layer.blocks))] or any(
             not isinstance(b, CodedBlock) or b.tokens != block_tokens or len(b.rows) != layer.rows
             for b in layer.blocks):
-        return None
-    if coding.codec_for(index) != mine.codec_for(index):
         return None
     return list(layer.blocks)
 

@@ -30,10 +30,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration, CalibrationError, calibration_dir, find_calibration
 from ..codec import CorruptStreamError, coder_of_stream
 from ..config import CompressionConfig
-from ..errors import CacheFileError
+from ..errors import CacheFileError, PredictorMismatchError
 from ..identity import ModelIdentity, kv_shape, model_identity
 from ..layer import CompressedLayer
 from ..predictors import make_predictor
@@ -42,7 +43,6 @@ from ..predictors.registry import reads_calibration
 from ..predictors.rerun import layer_device
 from ..version import __version__
 from .binding import binding_problem
-from .coded import CodedBlock, LosslessCoding, PredictorMismatchError, coding_over
 from .container import (
     DTYPES,
     check_blocks,
@@ -68,7 +68,7 @@ class CompressedCache(Protocol):
     model: torch.nn.Module | None
     model_config: Any
     layers: list[Any]
-    lossless: LosslessCoding | None
+    lossless: BlockCodec | None
     token_ids: torch.Tensor | None
     saw_padding: bool
 
@@ -101,7 +101,7 @@ def reproducibility() -> dict[str, Any]:
 
 def uses_calibration(cache: CompressedCache) -> bool:
     """Whether ``cache``'s in-generation predictor codes with its calibration (else only saves read it)."""
-    return cache.lossless is not None and bool(getattr(cache.lossless.predictor, "calibrated", False))
+    return cache.lossless is not None and cache.lossless.predictor.calibrated
 
 
 def load_cache(path: str | Path, *, cache_class: type[CompressedCache], model: torch.nn.Module | None = None,
@@ -249,7 +249,7 @@ class _Reading:
     first position), its layer entries, token ids, and whether ``target`` adopts its blocks as they are."""
 
     name: str
-    coding: LosslessCoding
+    coding: BlockCodec
     blocks: dict[tuple[int, int], CodedBlock]
     entries: list[dict[str, Any]]
     token_ids: torch.Tensor | None
@@ -263,13 +263,13 @@ def _reading(saved: _Saved, target: CompressedCache, model: torch.nn.Module | No
     name, k = header["predictor"]["name"], header["predictor"]["probe_layer"]
     try:
         calibration = target.calibration if header["calibration_sha256"] is not None else None
-        predictor = make_predictor(name, calibration=calibration, model=model, probe_layer=k)
-        predictor.portable = True  # as it was written
+        # portable: as it was written
+        predictor = make_predictor(name, calibration=calibration, model=model, probe_layer=k, portable=True)
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
     blocks: dict[tuple[int, int], CodedBlock] = {}  # the file's blocks as they are checked: layer-below lookups
-    coding = coding_over(_file_settings(header, saved), predictor, target.calibration,
-                         lambda layer, start: blocks.get((layer, start)))
+    coding = BlockCodec.over(_file_settings(header, saved), predictor, target.calibration,
+                             lambda layer, start: blocks.get((layer, start)))
     token_ids = torch.tensor(header["token_ids"], dtype=torch.long) if header["token_ids"] is not None else None
     if not predictor.practical_in_generation:
         if token_ids is None:
@@ -300,7 +300,7 @@ def _fill_layer(saved: _Saved, target: CompressedCache, reading: _Reading, entry
         return
     held = target.layers[layer] if layer < len(target.layers) else None
     count = _adoptable_blocks(kv, tokens, target, held) if reading.adopting else 0
-    adopted = [_adopted(reading.blocks[(layer, b["start"])], target.lossless, device) for b in kv["blocks"][:count]]
+    adopted = [_adopted(reading.blocks[(layer, b["start"])], device) for b in kv["blocks"][:count]]
     decoded = [reading.coding.decoded(reading.blocks[(layer, b["start"])]) for b in kv["blocks"][count:]]
     keys = [d.keys for d in decoded]  # the newest tokens, which generation holds as plain tensors
     values = [d.values for d in decoded]
@@ -361,17 +361,11 @@ def _file_settings(header: dict[str, Any], saved) -> Any:
 
 
 def _adopts(header: dict[str, Any], saved: CompressionConfig, target: CompressedCache, predictor: Predictor,
-            coding: LosslessCoding) -> bool:
-    """Whether the file's blocks are coded exactly as ``target`` codes blocks in generation, so that `load` takes
-    them as they are: the same predictor, one whose statistics every CPU computes alike (a file's portable coding
-    is then generation's), and the same codec settings and marginals for every layer."""
+            coding: BlockCodec) -> bool:
+    """Whether the file's blocks are coded exactly as ``target`` codes blocks in generation (`BlockCodec.codes_like`),
+    in blocks of the same length, so that `load` takes them as they are."""
     mine = target.lossless
-    if mine is None or header["predictor"]["name"] != mine.predictor.name or not predictor.exact_everywhere:
-        return False
-    if saved.block_tokens != target.config.block_tokens:
-        return False
-    return all(coding.codec_for(entry["layer"]) == mine.codec_for(entry["layer"]) for entry in _layer_entries(header)
-               if entry["kv"] is not None)
+    return mine is not None and saved.block_tokens == target.config.block_tokens and coding.codes_like(mine)
 
 
 def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, layer: object) -> int:
@@ -392,10 +386,11 @@ def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, 
     return count
 
 
-def _adopted(block: CodedBlock, coding: LosslessCoding, device: torch.device) -> CodedBlock:
-    """A checked block of a file as a block of the cache it loads into (its streams not decoded)."""
-    return CodedBlock(coding, block.layer, block.start, block.tokens, block.rows, block.heads, block.dim,
-                      block.dtype, device, value_dim=block.value_dim)
+def _adopted(block: CodedBlock, device: torch.device) -> CodedBlock:
+    """A checked block of a file, moved into the cache it loads into (its streams not decoded; its decoded tensors
+    go to ``device``)."""
+    block.device = device
+    return block
 
 
 def _check_model(saved: _Saved, model: torch.nn.Module | None) -> None:

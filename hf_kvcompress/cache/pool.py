@@ -7,23 +7,17 @@ tensors between reads, and both are counted in `CompressedCache.stats()['held_by
   a fraction of the sealed blocks' raw size). The most recent blocks win (they are the ones a crop or an
   assisted-generation rollback unseals, and recency is as good as any order for a scan that reads every
   block each step). A larger budget trades memory for fewer decodes per step.
-- the chain memo of `LosslessCoding`: predictors that read the layer(s) below need those layers' decoded
+- the chain memo of `blockcodec.BlockCodec`: predictors that read the layer(s) below need those layers' decoded
   blocks while the next layer decodes; entries are dropped as soon as no layer above can need them.
 
-Everything stored here is an owned, compact copy (`owned`), never a view into a larger buffer.
+Everything stored here is an owned, compact copy (`blockcodec.flat_values`), never a view into a larger buffer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layer.storage import owned
 from ..predictors.base import LayerValues
-
-
-def flat_values(values: LayerValues) -> LayerValues:
-    """``values`` without its ``below`` chain, every tensor owned (what the pool and the memo keep)."""
-    return LayerValues(owned(values.keys), owned(values.values), owned(values.surprise), None)
 
 
 def kv_bytes(values: LayerValues) -> int:
@@ -43,9 +37,11 @@ class DecodedPool:
         self.fraction = fraction
         self.entries: dict[tuple[int, int], tuple[object, LayerValues, int]] = {}
         self.nbytes = 0
+        #: raw bytes of every sealed block of the cache (the budget is a fraction of it); kept up to date by the cache
+        self.sealed_raw_bytes = 0
 
-    def budget(self, sealed_raw_bytes: int) -> int:
-        return int(self.fraction * sealed_raw_bytes)
+    def budget(self, sealed_raw_bytes: int | None = None) -> int:
+        return int(self.fraction * (self.sealed_raw_bytes if sealed_raw_bytes is None else sealed_raw_bytes))
 
     def get(self, block) -> LayerValues | None:
         hit = self.entries.get((block.layer, block.start))
@@ -56,24 +52,24 @@ class DecodedPool:
             return None
         return hit[1]
 
-    def wants(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
+    def wants(self, block, values: LayerValues) -> bool:
         """Whether `offer` would keep ``values`` (so that callers copy only what is kept)."""
         if self.get(block) is values:
             return False  # already held as it is
         size = kv_bytes(values)
-        budget = self.budget(sealed_raw_bytes)
+        budget = self.budget()
         if size > budget:
             return False
         if self.nbytes + size <= budget:
             return True
         return min((k[1], k[0]) for k in self.entries) < (block.start, block.layer)
 
-    def offer(self, block, values: LayerValues, sealed_raw_bytes: int) -> bool:
+    def offer(self, block, values: LayerValues) -> bool:
         """Keep ``values`` (already owned, flat) if the budget allows, evicting older blocks for newer ones."""
         key = (block.layer, block.start)
         self.drop(*key)
         size = kv_bytes(values)
-        budget = self.budget(sealed_raw_bytes)
+        budget = self.budget()
         if size > budget:
             return False
         # newest first: evict the oldest entries while the newcomer does not fit and is newer than them

@@ -8,9 +8,17 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import CorruptStreamError
-from .codec_config import CodecConfig, check_config, check_has_data
+from .codec_config import CodecConfig
 from .coders import CODERS
-from .interface import CodecStats, Coder, PendingDecode, check_parallel, unknown_stream
+from .interface import (
+    CodecStats,
+    Coder,
+    PendingDecode,
+    check_config,
+    check_has_data,
+    check_parallel,
+    unknown_stream,
+)
 from .tables import Marginal
 
 
@@ -24,9 +32,14 @@ def coder_of_stream(blob) -> Coder:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
     for coder in CODERS.values():
-        if coder.owns(blob):
+        if _owns(coder, blob):
             return coder
     raise unknown_stream(blob)
+
+
+def _owns(coder: Coder, blob) -> bool:
+    """Whether ``blob`` starts with one of ``coder``'s magic byte strings (`Coder.magic`)."""
+    return any(bytes(blob[: len(m)]) == m for m in coder.magic)
 
 
 def _has_data(*values) -> None:
@@ -42,8 +55,8 @@ def _batch_coder(blobs, cfg: CodecConfig) -> Coder:
     another coder's streams; each coder checks every stream)."""
     coder = CODERS[cfg.coder]
     first = blobs[0] if isinstance(blobs, (list, tuple)) and blobs else None
-    if isinstance(first, (bytes, bytearray, memoryview)) and not coder.owns(first):
-        other = next((c.name for c in CODERS.values() if c.owns(first)), None)
+    if isinstance(first, (bytes, bytearray, memoryview)) and not _owns(coder, first):
+        other = next((c.name for c in CODERS.values() if _owns(c, first)), None)
         raise CorruptStreamError(f"codec.decode_batch: stream 0 is {'not a codec stream' if other is None else f'a {other!r} stream'}, "
                                  f"but the config says coder={cfg.coder!r}; pass the encoder's config")
     return coder
@@ -158,6 +171,40 @@ def decode(
     check_parallel(threads, workers)
     _has_data(None, mean, std)
     return coder_of_stream(blob).decode(blob, mean, std, config, marginal, threads=threads, workers=workers)
+
+
+def encode_streams(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, config: CodecConfig,
+                   threads: int | None = None) -> list[bytes]:
+    """`encode_batch` of ``x`` ``[N, width, tokens]`` with per-stream statistics ``[N, width, 1 or tokens]`` (compact:
+    a per-channel statistic stays ``[width, 1]``), as the block coder (`hf_kvcompress.blockcoder`) codes every block:
+    a batched coder takes them compact in one call; a coder that codes stream by stream (``ans``) is handed each
+    stream's statistics expanded to the stream's shape, which is what its streams in saved files fingerprint. Each
+    stream's bytes are those whatever the call's batch holds beside it."""
+    cfg = check_config(config)
+    coder = CODERS[cfg.coder]
+    if coder.batched:
+        return encode_batch(x, mean, std, cfg, threads=threads)
+    shape = tuple(x.shape[1:])
+    return [encode(x[i], mean[i].expand(shape), std[i].expand(shape), cfg) for i in range(x.shape[0])]
+
+
+def decode_streams(blobs: list[bytes], mean: torch.Tensor, std: torch.Tensor, config: CodecConfig, out: torch.Tensor,
+                   threads: int = 1, verify: bool | Sequence[bool] = True) -> torch.Tensor:
+    """Inverse of `encode_streams`, into ``out`` (``[N, width, tokens]``, or any shape and strides `decode_batch`
+    takes): one call of a batched coder, else stream by stream (``threads``: an ``ans`` stream's forked workers,
+    and every stream verified). `CorruptStreamError` for a stream that does not decode to ``out``'s dtype and
+    stream shape exactly."""
+    cfg = check_config(config)
+    coder = CODERS[cfg.coder]
+    if coder.batched:
+        return decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
+    shape = (mean.shape[-2], out.shape[-1])
+    xs = [decode(b, m.expand(shape), s.expand(shape), config=cfg, workers=threads) for b, m, s in zip(blobs, mean, std)]
+    for x in xs:
+        if x.dtype != out.dtype or tuple(x.shape) != shape:
+            raise CorruptStreamError(f"a stream decoded to {x.dtype} {list(x.shape)}, not the block's "
+                                     f"{out.dtype} {list(shape)}")
+    return out.copy_(torch.stack(xs).view(out.shape))
 
 
 def decode_range(

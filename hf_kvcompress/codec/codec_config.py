@@ -1,5 +1,6 @@
-"""What the caller hands the codec, checked: `CodecConfig` (every choice the encoder makes, validated at
-construction, JSON round-trippable) and the checks of ``x``, ``mean``, ``std`` with their fingerprints.
+"""What the caller hands the codec: `CodecConfig` (every choice the encoder makes, validated at construction, JSON
+round-trippable; the coder a name stands for is `registry`'s) and the fingerprints of ``mean`` and ``std`` (their
+checks are `interface`'s).
 
 The decoder reads the config from the stream, so everything here that shapes the bits is in ``to_dict``.
 """
@@ -14,10 +15,9 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from ..validation import check_int, check_number
-from .symbols import Format, format_of
+from .registry import check_coder
 from .tables import Marginal
 
 MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
@@ -31,20 +31,6 @@ DEFAULT_CODER = "lanes"
 #: bit/scalar, which a decode step, decoding every block, needs more than the bits (docs/results/codec.md 13)
 GENERATION_CODER = "huff"
 LEGACY_CODER = "ans"  # the coder of a serialised config that names none (`to_dict` leaves ``ans`` out)
-
-#: name -> coder (an `interface.Coder`), filled by `register` as `coders` imports the coder modules;
-#: `CodecConfig` validates its ``coder`` against it and asks that coder whether it takes the rest
-#: (`Coder.check_config`)
-REGISTERED: dict[str, Any] = {}
-
-
-def register(cls: type) -> type:
-    """Class decorator: register a coder (an `interface.Coder` subclass) under its ``name``, one instance."""
-    if cls.name in REGISTERED:
-        raise ValueError(f"codec coder {cls.name!r} is registered twice")
-    REGISTERED[cls.name] = cls()
-    return cls
-
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
     check_int(f"CodecConfig.{name}", v, minimum=lo, maximum=hi)  # a wrong type: ConfigTypeError, a TypeError
@@ -164,10 +150,7 @@ class CodecConfig:
             raise ValueError(f"CodecConfig.mean_steps must be one of {list(MEAN_STEPS)}, got {self.mean_steps!r}")
         if self.header not in HEADERS:
             raise ValueError(f"CodecConfig.header must be one of {list(HEADERS)}, got {self.header!r}")
-        coder = REGISTERED.get(self.coder) if isinstance(self.coder, str) else None
-        if coder is None:
-            raise ValueError(f"CodecConfig.coder must be one of {sorted(REGISTERED)}, got {self.coder!r}")
-        coder.check_config(self)  # what this coder takes of the rest (window modes)
+        check_coder(self)  # a registered coder, and what it takes of the rest (window modes)
         if self.marginal is not None and not isinstance(self.marginal, Marginal):
             raise TypeError(f"CodecConfig.marginal must be a Marginal or None, got {type(self.marginal).__name__}")
 
@@ -222,53 +205,9 @@ class CodecConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Arguments of encode / decode: x, mean, std, config, and the mean/std fingerprints.
+# The mean/std fingerprints (the argument checks are `interface`'s).
 
 _NO_FP = bytes(16)
-
-
-def check_x(x: object) -> tuple[torch.Tensor, Format]:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"codec: x must be a torch.Tensor, got {type(x).__name__}")
-    check_has_data(x, "x")
-    return x, format_of(x.dtype)
-
-
-def check_has_data(t: torch.Tensor, name: str) -> None:
-    """Meta tensors (and fake ones) have a shape but no values to code or to predict with."""
-    if t.device.type == "meta":
-        raise ValueError(f"codec: {name} is on the meta device: it has no values (load the weights first)")
-
-
-def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
-    """mean/std -> float32 numpy array with x's ndim (broadcastable), after checking shape and values."""
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"codec: {name} must be a tensor or a number, got bool")
-    if isinstance(value, (int, float)):
-        t = torch.tensor(float(value), dtype=torch.float64)
-    elif isinstance(value, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(value))
-    elif isinstance(value, torch.Tensor):
-        check_has_data(value, name)
-        t = value
-    else:
-        raise TypeError(f"codec: {name} must be a torch.Tensor or a number, got {type(value).__name__}")
-    if t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"codec: {name} must be real-valued, got dtype {t.dtype}")
-    if t.dim() > len(shape):
-        raise ValueError(f"codec: {name} of shape {tuple(t.shape)} has more dims than x {shape}")
-    padded = (1,) * (len(shape) - t.dim()) + tuple(t.shape)
-    if any(c != 1 and c != s for c, s in zip(padded, shape)):
-        raise ValueError(f"codec: {name} of shape {tuple(t.shape)} does not broadcast to x's shape {shape}")
-    arr = t.detach().to("cpu", torch.float32).contiguous().numpy().reshape(padded)
-    if not np.isfinite(arr).all():
-        bad = "NaN" if np.isnan(arr).any() else "inf"
-        raise ValueError(f"codec: {name} contains {bad}; it must be finite")
-    if is_std and (arr < 0).any():
-        raise ValueError(f"codec: std must be >= 0, got a minimum of {float(arr.min())}")
-    return np.ascontiguousarray(arr)
 
 
 def fingerprint(arr: np.ndarray | None, tag: bytes) -> bytes:
@@ -292,19 +231,3 @@ def fingerprint8(arr: np.ndarray | None, tag: bytes) -> bytes:
     crc = zlib.crc32(data, zlib.crc32(head))
     adler = zlib.adler32(data, zlib.adler32(head))
     return crc.to_bytes(4, "little") + adler.to_bytes(4, "little")
-
-
-def check_config(config: object) -> CodecConfig:
-    if config is None:
-        return CodecConfig()
-    if not isinstance(config, CodecConfig):
-        raise TypeError(f"codec: config must be a CodecConfig, got {type(config).__name__}")
-    return config
-
-
-def device_of(*tensors) -> torch.device:
-    """The device of the first CUDA tensor among ``tensors`` (the arguments of a coder call), else the CPU."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            return t.device
-    return torch.device("cpu")

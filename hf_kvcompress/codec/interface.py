@@ -1,5 +1,6 @@
-"""The coder interface: what every coder of the codec implements (`Coder`), with what its calls share (the
-result of `encode_with_stats`, a decode begun in the background, the ``out=`` tensor of a batch decode).
+"""The coder interface: what every coder of the codec implements (`Coder`), with what its calls share (the checks
+of ``x``, ``mean``, ``std`` and ``config``, the result of `encode_with_stats`, a decode begun in the background, the
+``out=`` tensor of a batch decode).
 
 A coder turns a batch of tensors with their predicted mean and spread into one byte stream each and back, bit
 for bit. The coders are registered by name in `coders` (`CodecConfig.coder` names one); the entry points in
@@ -22,9 +23,72 @@ import torch
 
 from ..errors import CorruptStreamError
 from ..kernels import dispatch
-from .codec_config import CodecConfig, device_of
+from .codec_config import CodecConfig
 from .symbols import Format, format_of
 from .tables import Marginal
+
+# ---------------------------------------------------------------------------------------------------------
+# The checks of what a caller hands the entry points (x, mean, std, config) and the device a call runs on.
+
+
+def check_x(x: object) -> tuple[torch.Tensor, Format]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"codec: x must be a torch.Tensor, got {type(x).__name__}")
+    check_has_data(x, "x")
+    return x, format_of(x.dtype)
+
+
+def check_has_data(t: torch.Tensor, name: str) -> None:
+    """Meta tensors (and fake ones) have a shape but no values to code or to predict with."""
+    if t.device.type == "meta":
+        raise ValueError(f"codec: {name} is on the meta device: it has no values (load the weights first)")
+
+
+def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
+    """mean/std -> float32 numpy array with x's ndim (broadcastable), after checking shape and values."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"codec: {name} must be a tensor or a number, got bool")
+    if isinstance(value, (int, float)):
+        t = torch.tensor(float(value), dtype=torch.float64)
+    elif isinstance(value, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(value))
+    elif isinstance(value, torch.Tensor):
+        check_has_data(value, name)
+        t = value
+    else:
+        raise TypeError(f"codec: {name} must be a torch.Tensor or a number, got {type(value).__name__}")
+    if t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"codec: {name} must be real-valued, got dtype {t.dtype}")
+    if t.dim() > len(shape):
+        raise ValueError(f"codec: {name} of shape {tuple(t.shape)} has more dims than x {shape}")
+    padded = (1,) * (len(shape) - t.dim()) + tuple(t.shape)
+    if any(c != 1 and c != s for c, s in zip(padded, shape)):
+        raise ValueError(f"codec: {name} of shape {tuple(t.shape)} does not broadcast to x's shape {shape}")
+    arr = t.detach().to("cpu", torch.float32).contiguous().numpy().reshape(padded)
+    if not np.isfinite(arr).all():
+        bad = "NaN" if np.isnan(arr).any() else "inf"
+        raise ValueError(f"codec: {name} contains {bad}; it must be finite")
+    if is_std and (arr < 0).any():
+        raise ValueError(f"codec: std must be >= 0, got a minimum of {float(arr.min())}")
+    return np.ascontiguousarray(arr)
+
+
+def check_config(config: object) -> CodecConfig:
+    if config is None:
+        return CodecConfig()
+    if not isinstance(config, CodecConfig):
+        raise TypeError(f"codec: config must be a CodecConfig, got {type(config).__name__}")
+    return config
+
+
+def device_of(*tensors) -> torch.device:
+    """The device of the first CUDA tensor among ``tensors`` (the arguments of a coder call), else the CPU."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return t.device
+    return torch.device("cpu")
 
 
 @dataclass
@@ -188,10 +252,6 @@ class Coder(ABC):
         if cfg.window not in self.windows:
             raise ValueError(f"CodecConfig(coder={self.name!r}) codes windows {list(self.windows)}: window must be one "
                              f"of them, got {cfg.window!r}")
-
-    def owns(self, blob) -> bool:
-        """Whether ``blob`` starts with one of this coder's magic byte strings."""
-        return any(bytes(blob[: len(m)]) == m for m in self.magic)
 
     # -- batches: the calls every coder implements
 

@@ -28,11 +28,12 @@ import math
 import struct
 import threading
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..blockcodec import BlockCodec
 from ..blockcoder import (
     CodedStreams,
     DecodeItem,
@@ -172,6 +173,7 @@ class ChunkStatsPredictor(Predictor):
     name = "chunk-stats"
 
     def __init__(self, frame: RopeFrame):
+        super().__init__()
         self.frame = frame
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -239,6 +241,7 @@ class ChunkCoder:
             raise ValueError(f"threads must be a positive int, got {threads!r}")
         self.threads = threads
         self.calibration = calibration
+        self._codecs: dict[int, BlockCodec] = {}  # `_codec_config`'s, per payload mode
         if calibration is not None:
             fitted = [mode for mode, cls in CALIBRATED_MODES.items() if cls.name in calibration.predictors]
             if not fitted:
@@ -292,9 +295,7 @@ class ChunkCoder:
         """The calibrated predictor of ``mode`` (payloads of either calibrated mode decode with the calibration)."""
         if mode == getattr(self, "_mode", None) and getattr(self, "predictor", None) is not None:
             return self.predictor
-        predictor = CALIBRATED_MODES[mode](self.calibration)
-        predictor.portable = True  # payloads are read on other machines
-        return predictor
+        return CALIBRATED_MODES[mode](self.calibration, portable=True)  # payloads are read on other machines
 
     @property
     def hidden(self) -> int | None:
@@ -478,9 +479,12 @@ class ChunkCoder:
         return BlockInputs(layer, 1, positions, below if layer > 0 else None, dict(side))
 
     def _codec_config(self, layer: int, mode: int) -> CodecConfig:
-        if mode not in CALIBRATED_MODES:
-            return CODEC_CONFIG
-        return replace(CODEC_CONFIG, marginal=self.calibration.marginal(layer))
+        """The codec setting of ``layer``'s streams in a payload of ``mode``: `CODEC_CONFIG`, with the calibration's
+        marginals where the mode's predictor is calibrated (the block codec's rule, `BlockCodec.marginals`)."""
+        if mode not in self._codecs:
+            predictor = self._calibrated(mode) if mode in CALIBRATED_MODES else ChunkStatsPredictor(RopeFrame(None))
+            self._codecs[mode] = BlockCodec(predictor, CODEC_CONFIG, self.calibration)
+        return self._codecs[mode].codec_for(layer)
 
 
 # RoPE bases of common model families (Llama 2 / Gemma 1e4, SmolLM2 1e5, Llama 3 5e5, Qwen 2.5 / Mistral 1e6,

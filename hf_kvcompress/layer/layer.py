@@ -151,7 +151,7 @@ class CompressedLayer(CacheLayerMixin):
                     f"crop: removing {remove} tokens reaches into a lossy summary block of layer "
                     f"{self.layer_idx}; only the {self.residual_length} most recent tokens can be removed."
                 )
-            k, v = block.read()
+            k, v = self.storage.read_all([block])[0]  # a coded block reads through its storage
             self.blocks.pop()
             self.block_starts.pop()
             self.residual_keys = torch.cat([k, self.residual_keys], dim=-2)

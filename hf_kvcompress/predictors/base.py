@@ -167,11 +167,25 @@ class Predictor(ABC):
     #: `Calibration.fit` fits heads for it (see `linear.CalibratedLinearPredictor`)
     fitted_by_calibration: ClassVar[bool] = False
 
+    def __init__(self, *, portable: bool = False):
+        #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every
+        #: CPU decodes alike: for bytes that leave the process (saved files, stored chunks, chunk payloads).
+        #: False (generation): float32 statistics, faster, for blocks only this process decodes. Predictors whose
+        #: statistics are exact on every CPU (side data) ignore it. A fact of construction, never set later.
+        self.portable = bool(portable)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether it codes with a calibration's fitted heads, and so with the calibration's per-layer marginals
+        (`blockcodec.BlockCodec`): a fact of construction (`linear.CalibratedLinearPredictor` given a calibration)."""
+        return False
+
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8) -> Predictor:
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8,
+              portable: bool = False) -> Predictor:
         """The predictor `registry.make_predictor` returns, its requirements already checked; a predictor
-        that needs neither calibration nor model is built without arguments."""
-        return cls()
+        that needs neither calibration nor model is built from ``portable`` alone."""
+        return cls(portable=portable)
 
     @abstractmethod
     def session(self, inputs: BlockInputs) -> PredictorSession:
@@ -186,12 +200,6 @@ class Predictor(ABC):
         """Small tensors the encoder computes from a block and stores with it; both sides then find them
         in `BlockInputs.extras`. Per batch row (dim 0), so blocks can be reordered by row."""
         return {}
-
-    #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every CPU
-    #: decodes alike; set by writers and readers of bytes that leave the process (saved files, chunk payloads).
-    #: False (generation): float32 statistics, faster, for blocks that only this process decodes. Predictors whose
-    #: statistics are exact on every CPU (side data) ignore it
-    portable: bool = False
 
     #: True when its statistics are exact float32 values every CPU computes alike whatever `portable` says (read
     #: from side data): a file or a stored chunk is then coded exactly as generation codes, and loads adopt its

@@ -111,8 +111,8 @@ class BelowPredictor(CalibratedLinearPredictor):
     name = "below"
     recipe = FeatureRecipe(below=1, inter_head=True, phased=True)
 
-    def __init__(self, calibration=None, frame: RopeFrame | None = None):
-        super().__init__(calibration, frame)
+    def __init__(self, calibration=None, frame: RopeFrame | None = None, *, portable: bool = False):
+        super().__init__(calibration, frame, portable=portable)
         self._layers: dict[int, PhasedHeads] = {}
 
     @property

@@ -290,7 +290,8 @@ class CalibratedLinearPredictor(Predictor):
     recipe: ClassVar[FeatureRecipe] = FeatureRecipe()
     fitted_by_calibration = True
 
-    def __init__(self, calibration=None, frame: RopeFrame | None = None):
+    def __init__(self, calibration=None, frame: RopeFrame | None = None, *, portable: bool = False):
+        super().__init__(portable=portable)
         self.calibration = calibration
         if frame is None:
             frame = RopeFrame(None) if calibration is None else calibration.rope_frame()
@@ -298,8 +299,8 @@ class CalibratedLinearPredictor(Predictor):
 
     @classmethod
     def build(cls, *, calibration=None, model: torch.nn.Module | None = None,
-              probe_layer: int = 8) -> CalibratedLinearPredictor:
-        return cls(calibration)
+              probe_layer: int = 8, portable: bool = False) -> CalibratedLinearPredictor:
+        return cls(calibration, portable=portable)
 
     @classmethod
     def fit_instances(cls, frame: RopeFrame, model: torch.nn.Module,

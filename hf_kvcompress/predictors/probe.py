@@ -48,14 +48,16 @@ class ProbePredictor(CalibratedLinearPredictor):
     needs_calibration = True
     recipe = FeatureRecipe(below=2, inter_head=True, extras=(HIDDEN,))
 
-    def __init__(self, calibration, model: torch.nn.Module | None, k: int, frame: RopeFrame | None = None):
-        super().__init__(calibration, frame)
+    def __init__(self, calibration, model: torch.nn.Module | None, k: int, frame: RopeFrame | None = None, *,
+                 portable: bool = False):
+        super().__init__(calibration, frame, portable=portable)
         self.model = model
         self.k = k
 
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8) -> ProbePredictor:
-        return cls(calibration, model, probe_layer)
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8,
+              portable: bool = False) -> ProbePredictor:
+        return cls(calibration, model, probe_layer, portable=portable)
 
     @classmethod
     def fit_instances(cls, frame: RopeFrame, model: torch.nn.Module,

@@ -37,13 +37,14 @@ def reads_calibration(name: str) -> bool:
 
 
 def make_predictor(
-    name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8
+    name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8, portable: bool = False
 ) -> Predictor:
     """The predictor called ``name`` (one of `NAMES`); those that rerun the model (``probe``/``twin``) need the
-    model and a calibration."""
+    model and a calibration. ``portable``: statistics every CPU decodes alike (`Predictor.portable`), for bytes
+    that leave the process."""
     cls = predictor_class(name)
     if cls.needs_model and model is None:
         raise ValueError(f"the {name} predictor reruns the model: pass model=...")
     if cls.needs_calibration and calibration is None:
         raise ValueError(f"the {name} predictor needs a calibration (hf-kvcompress calibrate)")
-    return cls.build(calibration=calibration, model=model, probe_layer=probe_layer)
+    return cls.build(calibration=calibration, model=model, probe_layer=probe_layer, portable=portable)

@@ -164,7 +164,8 @@ class SelfFitPredictor(Predictor):
 
     name = "self"
 
-    def __init__(self):
+    def __init__(self, *, portable: bool = False):
+        super().__init__(portable=portable)
         self._stats: dict[int, _Stats] = {}
         self._maps: dict[tuple[int, int], _Map] = {}
         self._odd = False  # odd head_dim: no complex pairs, block statistics only

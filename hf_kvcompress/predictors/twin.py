@@ -58,14 +58,15 @@ class TwinPredictor(CalibratedLinearPredictor):
     recipe = FeatureRecipe(below=1, inter_head=True, extras=(TWIN_K, TWIN_V))
 
     def __init__(self, calibration, model: torch.nn.Module | None, twin: torch.nn.Module | None = None,
-                 frame: RopeFrame | None = None):
-        super().__init__(calibration, frame)
+                 frame: RopeFrame | None = None, *, portable: bool = False):
+        super().__init__(calibration, frame, portable=portable)
         self.model = model
         self._twin = twin
 
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8) -> TwinPredictor:
-        return cls(calibration, model)
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8,
+              portable: bool = False) -> TwinPredictor:
+        return cls(calibration, model, portable=portable)
 
     @classmethod
     def fit_instances(cls, frame: RopeFrame, model: torch.nn.Module,

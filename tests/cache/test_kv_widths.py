@@ -16,7 +16,7 @@ import hf_kvcompress.blockcoder as blockcoder
 import hf_kvcompress.lossy.layer as lossy_layer
 import hf_kvcompress.lossy.refusals as lossy_refusals
 from hf_kvcompress import CompressedCache, CompressionConfig
-from hf_kvcompress.cache.coded import CodedBlock
+from hf_kvcompress.blockcodec import CodedBlock
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import stream_info
 from hf_kvcompress.predictors.generic import KIND_MEAN, KIND_STD
@@ -171,13 +171,13 @@ def test_a_layers_blocks_decode_in_one_codec_call_per_kind(monkeypatch):
     with torch.no_grad():
         model(random_ids(1, 80, seed=5), cache=cache)
     calls = []
-    real = blockcoder.decode_batch
+    real = blockcoder.decode_streams
 
     def counted(blobs, mean, std, *args, **kwargs):
         calls.append((len(blobs), tuple(mean.shape[1:2])))
         return real(blobs, mean, std, *args, **kwargs)
 
-    monkeypatch.setattr(blockcoder, "decode_batch", counted)
+    monkeypatch.setattr(blockcoder, "decode_streams", counted)
     blocks = len(cache.layers[0].blocks)
     heads = cache.layers[0].blocks[0].heads
     with torch.no_grad():

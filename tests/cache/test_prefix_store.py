@@ -29,9 +29,9 @@ from helpers import fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
+from hf_kvcompress.blockcodec import BlockCodec
 from hf_kvcompress.cache import store as store_module
 from hf_kvcompress.cache import store_folder
-from hf_kvcompress.cache.coded import LosslessCoding
 from hf_kvcompress.cache.container import DIGEST_BYTES, PREFIX
 from hf_kvcompress.cache.store import SUFFIX, clear, folder_usage
 from hf_kvcompress.calibration import Calibration
@@ -496,15 +496,15 @@ def test_put_refuses_a_lossy_cache(tmp_path):
 
 @pytest.fixture
 def encodes(monkeypatch) -> list[int]:
-    """Blocks coded (`LosslessCoding.encode_block` calls) from now on."""
+    """Blocks coded (`BlockCodec.encode_block` calls) from now on."""
     calls = []
-    original = LosslessCoding.encode_block
+    original = BlockCodec.encode_block
 
     def counting(self, *args, **kwargs):
         calls.append(args[0])
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(LosslessCoding, "encode_block", counting)
+    monkeypatch.setattr(BlockCodec, "encode_block", counting)
     return calls
 
 

@@ -12,8 +12,8 @@ import torch
 from chunk_testutil import channel_chunk
 from helpers import fresh_tiny_model, random_ids, same_bits
 
+import hf_kvcompress.blockcodec as blockcodec
 import hf_kvcompress.blockcoder as blockcoder
-import hf_kvcompress.cache.coded as coded
 import hf_kvcompress.predictors.linear as linear
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
 from hf_kvcompress.calibration import Calibration
@@ -75,7 +75,7 @@ def test_a_saved_file_decodes_where_the_predictor_rounds_otherwise(monkeypatch, 
     for a, b in zip(cache.layers, loaded.layers):
         assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
     # the list is what makes it work: without it the decoder's own settlement of those elements differs
-    monkeypatch.setattr(coded, "_listed_of", lambda row, stream: coded.np.zeros((0, 3), coded.np.int32))
+    monkeypatch.setattr(blockcodec, "_listed_of", lambda row, stream: blockcodec.np.zeros((0, 3), blockcodec.np.int32))
     with pytest.raises(CacheFileError, match="does not reproduce here"):
         CompressedCache.load(path, calibration=calibration)
 
@@ -91,7 +91,7 @@ def test_a_file_of_float32_statistics_would_not_survive_the_same_rounding(monkey
 
     def plain(mean, std, factors, bounds, dtype, config):
         stds = torch.stack([std[b] * f for b, f in enumerate(factors)])
-        return mean.float(), stds.float(), [coded.np.zeros((0, 3), coded.np.int32)] * mean.shape[0]
+        return mean.float(), stds.float(), [blockcodec.np.zeros((0, 3), blockcodec.np.int32)] * mean.shape[0]
 
     monkeypatch.setattr(blockcoder, "settle_stream", plain)
     path = cache.save(tmp_path / "x.kvc", predictor="context")

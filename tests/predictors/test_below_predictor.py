@@ -37,15 +37,15 @@ def config(predictor: str = "below") -> CompressionConfig:
 
 
 def count_codec_calls(monkeypatch) -> list[int]:
-    """The number of streams of every `decode_batch` call the block coder makes from now on."""
+    """The number of streams of every `decode_streams` call the block coder makes from now on."""
     calls: list[int] = []
-    original = blockcoder.decode_batch
+    original = blockcoder.decode_streams
 
     def counted(blobs, *args, **kwargs):
         calls.append(len(blobs))
         return original(blobs, *args, **kwargs)
 
-    monkeypatch.setattr(blockcoder, "decode_batch", counted)
+    monkeypatch.setattr(blockcoder, "decode_streams", counted)
     return calls
 
 

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec_config import CodecConfig, register
+from ..codec_config import CodecConfig
 from ..interface import CodecStats, Coder, check_out, check_tensor, copy_into
+from ..registry import register
 from ..symbols import format_of
 from ..tables import Marginal
 from .layout import COMPACT_MAGIC, MAGIC

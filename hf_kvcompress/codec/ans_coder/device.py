@@ -19,8 +19,9 @@ import torch
 
 from ...errors import CorruptStreamError
 from ...kernels import dispatch
-from ..codec_config import CodecConfig, device_of
+from ..codec_config import CodecConfig
 from ..device_tables import FLAG_GROUP, DeviceTables, tables_for
+from ..interface import device_of
 from ..params import Params, ParamSource, element_params_xp
 from ..symbols import Format, format_of, raw_padded_nbytes, unpack_raw
 from ..tables import ESCAPE_GROUP, PRECISION

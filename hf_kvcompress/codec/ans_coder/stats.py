@@ -8,8 +8,8 @@ import time
 import numpy as np
 import torch
 
-from ..codec_config import CodecConfig, check_stat, check_x
-from ..interface import CodecStats, bits_of
+from ..codec_config import CodecConfig
+from ..interface import CodecStats, bits_of, check_stat, check_x
 from ..params import GAUSS_BIAS, ParamSource, sigma_bits_of_code
 from ..symbols import FP16, Format, key_to_pattern, split_bits, tensor_bits
 from ..tables import TOTAL, W_MAIN, W_WIDE, WIDE_FACTOR

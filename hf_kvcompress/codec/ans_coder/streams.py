@@ -11,16 +11,16 @@ import torch
 
 from ...errors import CorruptStreamError, ParameterMismatchError
 from ...kernels import dispatch
-from ..codec_config import (
-    CodecConfig,
+from ..codec_config import CodecConfig, fingerprint, fingerprint8
+from ..interface import (
     check_config,
     check_has_data,
+    check_parallel,
+    check_range,
     check_stat,
     check_x,
-    fingerprint,
-    fingerprint8,
+    triton_device,
 )
-from ..interface import check_parallel, check_range, triton_device
 from ..params import ParamSource
 from ..symbols import bits_to_tensor, join_bits, split_bits, tensor_bits
 from ..tables import Marginal, get_tables

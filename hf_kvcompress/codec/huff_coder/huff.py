@@ -31,11 +31,12 @@ import numpy as np
 import torch
 
 from ...errors import ConfigTypeError, CorruptStreamError, ParameterMismatchError
-from ..codec_config import CodecConfig, check_stat, register
+from ..codec_config import CodecConfig
 from ..interface import (
     ChunkedJob,
     Coder,
     check_out,
+    check_stat,
     check_tensor,
     check_threads,
     copy_into,
@@ -43,6 +44,7 @@ from ..interface import (
     out_layout,
     verify_mask,
 )
+from ..registry import register
 from ..symbols import FORMATS_BY_CODE, Format, format_of, varint_bytes
 from ..tables import Marginal
 from . import kernels

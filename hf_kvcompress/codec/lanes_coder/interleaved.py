@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec_config import CodecConfig, register
+from ..codec_config import CodecConfig
 from ..interface import Coder, triton_device
+from ..registry import register
 from ..symbols import Format
 from ..tables import Marginal
 from . import lanes

@@ -33,8 +33,20 @@ import numpy as np
 import torch
 
 from ...errors import CorruptStreamError, ParameterMismatchError
-from ..codec_config import CodecConfig, check_config, check_has_data, check_stat, device_of
-from ..interface import ChunkedJob, check_out, check_threads, copy_into, out_layout, thread_pool, verify_mask
+from ..codec_config import CodecConfig
+from ..interface import (
+    ChunkedJob,
+    check_config,
+    check_has_data,
+    check_out,
+    check_stat,
+    check_threads,
+    copy_into,
+    device_of,
+    out_layout,
+    thread_pool,
+    verify_mask,
+)
 from ..params import (
     GAUSS_BIAS,
     SIGMA_CODE_MAX,
