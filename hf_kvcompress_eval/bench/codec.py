@@ -203,8 +203,8 @@ def capture_streams(work: Workload, tokens: int, block_tokens: int = 256,
                     offset: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every (x, mean, std) the lossless cache hands the codec when it stores ``tokens`` tokens of held-out
     text with the calibrated context predictor (``block_tokens`` blocks; x channel-major [64, 256] bf16).
-    The streams are caught on their way into the codec: `blockcoder` calls `encode` (ans) or `encode_batch`
-    (lanes), which are wrapped for the save."""
+    The streams are caught on their way into the codec: `blockcoder` calls `encode_streams` (every coder), which
+    is wrapped for the save."""
     model = work.model
     cal = work.default_calibration(("context",))
     ids = work.ids(tokens, split="evaluation", offset=offset)
@@ -213,24 +213,20 @@ def capture_streams(work: Workload, tokens: int, block_tokens: int = 256,
     with torch.inference_mode():
         model(ids, cache=cache)
     captured = []
-    encode, encode_batch = blockcoder.encode, blockcoder.encode_batch
+    encode_streams = blockcoder.encode_streams
 
-    def spy(x, mean=None, std=None, config=None):
-        captured.append((x.clone(), mean.float().clone(), std.float().expand(x.shape).clone()))
-        return encode(x, mean, std, config)
-
-    def spy_batch(x, mean, std, config=None, **kwargs):
+    def spy(x, mean, std, config, **kwargs):
         for i in range(x.shape[0]):
             captured.append((x[i].clone(), mean[i].float().expand(x[i].shape).clone(),
                              std[i].float().expand(x[i].shape).clone()))
-        return encode_batch(x, mean, std, config, **kwargs)
+        return encode_streams(x, mean, std, config, **kwargs)
 
-    blockcoder.encode, blockcoder.encode_batch = spy, spy_batch
+    blockcoder.encode_streams = spy
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cache.save(Path(tmp) / "cache", predictor="context")
     finally:
-        blockcoder.encode, blockcoder.encode_batch = encode, encode_batch
+        blockcoder.encode_streams = encode_streams
     return captured
 
 
