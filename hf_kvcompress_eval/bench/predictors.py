@@ -17,6 +17,9 @@ prefilled once with `DynamicCache`; every predictor's cache is filled from a cop
 - ``held x``: ``stats()['held_bytes']`` after the steps over DynamicCache's bytes, at ``--tokens`` and, for
   ``--held-predictors``, at ``--held-tokens`` (the heads included).
 
+An entry ``name:coder`` codes that predictor's generation blocks with ``coder`` (`LosslessConfig.coder`; a bare name
+takes the config's default for it), so one run sets coders side by side (``below:huff,below:lanes``).
+
     hf-kvcompress bench predictors [--predictors generic,none,context,below] [--tokens 2048] [--steps 5]
         [--repeats 3] [--held-tokens 8192] [--held-predictors generic,below] [--threads 1] [--out ...]
 
@@ -48,7 +51,8 @@ SMOKE = {"tokens": 48, "steps": 2, "held_tokens": 64, "block_tokens": 8, "fit_to
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictors", default="generic,none,context,below",
-                        help=f"comma-separated, from {list(IN_GENERATION)}; generic first (the ratios' base)")
+                        help=f"comma-separated, from {list(IN_GENERATION)}, each optionally name:coder; generic first (the "
+                             "ratios' base)")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
@@ -63,23 +67,24 @@ def run(args: argparse.Namespace) -> int:
     from hf_kvcompress.errors import CliError
 
     names = args.predictors.split(",")
-    if names[0] != "generic" or set(names + args.held_predictors.split(",")) - set(IN_GENERATION):
-        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)} (--held-predictors too)")
+    held_names = args.held_predictors.split(",") if args.held_tokens else []
+    if names[0] != "generic" or {predictor_of(n) for n in names + held_names} - set(IN_GENERATION):
+        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)}, each optionally "
+                       "name:coder (--held-predictors too)")
     torch.set_num_threads(args.threads)
     out = out_folder(args, "predictors")
     work = workload(args.smoke)
     with tempfile.TemporaryDirectory() as tmp:
-        held_names = args.held_predictors.split(",") if args.held_tokens else []
-        fitted = [n for n in dict.fromkeys(names + held_names) if n in FITTED]
+        fitted = [n for n in dict.fromkeys(predictor_of(n) for n in names + held_names) if n in FITTED]
         folder, fits = fit_heads(work, fitted, args, Path(tmp))
 
         def calibration(name: str) -> Calibration | None:
             """A fresh load per cache (its held bytes count what it reads), None for a model-free predictor."""
-            return Calibration.load(folder, work.model) if name in FITTED else None
+            return Calibration.load(folder, work.model) if predictor_of(name) in FITTED else None
 
         rows = frontier(work, names, calibration, args, Path(tmp))
-        for name, fit in fits.items():
-            rows.get(name, {}).update(fit)
+        for name, row in rows.items():
+            row.update(fits.get(predictor_of(name), {}))
         (out / "results.json").write_text(json.dumps({"rows": rows, "partial": True}, indent=1))  # before the held run
         held = held_ratios(work, held_names, calibration, args.held_tokens, args) if held_names else {}
     result = {"model": f"{work.name} bf16", "tokens": args.tokens, "threads": args.threads, "steps": args.steps,
@@ -111,8 +116,16 @@ def fit_heads(work: Workload, names: list[str], args, tmp: Path) -> tuple[Path |
     return tmp / "calibration", fits
 
 
-def config(name: str, args) -> CompressionConfig:
-    return CompressionConfig(mode="lossless", block_tokens=args.block_tokens, lossless={"predictor": name})
+def predictor_of(entry: str) -> str:
+    """The predictor of a ``--predictors`` entry (``name`` or ``name:coder``)."""
+    return entry.split(":")[0]
+
+
+def config(entry: str, args) -> CompressionConfig:
+    """The cache's config of a ``--predictors`` entry: ``name:coder`` sets `LosslessConfig.coder`."""
+    name, _, coder = entry.partition(":")
+    lossless = {"predictor": name, **({"coder": coder} if coder else {})}
+    return CompressionConfig(mode="lossless", block_tokens=args.block_tokens, lossless=lossless)
 
 
 def prefilled(model, ids: torch.Tensor) -> tuple[list, DynamicCache]:
@@ -137,7 +150,7 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
                       for b in layer.blocks)
         rows[name] = {"bits": 8.0 * sum(b.nbytes() for layer in cache.kv_layers() for b in layer.blocks) / scalars,
                       "step_s": [], "load_s": [], "identical": True}
-        path = cache.save(tmp / f"{name}.kvc", predictor=name)
+        path = cache.save(tmp / f"{name}.kvc", predictor=predictor_of(name))
         rows[name]["file_bits"] = 8.0 * path.stat().st_size / scalars
     for i in range(args.steps):  # round robin: each step of each predictor beside the others'
         for name in names:
