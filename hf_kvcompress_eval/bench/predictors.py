@@ -20,7 +20,7 @@ prefilled once with `DynamicCache`; every predictor's cache is filled from a cop
 An entry ``name:coder`` codes that predictor's generation blocks with ``coder`` (`LosslessConfig.coder`; a bare name
 takes the config's default for it), so one run sets coders side by side (``below:huff,below:lanes``).
 
-    hf-kvcompress bench predictors [--predictors generic,none,context,below] [--tokens 2048] [--steps 5]
+    hf-kvcompress bench predictors [--predictors generic,none,context,below,below:huff] [--tokens 2048] [--steps 5]
         [--repeats 3] [--held-tokens 8192] [--held-predictors generic,below] [--threads 1] [--out ...]
 
 Writes results.json and frontier.md.
@@ -50,7 +50,7 @@ SMOKE = {"tokens": 48, "steps": 2, "held_tokens": 64, "block_tokens": 8, "fit_to
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--predictors", default="generic,none,context,below",
+    parser.add_argument("--predictors", default="generic,none,context,below,below:huff",
                         help=f"comma-separated, from {list(IN_GENERATION)}, each optionally name:coder; generic first (the "
                              "ratios' base)")
     parser.add_argument("--tokens", type=int, default=2048)

@@ -325,6 +325,23 @@ def _step2(b8, pos, table, c, c2, emask, sbit, mmask, umw, lmask):
     return first, second, pos + np.int64(used + ln + umw), ent | ent2
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _put2(b64, pos, table, c, c2, out, o, at, nx, emask, sbit, mmask, umw, lmask):
+    """`_step2` with its two elements written to ``out[o + at]`` and ``out[o + nx]``: (next position, entries)."""
+    v, v2, pos, ent = _step2(b64, pos, table, c, c2, emask, sbit, mmask, umw, lmask)
+    out[o + at] = v
+    out[o + nx] = v2
+    return pos, ent
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _put(b64, pos, table, c, out, o, at, emask, sbit, mmask, umw, lmask):
+    """`_step` with its element written to ``out[o + at]``: (next position, entry)."""
+    v, pos, ent = _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask)
+    out[o + at] = v
+    return pos, ent
+
+
 @_jit
 def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step, lanes):
     """Four streams in lock step; 0, or an ERR_ code for the group (`decode_streams` then pins it on one)."""
@@ -352,36 +369,24 @@ def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obas
             while pairs and k + 1 < stop:
                 at = a + _U(k) * bst
                 nx = at + bst
-                v, v2, p0, ent = _step2(b64, p0, t0, c0, c0, emask, sbit, mmask, umw, lmask)
-                out[o0 + at] = v
-                out[o0 + nx] = v2
+                p0, ent = _put2(b64, p0, t0, c0, c0, out, o0, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, v2, p1, ent = _step2(b64, p1, t1, c1, c1, emask, sbit, mmask, umw, lmask)
-                out[o1 + at] = v
-                out[o1 + nx] = v2
+                p1, ent = _put2(b64, p1, t1, c1, c1, out, o1, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, v2, p2, ent = _step2(b64, p2, t2, c2, c2, emask, sbit, mmask, umw, lmask)
-                out[o2 + at] = v
-                out[o2 + nx] = v2
+                p2, ent = _put2(b64, p2, t2, c2, c2, out, o2, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, v2, p3, ent = _step2(b64, p3, t3, c3, c3, emask, sbit, mmask, umw, lmask)
-                out[o3 + at] = v
-                out[o3 + nx] = v2
+                p3, ent = _put2(b64, p3, t3, c3, c3, out, o3, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
                 k += 2
             for j in range(k, stop):
                 at = a + _U(j) * bst
-                v, p0, ent = _step(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
-                out[o0 + at] = v
+                p0, ent = _put(b64, p0, t0, c0, out, o0, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, p1, ent = _step(b64, p1, t1, c1, emask, sbit, mmask, umw, lmask)
-                out[o1 + at] = v
+                p1, ent = _put(b64, p1, t1, c1, out, o1, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, p2, ent = _step(b64, p2, t2, c2, emask, sbit, mmask, umw, lmask)
-                out[o2 + at] = v
+                p2, ent = _put(b64, p2, t2, c2, out, o2, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, p3, ent = _step(b64, p3, t3, c3, emask, sbit, mmask, umw, lmask)
-                out[o3 + at] = v
+                p3, ent = _put(b64, p3, t3, c3, out, o3, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
             if bad & INVALID:
                 return ERR_CODE
@@ -406,36 +411,28 @@ def _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x
         while r + 1 < stop:
             at = _U(r) * ast
             nx = at + ast
-            v, v2, p0, ent = _step2(b64, p0, t0, _U(x0[r]), _U(x0[r + 1]), emask, sbit, mmask, umw, lmask)
-            out[o0 + at] = v
-            out[o0 + nx] = v2
+            p0, ent = _put2(b64, p0, t0, _U(x0[r]), _U(x0[r + 1]), out, o0, at, nx, emask, sbit, mmask, umw,
+                             lmask)
             bad |= ent
-            v, v2, p1, ent = _step2(b64, p1, t1, _U(x1[r]), _U(x1[r + 1]), emask, sbit, mmask, umw, lmask)
-            out[o1 + at] = v
-            out[o1 + nx] = v2
+            p1, ent = _put2(b64, p1, t1, _U(x1[r]), _U(x1[r + 1]), out, o1, at, nx, emask, sbit, mmask, umw,
+                             lmask)
             bad |= ent
-            v, v2, p2, ent = _step2(b64, p2, t2, _U(x2[r]), _U(x2[r + 1]), emask, sbit, mmask, umw, lmask)
-            out[o2 + at] = v
-            out[o2 + nx] = v2
+            p2, ent = _put2(b64, p2, t2, _U(x2[r]), _U(x2[r + 1]), out, o2, at, nx, emask, sbit, mmask, umw,
+                             lmask)
             bad |= ent
-            v, v2, p3, ent = _step2(b64, p3, t3, _U(x3[r]), _U(x3[r + 1]), emask, sbit, mmask, umw, lmask)
-            out[o3 + at] = v
-            out[o3 + nx] = v2
+            p3, ent = _put2(b64, p3, t3, _U(x3[r]), _U(x3[r + 1]), out, o3, at, nx, emask, sbit, mmask, umw,
+                             lmask)
             bad |= ent
             r += 2
         if r < stop:  # an odd chunk's last element
             at = _U(r) * ast
-            v, p0, ent = _step(b64, p0, t0, _U(x0[r]), emask, sbit, mmask, umw, lmask)
-            out[o0 + at] = v
+            p0, ent = _put(b64, p0, t0, _U(x0[r]), out, o0, at, emask, sbit, mmask, umw, lmask)
             bad |= ent
-            v, p1, ent = _step(b64, p1, t1, _U(x1[r]), emask, sbit, mmask, umw, lmask)
-            out[o1 + at] = v
+            p1, ent = _put(b64, p1, t1, _U(x1[r]), out, o1, at, emask, sbit, mmask, umw, lmask)
             bad |= ent
-            v, p2, ent = _step(b64, p2, t2, _U(x2[r]), emask, sbit, mmask, umw, lmask)
-            out[o2 + at] = v
+            p2, ent = _put(b64, p2, t2, _U(x2[r]), out, o2, at, emask, sbit, mmask, umw, lmask)
             bad |= ent
-            v, p3, ent = _step(b64, p3, t3, _U(x3[r]), emask, sbit, mmask, umw, lmask)
-            out[o3 + at] = v
+            p3, ent = _put(b64, p3, t3, _U(x3[r]), out, o3, at, emask, sbit, mmask, umw, lmask)
             bad |= ent
             r += 1
         if bad & INVALID:
