@@ -174,6 +174,18 @@ def test_per_element_contexts_equal_the_definition(dtype):
     assert_bit_exact(codec.decode_batch(blobs, mean, mean.abs() * 0.1, HUFF), x)
 
 
+def test_batched_fingerprints_equal_one_stream_at_a_time():
+    """`kernels.fingerprints` (four rows of contexts in lock step, branch-free) gives each stream
+    `context_fingerprint`'s value: groups of four and their ragged ends, runs, empty and one-row streams."""
+    rng = np.random.default_rng(0)
+    for n, rows, run in ((1, 5, 3), (5, 64, 128), (9, 300, 1), (7, 0, 1), (3, 100, 0)):
+        ctx = rng.integers(0, 3, (n, rows)).astype(np.uint32) * np.uint32(rng.integers(1, 512))
+        crow = rng.integers(0, n, 11).astype(np.int64)
+        out = np.empty(11, np.uint32)
+        kernels.fingerprints(ctx, crow, rows, run, out)
+        assert out.tolist() == [int(kernels.context_fingerprint(ctx[r], rows, run)) & 0xFFFFFFFF for r in crow]
+
+
 def test_errors_land_on_their_stream():
     x, offset, scale = realistic((1, 6, 16, 64), seed=6)
     x, mean, std = x[0].transpose(1, 2).contiguous(), offset[0].transpose(1, 2), scale[0].transpose(1, 2)

@@ -516,15 +516,44 @@ def element_contexts(mean, std, rebias, ew, out):
             out[r, i] = ((m >> np.uint32(31)) << np.uint32(ew)) | ref
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fnv_step(h, cur, count, c, run):
+    """`context_fingerprint`'s loop body without a branch (its hash is taken whether or not the run ends, then
+    kept or not): where contexts change every few elements a branch mispredicts at random."""
+    ends = (c != cur) & (count > 0)
+    hh = ((h ^ _U(cur)) * _FNV ^ _U(count)) * _FNV
+    h = hh if ends else h
+    count = run if c != cur else count + run
+    return h, c, count
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fnv_end(h, cur, count):
+    return ((h ^ _U(cur)) * _FNV ^ _U(count)) * _FNV if count else h
+
+
 @_jit
 def fingerprints(ctx, crow, rows, run, out):
-    """`context_fingerprint` of every stream (computed once per row of ``ctx``), low 32 bits."""
-    done = np.full(ctx.shape[0], -1, np.int64)
+    """`context_fingerprint` of every stream (computed once per row of ``ctx``), low 32 bits. Four rows of ``ctx``
+    are hashed in lock step (four independent multiply chains), ~10x faster than one after the other."""
+    n = ctx.shape[0]
+    done = np.empty(n, np.int64)
+    for g in range(0, n, 4):
+        q0, q1, q2, q3 = g, min(g + 1, n - 1), min(g + 2, n - 1), min(g + 3, n - 1)
+        h0 = h1 = h2 = h3 = _U(0xCBF29CE484222325)
+        u0 = u1 = u2 = u3 = np.int64(-1)
+        k0 = k1 = k2 = k3 = 0
+        for r in range(rows):
+            h0, u0, k0 = _fnv_step(h0, u0, k0, np.int64(ctx[q0, r]), run)
+            h1, u1, k1 = _fnv_step(h1, u1, k1, np.int64(ctx[q1, r]), run)
+            h2, u2, k2 = _fnv_step(h2, u2, k2, np.int64(ctx[q2, r]), run)
+            h3, u3, k3 = _fnv_step(h3, u3, k3, np.int64(ctx[q3, r]), run)
+        done[q0] = np.int64(_fnv_end(h0, u0, k0) & _U(0xFFFFFFFF))
+        done[q1] = np.int64(_fnv_end(h1, u1, k1) & _U(0xFFFFFFFF))
+        done[q2] = np.int64(_fnv_end(h2, u2, k2) & _U(0xFFFFFFFF))
+        done[q3] = np.int64(_fnv_end(h3, u3, k3) & _U(0xFFFFFFFF))
     for s in range(crow.size):
-        r = crow[s]
-        if done[r] < 0:
-            done[r] = np.int64(context_fingerprint(ctx[r], rows, run) & _U(0x7FFFFFFFFFFFFFFF))
-        out[s] = np.uint32(done[r] & 0xFFFFFFFF)
+        out[s] = np.uint32(done[crow[s]])
 
 
 @_jit
