@@ -14,6 +14,8 @@ prefilled once with `DynamicCache`; every predictor's cache is filled from a cop
   DynamicCache's;
 - ``load x``: `CompressedCache.load` of the file plus one decode step (where its blocks are decoded), over
   ``generic``'s, medians of ``--repeats`` interleaved runs; the loaded cache checked bit for bit;
+- ``step CPU x`` / ``load CPU x``: the same over the process's CPU seconds (every thread of it: torch's and the
+  codec's), which other processes on a shared machine inflate far less than the wall clock;
 - ``held x``: ``stats()['held_bytes']`` after the steps over DynamicCache's bytes, at ``--tokens`` and, for
   ``--held-predictors``, at ``--held-tokens`` (the heads included).
 
@@ -149,12 +151,14 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
         scalars = sum(len(b.rows) * b.heads * b.tokens * (b.dim + b.value_dim) for layer in cache.kv_layers()
                       for b in layer.blocks)
         rows[name] = {"bits": 8.0 * sum(b.nbytes() for layer in cache.kv_layers() for b in layer.blocks) / scalars,
-                      "step_s": [], "load_s": [], "identical": True}
+                      "step_s": [], "load_s": [], "step_cpu_s": [], "load_cpu_s": [], "identical": True}
         path = cache.save(tmp / f"{name}.kvc", predictor=predictor_of(name))
         rows[name]["file_bits"] = 8.0 * path.stat().st_size / scalars
     for i in range(args.steps):  # round robin: each step of each predictor beside the others'
         for name in names:
+            cpu = time.process_time()
             times, _, logits = run_steps(model, caches[name], tokens[:, i : i + 1])
+            rows[name]["step_cpu_s"].append(time.process_time() - cpu)
             rows[name]["step_s"].append(times[0])
             rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[i].view(torch.int32))
     for name in names:
@@ -163,15 +167,16 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
     del caches
     for _ in range(args.repeats):
         for name in names:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             loaded = CompressedCache.load(tmp / f"{name}.kvc", model=model, calibration=calibration(name))
             _, _, logits = run_steps(model, loaded, tokens[:, :1])
             rows[name]["load_s"].append(time.perf_counter() - start)
+            rows[name]["load_cpu_s"].append(time.process_time() - cpu)
             rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[0].view(torch.int32))
-    base_step, base_load = statistics.median(rows["generic"]["step_s"]), statistics.median(rows["generic"]["load_s"])
-    for row in rows.values():
-        row["step_ratio"] = statistics.median(row["step_s"]) / base_step
-        row["load_ratio"] = statistics.median(row["load_s"]) / base_load
+    for key in ("step", "load", "step_cpu", "load_cpu"):
+        base = statistics.median(rows["generic"][f"{key}_s"])
+        for row in rows.values():
+            row[f"{key}_ratio"] = statistics.median(row[f"{key}_s"]) / base
     return rows
 
 
@@ -193,13 +198,15 @@ def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args
 def table(result: dict) -> str:
     lines = [f"{result['model']}, {result['tokens']} tokens, {result['threads']} thread(s); step: median of "
              f"{result['steps']}, load: median of {result['repeats']} (load + one step); ratios to generic's",
-             "| predictor | bits | file bits | step x | load x | held x | fit CPU-s | heads MB | exact |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| predictor | bits | file bits | step x | load x | step CPU x | load CPU x | held x | fit CPU-s | heads MB "
+             "| exact |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in result["rows"].items():
         fit = f"{r['fit_cpu_s']:.1f}" if "fit_cpu_s" in r else "-"
         heads = f"{r['heads_bytes'] / 1e6:.1f}" if "heads_bytes" in r else "-"
         lines.append(f"| {name} | {r['bits']:.3f} | {r['file_bits']:.3f} | {r['step_ratio']:.2f} | "
-                     f"{r['load_ratio']:.2f} | {r['held_ratio']:.3f} | {fit} | {heads} | {r['identical']} |")
+                     f"{r['load_ratio']:.2f} | {r['step_cpu_ratio']:.2f} | {r['load_cpu_ratio']:.2f} | "
+                     f"{r['held_ratio']:.3f} | {fit} | {heads} | {r['identical']} |")
     for name, ratio in result["held"].items():
         lines.append(f"held x DynamicCache at {result['held_tokens']} tokens, {name}: {ratio:.3f}")
     return "\n".join(lines)
