@@ -14,10 +14,15 @@ prefilled once with `DynamicCache`; every predictor's cache is filled from a cop
   DynamicCache's;
 - ``load x``: `CompressedCache.load` of the file plus one decode step (where its blocks are decoded), over
   ``generic``'s, medians of ``--repeats`` interleaved runs; the loaded cache checked bit for bit;
+- ``step CPU x`` / ``load CPU x``: the same over the process's CPU seconds (every thread of it: torch's and the
+  codec's), which other processes on a shared machine inflate far less than the wall clock;
 - ``held x``: ``stats()['held_bytes']`` after the steps over DynamicCache's bytes, at ``--tokens`` and, for
   ``--held-predictors``, at ``--held-tokens`` (the heads included).
 
-    hf-kvcompress bench predictors [--predictors generic,none,context,below] [--tokens 2048] [--steps 5]
+An entry ``name:coder`` codes that predictor's generation blocks with ``coder`` (`LosslessConfig.coder`; a bare name
+takes the config's default for it), so one run sets coders side by side (``below:huff,below:lanes``).
+
+    hf-kvcompress bench predictors [--predictors generic,none,context,below,below:huff] [--tokens 2048] [--steps 5]
         [--repeats 3] [--held-tokens 8192] [--held-predictors generic,below] [--threads 1] [--out ...]
 
 Writes results.json and frontier.md.
@@ -47,8 +52,9 @@ SMOKE = {"tokens": 48, "steps": 2, "held_tokens": 64, "block_tokens": 8, "fit_to
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--predictors", default="generic,none,context,below",
-                        help=f"comma-separated, from {list(IN_GENERATION)}; generic first (the ratios' base)")
+    parser.add_argument("--predictors", default="generic,none,context,below,below:huff",
+                        help=f"comma-separated, from {list(IN_GENERATION)}, each optionally name:coder; generic first (the "
+                             "ratios' base)")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
@@ -63,23 +69,24 @@ def run(args: argparse.Namespace) -> int:
     from hf_kvcompress.errors import CliError
 
     names = args.predictors.split(",")
-    if names[0] != "generic" or set(names + args.held_predictors.split(",")) - set(IN_GENERATION):
-        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)} (--held-predictors too)")
+    held_names = args.held_predictors.split(",") if args.held_tokens else []
+    if names[0] != "generic" or {predictor_of(n) for n in names + held_names} - set(IN_GENERATION):
+        raise CliError(f"--predictors: generic first, then names from {list(IN_GENERATION)}, each optionally "
+                       "name:coder (--held-predictors too)")
     torch.set_num_threads(args.threads)
     out = out_folder(args, "predictors")
     work = workload(args.smoke)
     with tempfile.TemporaryDirectory() as tmp:
-        held_names = args.held_predictors.split(",") if args.held_tokens else []
-        fitted = [n for n in dict.fromkeys(names + held_names) if n in FITTED]
+        fitted = [n for n in dict.fromkeys(predictor_of(n) for n in names + held_names) if n in FITTED]
         folder, fits = fit_heads(work, fitted, args, Path(tmp))
 
         def calibration(name: str) -> Calibration | None:
             """A fresh load per cache (its held bytes count what it reads), None for a model-free predictor."""
-            return Calibration.load(folder, work.model) if name in FITTED else None
+            return Calibration.load(folder, work.model) if predictor_of(name) in FITTED else None
 
         rows = frontier(work, names, calibration, args, Path(tmp))
-        for name, fit in fits.items():
-            rows.get(name, {}).update(fit)
+        for name, row in rows.items():
+            row.update(fits.get(predictor_of(name), {}))
         (out / "results.json").write_text(json.dumps({"rows": rows, "partial": True}, indent=1))  # before the held run
         held = held_ratios(work, held_names, calibration, args.held_tokens, args) if held_names else {}
     result = {"model": f"{work.name} bf16", "tokens": args.tokens, "threads": args.threads, "steps": args.steps,
@@ -111,8 +118,16 @@ def fit_heads(work: Workload, names: list[str], args, tmp: Path) -> tuple[Path |
     return tmp / "calibration", fits
 
 
-def config(name: str, args) -> CompressionConfig:
-    return CompressionConfig(mode="lossless", block_tokens=args.block_tokens, lossless={"predictor": name})
+def predictor_of(entry: str) -> str:
+    """The predictor of a ``--predictors`` entry (``name`` or ``name:coder``)."""
+    return entry.split(":")[0]
+
+
+def config(entry: str, args) -> CompressionConfig:
+    """The cache's config of a ``--predictors`` entry: ``name:coder`` sets `LosslessConfig.coder`."""
+    name, _, coder = entry.partition(":")
+    lossless = {"predictor": name, **({"coder": coder} if coder else {})}
+    return CompressionConfig(mode="lossless", block_tokens=args.block_tokens, lossless=lossless)
 
 
 def prefilled(model, ids: torch.Tensor) -> tuple[list, DynamicCache]:
@@ -136,12 +151,14 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
         scalars = sum(len(b.rows) * b.heads * b.tokens * (b.dim + b.value_dim) for layer in cache.kv_layers()
                       for b in layer.blocks)
         rows[name] = {"bits": 8.0 * sum(b.nbytes() for layer in cache.kv_layers() for b in layer.blocks) / scalars,
-                      "step_s": [], "load_s": [], "identical": True}
-        path = cache.save(tmp / f"{name}.kvc", predictor=name)
+                      "step_s": [], "load_s": [], "step_cpu_s": [], "load_cpu_s": [], "identical": True}
+        path = cache.save(tmp / f"{name}.kvc", predictor=predictor_of(name))
         rows[name]["file_bits"] = 8.0 * path.stat().st_size / scalars
     for i in range(args.steps):  # round robin: each step of each predictor beside the others'
         for name in names:
+            cpu = time.process_time()
             times, _, logits = run_steps(model, caches[name], tokens[:, i : i + 1])
+            rows[name]["step_cpu_s"].append(time.process_time() - cpu)
             rows[name]["step_s"].append(times[0])
             rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[i].view(torch.int32))
     for name in names:
@@ -150,15 +167,16 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
     del caches
     for _ in range(args.repeats):
         for name in names:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             loaded = CompressedCache.load(tmp / f"{name}.kvc", model=model, calibration=calibration(name))
             _, _, logits = run_steps(model, loaded, tokens[:, :1])
             rows[name]["load_s"].append(time.perf_counter() - start)
+            rows[name]["load_cpu_s"].append(time.process_time() - cpu)
             rows[name]["identical"] &= torch.equal(logits[0].view(torch.int32), expected[0].view(torch.int32))
-    base_step, base_load = statistics.median(rows["generic"]["step_s"]), statistics.median(rows["generic"]["load_s"])
-    for row in rows.values():
-        row["step_ratio"] = statistics.median(row["step_s"]) / base_step
-        row["load_ratio"] = statistics.median(row["load_s"]) / base_load
+    for key in ("step", "load", "step_cpu", "load_cpu"):
+        base = statistics.median(rows["generic"][f"{key}_s"])
+        for row in rows.values():
+            row[f"{key}_ratio"] = statistics.median(row[f"{key}_s"]) / base
     return rows
 
 
@@ -180,13 +198,15 @@ def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args
 def table(result: dict) -> str:
     lines = [f"{result['model']}, {result['tokens']} tokens, {result['threads']} thread(s); step: median of "
              f"{result['steps']}, load: median of {result['repeats']} (load + one step); ratios to generic's",
-             "| predictor | bits | file bits | step x | load x | held x | fit CPU-s | heads MB | exact |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| predictor | bits | file bits | step x | load x | step CPU x | load CPU x | held x | fit CPU-s | heads MB "
+             "| exact |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in result["rows"].items():
         fit = f"{r['fit_cpu_s']:.1f}" if "fit_cpu_s" in r else "-"
         heads = f"{r['heads_bytes'] / 1e6:.1f}" if "heads_bytes" in r else "-"
         lines.append(f"| {name} | {r['bits']:.3f} | {r['file_bits']:.3f} | {r['step_ratio']:.2f} | "
-                     f"{r['load_ratio']:.2f} | {r['held_ratio']:.3f} | {fit} | {heads} | {r['identical']} |")
+                     f"{r['load_ratio']:.2f} | {r['step_cpu_ratio']:.2f} | {r['load_cpu_ratio']:.2f} | "
+                     f"{r['held_ratio']:.3f} | {fit} | {heads} | {r['identical']} |")
     for name, ratio in result["held"].items():
         lines.append(f"held x DynamicCache at {result['held_tokens']} tokens, {name}: {ratio:.3f}")
     return "\n".join(lines)

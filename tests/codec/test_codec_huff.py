@@ -117,11 +117,15 @@ def _reseal(blob: bytes) -> bytes:
     return blob[:-4] + struct.pack("<I", zlib.crc32(blob[:-4]))
 
 
-def test_damage_is_a_corrupt_stream_error():
+@pytest.mark.parametrize("per", ["channel", "element"])
+def test_damage_is_a_corrupt_stream_error(per):
     """Every flipped byte, every cut and extension: CorruptStreamError with the check, and with the crc32 resealed
-    (verify=False too) either a CorruptStreamError or, for a mantissa bit, other values (never a crash)."""
-    x, offset, scale = realistic((1, 2, 16, 64), seed=5)
+    (verify=False too) either a CorruptStreamError or, for a mantissa bit, other values (never a crash); with
+    per-channel and per-element statistics (each its own decode loop)."""
+    x, offset, scale = realistic((1, 2, 16, 63), seed=5)  # an odd count of elements: the per-element loop's tail
     x, mean, std = x[0].transpose(1, 2).contiguous(), offset[0].transpose(1, 2), scale[0].transpose(1, 2)
+    if per == "element":
+        mean, std = x.float() + 0.01 * torch.randn(x.shape), std.expand(x.shape)
     [blob, other] = codec.encode_batch(x, mean, std, HUFF)
     for cut in (0, 3, 10, len(blob) // 2, len(blob) - 1):
         with pytest.raises(CorruptStreamError):
@@ -140,6 +144,46 @@ def test_damage_is_a_corrupt_stream_error():
             except (CorruptStreamError, ValueError):
                 continue
             assert_bit_exact(y[1], x[1])  # the good stream beside it decodes whatever the damage
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_element_contexts_equal_the_definition(dtype):
+    """The compiled per-element contexts (`kernels.element_contexts`) are ``ms << EW | ref`` of the module
+    docstring for statistics broadcast any way (a shared mean, a per-channel std, -0.0, zero, tiny and huge
+    values), and such streams decode in a batch with per-element means that differ per stream."""
+    g = torch.Generator().manual_seed(3)
+    shape = (5, 6, 33)
+    fmt = huff.format_of(dtype)
+    mean = torch.randn(shape, generator=g) * torch.logspace(-30, 30, 33)
+    mean[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-40, -1e-40])
+    for m, s in ((mean, None), (None, mean.abs()), (mean, torch.rand(5, 6, 1, generator=g)),
+                 (mean[:1], torch.rand(shape, generator=g) * 7), (torch.full((1, 1, 33), -0.0), torch.zeros(1))):
+        m32, s32 = (None if t is None else t.numpy().reshape((1,) * (3 - t.dim()) + tuple(t.shape)) for t in (m, s))
+        cx = huff.contexts(m32, s32, fmt, shape[1:], 5)
+        mm = np.zeros(shape, np.float32) if m32 is None else np.broadcast_to(m32, shape)
+        ss = np.zeros(shape, np.float32) if s32 is None else np.broadcast_to(s32, shape)
+        ref = (np.maximum(np.abs(mm), ss).view(np.uint32) >> 23) & 0xFF
+        if dtype == torch.float16:
+            ref = np.clip(ref.astype(np.int64) - 112, 0, 31)
+        ew = huff.FIELDS[fmt.code][0]
+        want = ((mm.view(np.uint32) >> 31) << ew) | ref
+        assert (cx.run, cx.rows) == (1, 6 * 33)
+        assert np.array_equal(cx.ctx[cx.crow].reshape(shape), want)
+    x = (mean + torch.randn(shape, generator=g)).to(dtype)
+    blobs = codec.encode_batch(x, mean, mean.abs() * 0.1, HUFF)
+    assert_bit_exact(codec.decode_batch(blobs, mean, mean.abs() * 0.1, HUFF), x)
+
+
+def test_batched_fingerprints_equal_one_stream_at_a_time():
+    """`kernels.fingerprints` (four rows of contexts in lock step, branch-free) gives each stream
+    `context_fingerprint`'s value: groups of four and their ragged ends, runs, empty and one-row streams."""
+    rng = np.random.default_rng(0)
+    for n, rows, run in ((1, 5, 3), (5, 64, 128), (9, 300, 1), (7, 0, 1), (3, 100, 0)):
+        ctx = rng.integers(0, 3, (n, rows)).astype(np.uint32) * np.uint32(rng.integers(1, 512))
+        crow = rng.integers(0, n, 11).astype(np.int64)
+        out = np.empty(11, np.uint32)
+        kernels.fingerprints(ctx, crow, rows, run, out)
+        assert out.tolist() == [int(kernels.context_fingerprint(ctx[r], rows, run)) & 0xFFFFFFFF for r in crow]
 
 
 def test_errors_land_on_their_stream():

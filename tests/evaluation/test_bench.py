@@ -41,7 +41,7 @@ def check_results(name: str, results: dict) -> None:
         rows = {r["method"]: r for r in results["table"]}
         assert all(r["exact"] for m, r in rows.items() if m.startswith("hf_kvcompress"))
     elif name == "predictors":
-        assert set(results["rows"]) == {"generic", "none", "context", "below"}
+        assert set(results["rows"]) == {"generic", "none", "context", "below", "below:huff"}
         assert all(r["identical"] for r in results["rows"].values()) and set(results["held"]) == {"generic", "below"}
     elif name == "kernels":
         assert results["smoke"] and all(r["check"] in (None, True) for r in results["rows"])

@@ -31,9 +31,9 @@ def calibration() -> Calibration:
                            predictors=("below",), progress=False)
 
 
-def config(predictor: str = "below") -> CompressionConfig:
+def config(predictor: str = "below", coder: str | None = None) -> CompressionConfig:
     return CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=RESIDUAL,
-                             lossless={"predictor": predictor, "decoded_budget": 0.0})
+                             lossless={"predictor": predictor, "decoded_budget": 0.0, "coder": coder})
 
 
 def count_codec_calls(monkeypatch) -> list[int]:
@@ -93,14 +93,16 @@ def test_a_session_equals_the_maps_written_out():
         torch.testing.assert_close(mean, own @ stream[("v", h)].weight, rtol=1e-5, atol=1e-5)
 
 
-def test_generation_is_exact_and_decodes_a_kind_of_a_layer_in_one_call(monkeypatch):
+@pytest.mark.parametrize("coder", [None, "huff"])  # lanes (its default), and huff's per-element contexts
+def test_generation_is_exact_and_decodes_a_kind_of_a_layer_in_one_call(monkeypatch, coder):
     model, ids = model6(), random_ids(1, 70, seed=5)
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "output_logits": True,
               "return_dict_in_generate": True}
     with torch.no_grad():
         want = model.generate(ids, cache=DynamicCache(), **kwargs)
-        cache = CompressedCache(config(), model=model, calibration=calibration())
+        cache = CompressedCache(config(coder=coder), model=model, calibration=calibration())
         got = model.generate(ids, cache=cache, **kwargs)
+    assert cache.config.lossless.coder == (coder or "lanes")
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want.logits, got.logits))
     blocks = len(cache.layers[0].blocks)
@@ -114,14 +116,15 @@ def test_generation_is_exact_and_decodes_a_kind_of_a_layer_in_one_call(monkeypat
     assert len(calls) == 2 * LAYERS and set(calls) == {blocks * 2}  # blocks x kv heads (2) per call
 
 
-def test_save_load_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("coder", [None, "huff"])
+def test_save_load_continues_bit_for_bit(tmp_path, coder):
     model, ids = model6(), random_ids(1, 60, seed=2)
-    reference, cache = DynamicCache(), CompressedCache(config(), model=model, calibration=calibration())
+    reference, cache = DynamicCache(), CompressedCache(config(coder=coder), model=model, calibration=calibration())
     with torch.no_grad():
         model(ids[:, :50], cache=reference)
         model(ids[:, :50], cache=cache)
     path = cache.save(tmp_path / "below.kvc", predictor="below")
-    loaded = CompressedCache.load(path, model=model, calibration=calibration())
+    loaded = CompressedCache.load(path, model=model, calibration=calibration(), config=config(coder=coder))
     for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
         assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
     with torch.no_grad():

@@ -95,6 +95,8 @@ def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, s
     zero = np.zeros((1,) * (nd + 1), np.float32)
     mean = zero if mean32 is None else mean32
     std = zero if std32 is None else std32
+    if any(c != 1 for t in (mean, std) for c in t.shape[1:][-1:]) and m:  # varies along the last dim: per element
+        return _element_contexts(mean, std, fmt, shape, n_streams)
     a = np.maximum(np.abs(mean), std)
     ref = (a.view(np.uint32) >> 23) & 0xFF
     if fmt.code == 2:
@@ -112,6 +114,19 @@ def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, s
     ctx = np.ascontiguousarray(ctx, dtype=np.uint32).reshape(lead, rows)
     crow = np.arange(n_streams, dtype=np.int64) if lead > 1 else np.zeros(n_streams, np.int64)
     return Contexts(ctx, crow, rows, run)
+
+
+def _element_contexts(mean: np.ndarray, std: np.ndarray, fmt: Format, shape: tuple[int, ...],
+                      n_streams: int) -> Contexts:
+    """`contexts` of statistics that vary along a row's last dim: one context per element, in one compiled pass
+    (`kernels.element_contexts`; the same values as the numpy form)."""
+    lead = max(mean.shape[0], std.shape[0])
+    flat = [t.reshape(1, 1) if t.size == 1 else np.broadcast_to(t, (t.shape[0], *shape)).reshape(t.shape[0], -1)
+            for t in (mean, std)]  # a copy only where a statistic broadcasts inside a stream
+    ctx = np.empty((lead, math.prod(shape)), np.uint32)
+    kernels.element_contexts(*flat, fmt.code == 2, FIELDS[fmt.code][0], ctx)
+    crow = np.arange(n_streams, dtype=np.int64) if lead > 1 else np.zeros(n_streams, np.int64)
+    return Contexts(ctx, crow, ctx.shape[1], 1)
 
 
 def _stats(mean, std, xshape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:

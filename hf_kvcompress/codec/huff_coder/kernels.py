@@ -308,9 +308,9 @@ def _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask):
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _step2(b8, pos, table, c, emask, sbit, mmask, umw, lmask):
-    """Two elements of one stream from one read (each takes at most MAX_LEN + MW <= 28 bits of its 57): (their
-    bit patterns, the next bit position, their table entries or-ed)."""
+def _step2(b8, pos, table, c, c2, emask, sbit, mmask, umw, lmask):
+    """Two elements of one stream (contexts ``c``, ``c2``) from one read (each takes at most MAX_LEN + MW <= 28
+    bits of its 57): (their bit patterns, the next bit position, their table entries or-ed)."""
     w = _peek(b8, pos)
     ent = table[w & lmask]
     ln = _U(ent & np.uint32(63))
@@ -321,8 +321,25 @@ def _step2(b8, pos, table, c, emask, sbit, mmask, umw, lmask):
     ent2 = table[w & lmask]
     ln = _U(ent2 & np.uint32(63))
     u = _U(ent2 >> np.uint32(8))
-    second = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
+    second = ((((u + c2) & emask) | ((u ^ c2) & sbit)) << umw) | ((w >> ln) & mmask)
     return first, second, pos + np.int64(used + ln + umw), ent | ent2
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _put2(b64, pos, table, c, c2, out, o, at, nx, emask, sbit, mmask, umw, lmask):
+    """`_step2` with its two elements written to ``out[o + at]`` and ``out[o + nx]``: (next position, entries)."""
+    v, v2, pos, ent = _step2(b64, pos, table, c, c2, emask, sbit, mmask, umw, lmask)
+    out[o + at] = v
+    out[o + nx] = v2
+    return pos, ent
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _put(b64, pos, table, c, out, o, at, emask, sbit, mmask, umw, lmask):
+    """`_step` with its element written to ``out[o + at]``: (next position, entry)."""
+    v, pos, ent = _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask)
+    out[o + at] = v
+    return pos, ent
 
 
 @_jit
@@ -338,6 +355,10 @@ def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obas
     bad = np.uint32(0)
     ast, bst = _U(a_step), _U(b_step)
     pairs = 2 * (MAX_LEN + mw) <= 57
+    if run == 1 and pairs:  # one context per element: pairs of rows
+        return _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, ctx[crow[s0]], ctx[crow[s1]],
+                                 ctx[crow[s2]], ctx[crow[s3]], rows, out, o0, o1, o2, o3, ast, emask, sbit, mmask, umw,
+                                 lmask)
     for r in range(rows):
         c0, c1, c2, c3 = _U(ctx[crow[s0], r]), _U(ctx[crow[s1], r]), _U(ctx[crow[s2], r]), _U(ctx[crow[s3], r])
         a = _U(r) * ast
@@ -348,42 +369,76 @@ def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obas
             while pairs and k + 1 < stop:
                 at = a + _U(k) * bst
                 nx = at + bst
-                v, v2, p0, ent = _step2(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
-                out[o0 + at] = v
-                out[o0 + nx] = v2
+                p0, ent = _put2(b64, p0, t0, c0, c0, out, o0, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, v2, p1, ent = _step2(b64, p1, t1, c1, emask, sbit, mmask, umw, lmask)
-                out[o1 + at] = v
-                out[o1 + nx] = v2
+                p1, ent = _put2(b64, p1, t1, c1, c1, out, o1, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, v2, p2, ent = _step2(b64, p2, t2, c2, emask, sbit, mmask, umw, lmask)
-                out[o2 + at] = v
-                out[o2 + nx] = v2
+                p2, ent = _put2(b64, p2, t2, c2, c2, out, o2, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, v2, p3, ent = _step2(b64, p3, t3, c3, emask, sbit, mmask, umw, lmask)
-                out[o3 + at] = v
-                out[o3 + nx] = v2
+                p3, ent = _put2(b64, p3, t3, c3, c3, out, o3, at, nx, emask, sbit, mmask, umw, lmask)
                 bad |= ent
                 k += 2
             for j in range(k, stop):
                 at = a + _U(j) * bst
-                v, p0, ent = _step(b64, p0, t0, c0, emask, sbit, mmask, umw, lmask)
-                out[o0 + at] = v
+                p0, ent = _put(b64, p0, t0, c0, out, o0, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, p1, ent = _step(b64, p1, t1, c1, emask, sbit, mmask, umw, lmask)
-                out[o1 + at] = v
+                p1, ent = _put(b64, p1, t1, c1, out, o1, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, p2, ent = _step(b64, p2, t2, c2, emask, sbit, mmask, umw, lmask)
-                out[o2 + at] = v
+                p2, ent = _put(b64, p2, t2, c2, out, o2, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
-                v, p3, ent = _step(b64, p3, t3, c3, emask, sbit, mmask, umw, lmask)
-                out[o3 + at] = v
+                p3, ent = _put(b64, p3, t3, c3, out, o3, at, emask, sbit, mmask, umw, lmask)
                 bad |= ent
             if bad & INVALID:
                 return ERR_CODE
             if p0 > e0 or p1 > e1 or p2 > e2 or p3 > e3:
                 return ERR_LENGTH  # damaged: stop before reading further past a stream's end
             t = stop
+    if p0 != e0 or p1 != e1 or p2 != e2 or p3 != e3:
+        return ERR_LENGTH
+    return 0
+
+
+@_jit
+def _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x1, x2, x3, rows, out, o0, o1, o2, o3,
+                      ast, emask, sbit, mmask, umw, lmask):
+    """`_decode4` where each element has its own context (``x0..x3``: the four streams' context rows, element
+    ``r`` at ``o + r * ast``), two elements per read as where contexts are per channel: per-element statistics at
+    per-channel speed. 0 or an ERR_ code."""
+    bad = np.uint32(0)
+    r = 0
+    while r < rows:
+        stop = min(rows, r + CHUNK)
+        while r + 1 < stop:
+            at = _U(r) * ast
+            nx = at + ast
+            p0, ent = _put2(b64, p0, t0, _U(x0[r]), _U(x0[r + 1]), out, o0, at, nx, emask, sbit, mmask, umw,
+                             lmask)
+            bad |= ent
+            p1, ent = _put2(b64, p1, t1, _U(x1[r]), _U(x1[r + 1]), out, o1, at, nx, emask, sbit, mmask, umw,
+                             lmask)
+            bad |= ent
+            p2, ent = _put2(b64, p2, t2, _U(x2[r]), _U(x2[r + 1]), out, o2, at, nx, emask, sbit, mmask, umw,
+                             lmask)
+            bad |= ent
+            p3, ent = _put2(b64, p3, t3, _U(x3[r]), _U(x3[r + 1]), out, o3, at, nx, emask, sbit, mmask, umw,
+                             lmask)
+            bad |= ent
+            r += 2
+        if r < stop:  # an odd chunk's last element
+            at = _U(r) * ast
+            p0, ent = _put(b64, p0, t0, _U(x0[r]), out, o0, at, emask, sbit, mmask, umw, lmask)
+            bad |= ent
+            p1, ent = _put(b64, p1, t1, _U(x1[r]), out, o1, at, emask, sbit, mmask, umw, lmask)
+            bad |= ent
+            p2, ent = _put(b64, p2, t2, _U(x2[r]), out, o2, at, emask, sbit, mmask, umw, lmask)
+            bad |= ent
+            p3, ent = _put(b64, p3, t3, _U(x3[r]), out, o3, at, emask, sbit, mmask, umw, lmask)
+            bad |= ent
+            r += 1
+        if bad & INVALID:
+            return ERR_CODE
+        if p0 > e0 or p1 > e1 or p2 > e2 or p3 > e3:
+            return ERR_LENGTH  # damaged: stop before reading further past a stream's end
     if p0 != e0 or p1 != e1 or p2 != e2 or p3 != e3:
         return ERR_LENGTH
     return 0
@@ -441,14 +496,64 @@ def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits, st
 
 
 @_jit
+def element_contexts(mean, std, rebias, ew, out):
+    """`huff.contexts` of per-element statistics in one pass: ``out[s, i]`` from float32 ``mean[s or 0, i]`` and
+    ``std[s or 0, i]`` (a ``[1, 1]`` zero array stands for a missing one, broadcast): ``ms << ew | ref``, ``ref``
+    the exponent field of ``max(|mean|, std)`` (``rebias``: float16's, rebiased by -112 and clipped to 0..31), ``ms``
+    the mean's sign bit. The numpy form took ~10x longer per element than the decode itself."""
+    mb, sb = mean.view(np.uint32), std.view(np.uint32)
+    m_lead, m_all = mean.shape[0] > 1, mean.shape[1] > 1
+    s_lead, s_all = std.shape[0] > 1, std.shape[1] > 1
+    for r in range(out.shape[0]):
+        mr, sr = r if m_lead else 0, r if s_lead else 0
+        for i in range(out.shape[1]):
+            m = mb[mr, i if m_all else 0]
+            a = m & np.uint32(0x7FFFFFFF)
+            b = sb[sr, i if s_all else 0] & np.uint32(0x7FFFFFFF)  # finite, >= 0 (-0.0: the same exponent)
+            ref = (max(a, b) >> np.uint32(23)) & np.uint32(0xFF)  # finite floats >= 0 order as their bits
+            if rebias:
+                ref = np.uint32(min(max(np.int64(ref) - 112, 0), 31))
+            out[r, i] = ((m >> np.uint32(31)) << np.uint32(ew)) | ref
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fnv_step(h, cur, count, c, run):
+    """`context_fingerprint`'s loop body without a branch (its hash is taken whether or not the run ends, then
+    kept or not): where contexts change every few elements a branch mispredicts at random."""
+    ends = (c != cur) & (count > 0)
+    hh = ((h ^ _U(cur)) * _FNV ^ _U(count)) * _FNV
+    h = hh if ends else h
+    count = run if c != cur else count + run
+    return h, c, count
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fnv_end(h, cur, count):
+    return ((h ^ _U(cur)) * _FNV ^ _U(count)) * _FNV if count else h
+
+
+@_jit
 def fingerprints(ctx, crow, rows, run, out):
-    """`context_fingerprint` of every stream (computed once per row of ``ctx``), low 32 bits."""
-    done = np.full(ctx.shape[0], -1, np.int64)
+    """`context_fingerprint` of every stream (computed once per row of ``ctx``), low 32 bits. Four rows of ``ctx``
+    are hashed in lock step (four independent multiply chains), ~10x faster than one after the other."""
+    n = ctx.shape[0]
+    done = np.empty(n, np.int64)
+    for g in range(0, n, 4):
+        q0, q1, q2, q3 = g, min(g + 1, n - 1), min(g + 2, n - 1), min(g + 3, n - 1)
+        h0 = h1 = h2 = h3 = _U(0xCBF29CE484222325)
+        u0 = u1 = u2 = u3 = np.int64(-1)
+        k0 = k1 = k2 = k3 = 0
+        for r in range(rows):
+            h0, u0, k0 = _fnv_step(h0, u0, k0, np.int64(ctx[q0, r]), run)
+            h1, u1, k1 = _fnv_step(h1, u1, k1, np.int64(ctx[q1, r]), run)
+            h2, u2, k2 = _fnv_step(h2, u2, k2, np.int64(ctx[q2, r]), run)
+            h3, u3, k3 = _fnv_step(h3, u3, k3, np.int64(ctx[q3, r]), run)
+        done[q0] = np.int64(_fnv_end(h0, u0, k0) & _U(0xFFFFFFFF))
+        done[q1] = np.int64(_fnv_end(h1, u1, k1) & _U(0xFFFFFFFF))
+        done[q2] = np.int64(_fnv_end(h2, u2, k2) & _U(0xFFFFFFFF))
+        done[q3] = np.int64(_fnv_end(h3, u3, k3) & _U(0xFFFFFFFF))
     for s in range(crow.size):
-        r = crow[s]
-        if done[r] < 0:
-            done[r] = np.int64(context_fingerprint(ctx[r], rows, run) & _U(0x7FFFFFFFFFFFFFFF))
-        out[s] = np.uint32(done[r] & 0xFFFFFFFF)
+        out[s] = np.uint32(done[crow[s]])
 
 
 @_jit
