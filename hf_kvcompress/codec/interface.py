@@ -173,25 +173,39 @@ def thread_pool(n: int, name: str) -> ThreadPoolExecutor:
         return pool
 
 
-class ChunkedJob(ABC):
-    """A batch decode whose kernel runs in chunks of streams that any thread may take (a `PendingDecode`):
+class ChunkedJob:
+    """A batch decode whose compiled kernel runs in chunks of streams that any thread may take (a `PendingDecode`):
     `start` hands chunks to background threads and returns at once; `finish` takes what is left on the calling
     thread, waits for the rest and returns `result`; `cancel` hands out nothing more and waits for the chunks
-    already running. A subclass sets its chunk boundaries (`_chunks`) and runs one chunk (`_run_chunk`)."""
+    already running. A coder's job parses and checks its streams, then hands this class what it runs (`_setup`):
+    the kernel ``kernel(*args, lo, hi)`` (``args[0]`` the joined streams, the last one the per-stream error codes
+    it writes), the chunk boundaries, the tensor written and the ``out`` asked for. The job calls nothing of the
+    coder's module, so a coder and this interface never call each other both ways."""
 
-    def _chunks(self, cuts: list[int]) -> None:
+    def _setup(self, kernel, args: tuple, cuts: list[int], host: torch.Tensor, out: torch.Tensor | None,
+               corrupt: str, errors: dict[int, str]) -> None:
+        self._kernel, self.args, self.err = kernel, args, args[-1]
+        self.host, self.out = host, out
+        self._corrupt, self._errors = corrupt, errors
         self._cuts = cuts
         self._next = 0
         self._lock = threading.Lock()
         self._running: list = []
 
-    @abstractmethod
-    def _run_chunk(self, lo: int, hi: int) -> None:
-        """Decode streams ``lo..hi``."""
-
-    @abstractmethod
     def result(self, mean=None, std=None) -> torch.Tensor:
-        """After every chunk ran: the tensor, or the first stream's error."""
+        """After every chunk ran: `CorruptStreamError` for the first stream whose kernel failed, else the tensor
+        (``out`` if given, else on the device of a CUDA ``mean`` / ``std``, else the CPU's)."""
+        if self.err.any():
+            i = int(np.flatnonzero(self.err)[0])
+            raise CorruptStreamError(f"{self._corrupt}: stream {i}: {self._errors.get(int(self.err[i]), 'decode failed')}")
+        if self.out is not None:
+            return self.out if self.out is self.host else copy_into(self.out, self.host)
+        return self.host.to(device_of(mean, std))
+
+    def nbytes(self) -> int:
+        """Bytes held beside ``out``: the joined streams and a temporary output."""
+        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
+        return self.args[0].nbytes + extra
 
     def _take(self) -> tuple[int, int] | None:
         with self._lock:
@@ -203,7 +217,7 @@ class ChunkedJob(ABC):
 
     def _work(self) -> None:
         while (chunk := self._take()) is not None:
-            self._run_chunk(*chunk)
+            self._kernel(*self.args, *chunk)
 
     def start(self, threads: int = 1) -> ChunkedJob:
         """Let ``threads`` background threads take chunks (a pool of their own, not the one `decode_batch` and

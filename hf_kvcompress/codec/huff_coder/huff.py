@@ -39,7 +39,6 @@ from ..interface import (
     check_stat,
     check_tensor,
     check_threads,
-    copy_into,
     describe,
     out_layout,
     verify_mask,
@@ -280,31 +279,14 @@ class DecodeJob(ChunkedJob):
         if wrong.size:
             raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
                                          "encoder's (their contexts' fingerprint does not match)")
-        self.out = out
-        self.host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
+        host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
         ew, mw = FIELDS[fmt.code]
-        self.err = np.zeros(n, np.int32)
-        self.args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, 2 << ew,
-                     cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, self.err)
+        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, 2 << ew,
+                cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, np.zeros(n, np.int32))
         groups = -(-n // 4) if math.prod(shape) else 0
         k = max(1, min(chunks, groups))
-        self._chunks(sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)}))
-
-    def _run_chunk(self, lo: int, hi: int) -> None:
-        kernels.decode_streams(*self.args, lo, hi)
-
-    def result(self, mean=None, std=None) -> torch.Tensor:
-        if self.err.any():
-            i = int(np.flatnonzero(self.err)[0])
-            raise _corrupt(f"stream {i}: {_ERRORS.get(int(self.err[i]), 'decode failed')}")
-        if self.out is None:
-            return self.host
-        return self.out if self.host is self.out else copy_into(self.out, self.host)
-
-    def nbytes(self) -> int:
-        """Bytes held beside ``out``: the joined streams and a temporary output."""
-        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
-        return self.args[0].nbytes + extra
+        self._setup(kernels.decode_streams, args, sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)}),
+                    host, out, "corrupt huff codec stream", _ERRORS)
 
 
 def _decode_stats(mean, std, xshape: tuple[int, ...], head: Header):
