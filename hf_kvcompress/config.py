@@ -104,15 +104,15 @@ class LosslessConfig(JsonConfig):
                                       "with 'generic' or 'context' and store with "
                                       f"LosslessConfig(save_predictor={self.predictor!r}) or "
                                       f"cache.save(path, predictor={self.predictor!r})")
-        try:
-            self.codec_config()
+        try:  # built and validated once: every reader of these settings shares it (CodecConfig is frozen)
+            object.__setattr__(self, "_codec", CodecConfig(**{name: getattr(self, name) for name in self.CODEC_FIELDS}))
         except ValueError as err:  # ConfigTypeError too; the fields have CodecConfig's names: name them as ours
             message = str(err).replace("CodecConfig.", f"{owner}.").replace("CodecConfig(", f"{owner}(")
             raise type(err)(message) from err
 
     def codec_config(self) -> CodecConfig:
         """The `CodecConfig` of these settings (the codec's defaults for every field not set here)."""
-        return CodecConfig(**{name: getattr(self, name) for name in self.CODEC_FIELDS})
+        return self._codec
 
 
 @dataclass(frozen=True)

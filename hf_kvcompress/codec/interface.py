@@ -44,6 +44,14 @@ def check_has_data(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"codec: {name} is on the meta device: it has no values (load the weights first)")
 
 
+def check_call_data(*values) -> None:
+    """Every tensor among an entry point's x / mean / std / out holds values (not the meta device): checked once
+    per call, for every coder (`api`)."""
+    for name, value in zip(("x", "mean", "std", "out"), values):
+        if isinstance(value, torch.Tensor):
+            check_has_data(value, name)
+
+
 def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
     """mean/std -> float32 numpy array with x's ndim (broadcastable), after checking shape and values."""
     if value is None:
@@ -302,14 +310,15 @@ class Coder(ABC):
     def decode_range(self, blob, start: int, stop: int, mean, std, config: CodecConfig | None,
                      marginal: Marginal | None = None) -> torch.Tensor:
         """Flat elements ``start:stop``; by default the whole stream is decoded and cut."""
-        n = math.prod(self.stream_info(blob, config, marginal)[1])
+        n = math.prod(self.stream_infos([blob], config, marginal)[0][1])
         check_range(start, stop, n)
         return self.decode(blob, mean, std, config, marginal).reshape(-1)[start:stop].clone()
 
     @abstractmethod
-    def stream_info(self, blob, config: CodecConfig | None,
-                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
-        """(dtype, shape) from the checked header (the payload is not decoded)."""
+    def stream_infos(self, blobs: Sequence, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Each stream's (dtype, shape) from its checked header (the payloads are not decoded); a batch, so a
+        container checks a block's streams in one call."""
 
     def encode_with_stats(self, x: torch.Tensor, mean, std, cfg: CodecConfig, *, decode: bool = True,
                           exact: bool = True) -> tuple[bytes, CodecStats]:

@@ -365,10 +365,9 @@ class HuffCoder(Coder):
             raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
         return decode_batch_impl([blob], mean, std)[0]
 
-    def stream_info(self, blob, config: CodecConfig | None,
-                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
-        head = parse_prefix(blob)
-        return head.fmt.dtype, head.shape
+    def stream_infos(self, blobs, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        return [(head.fmt.dtype, head.shape) for head in map(parse_prefix, blobs)]
 
     def payload_bytes(self, blob: bytes, n: int, fmt: Format) -> int:
         return len(blob) - len(parse_prefix(blob).prefix) - 8  # fingerprint and crc: the rest codes the elements
