@@ -83,6 +83,11 @@ def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -
     return np.ascontiguousarray(arr)
 
 
+def check_stats(mean: object, std: object, shape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """`check_stat` of a call's mean and std: the checked float32 arrays (or None)."""
+    return check_stat(mean, "mean", shape, False), check_stat(std, "std", shape, True)
+
+
 def check_config(config: object) -> CodecConfig:
     if config is None:
         return CodecConfig()

@@ -36,7 +36,7 @@ from ..interface import (
     ChunkedJob,
     Coder,
     check_out,
-    check_stat,
+    check_stats,
     check_tensor,
     check_threads,
     describe,
@@ -113,10 +113,6 @@ def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, s
     return Contexts(ctx, crow, rows, run)
 
 
-def _stats(mean, std, xshape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
-    return (check_stat(mean, "mean", xshape, False), check_stat(std, "std", xshape, True))
-
-
 def _prefix(fmt: Format, shape: tuple[int, ...], has_mean: bool, has_std: bool) -> bytes:
     flags = fmt.code | (4 if has_mean else 0) | (8 if has_std else 0)
     return MAGIC + bytes((flags, len(shape))) + b"".join(varint_bytes(d) for d in shape)
@@ -138,7 +134,7 @@ def encode_batch_impl(x: torch.Tensor, mean, std, threads: int | None = None) ->
         raise ValueError(f"codec.encode_batch: x needs a leading batch dim, got {describe(x)}")
     xshape = tuple(x.shape)
     shape = xshape[1:]
-    mean32, std32 = _stats(mean, std, xshape)
+    mean32, std32 = check_stats(mean, std, xshape)
     ew, mw = FIELDS[fmt.code]
     cx = contexts(mean32, std32, fmt, shape, xshape[0])
     fps = np.empty(xshape[0], np.uint32)
@@ -292,7 +288,7 @@ class DecodeJob(ChunkedJob):
 def _decode_stats(mean, std, xshape: tuple[int, ...], head: Header):
     """Checked float32 mean / std of a decode, as the stream says it was encoded (with or without each)."""
     try:
-        mean32, std32 = _stats(mean, std, xshape)
+        mean32, std32 = check_stats(mean, std, xshape)
     except ConfigTypeError:
         raise
     except ValueError as err:  # NaN, inf or a negative std: statistics no encoder took, so not the stream's
