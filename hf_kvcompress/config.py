@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
@@ -15,6 +16,23 @@ from .predictors import registry as predictor_registry
 from .validation import check_choice, check_fraction, check_int, check_number, checked, fail, validate
 
 MODES = ("none", "lossless", "lossy")
+
+
+def _codec_config(values: tuple) -> CodecConfig:
+    """The validated `CodecConfig` of `LosslessConfig.CODEC_FIELDS`' values, built once per distinct settings (a
+    load parses its file's config more than once; CodecConfig is frozen, so they share it)."""
+    try:
+        hash(values)
+    except TypeError:  # a value of the wrong type: CodecConfig names it
+        return _new_codec_config(values)
+    return _shared_codec_config((*values, *map(type, values)))  # typed: True and 1.0 are not the int 1
+
+
+def _new_codec_config(values: tuple) -> CodecConfig:
+    return CodecConfig(**dict(zip(LosslessConfig.CODEC_FIELDS, values)))  # zip stops at the fields' values
+
+
+_shared_codec_config = functools.lru_cache(maxsize=64)(_new_codec_config)
 
 
 @dataclass(frozen=True)
@@ -104,15 +122,15 @@ class LosslessConfig(JsonConfig):
                                       "with 'generic' or 'context' and store with "
                                       f"LosslessConfig(save_predictor={self.predictor!r}) or "
                                       f"cache.save(path, predictor={self.predictor!r})")
-        try:
-            self.codec_config()
+        try:  # built and validated once: every reader of these settings shares it (CodecConfig is frozen)
+            object.__setattr__(self, "_codec", _codec_config(tuple(getattr(self, name) for name in self.CODEC_FIELDS)))
         except ValueError as err:  # ConfigTypeError too; the fields have CodecConfig's names: name them as ours
             message = str(err).replace("CodecConfig.", f"{owner}.").replace("CodecConfig(", f"{owner}(")
             raise type(err)(message) from err
 
     def codec_config(self) -> CodecConfig:
         """The `CodecConfig` of these settings (the codec's defaults for every field not set here)."""
-        return CodecConfig(**{name: getattr(self, name) for name in self.CODEC_FIELDS})
+        return self._codec
 
 
 @dataclass(frozen=True)

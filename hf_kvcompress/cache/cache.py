@@ -21,13 +21,14 @@ from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
 from ..identity import layer_types
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
-from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer, state_bytes
-from ..layer.storage import row_index, storage_bytes
+from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
+from ..layer.storage import row_index
 from ..lossy.layer import LossyHybridLayer, LossyLayer
 from ..lossy.refusals import require_model
 from ..predictors.registry import FITTED, reads_calibration
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
 from .files import CacheFiles
+from .report import cache_stats
 
 #: a sliding layer seals (codes) blocks only when its window holds at least this many blocks beyond the residual:
 #: a smaller window keeps every token raw, as transformers does (docs/model_support.md, "Sliding windows")
@@ -375,52 +376,7 @@ class CompressedCache(CacheFiles, Cache):
         it really runs) and ``calibration`` (where it came from, or why there is none). ``per_layer=True`` adds
         ``per_layer``: the same numbers per layer, with each method's own (summaries, residual bytes, ...).
         """
-        layers = [{"layer": idx, **layer.stats()} for idx, layer in enumerate(self.layers)
-                  if isinstance(layer, CompressedLayer)]
-        for idx, layer in enumerate(self.layers):  # recurrent / conv states only: held as transformers holds them
-            if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CompressedLayer):
-                layers.append({"layer": idx, "tokens": 0, "entries": 0, "raw_bytes": 0, "stored_bytes": 0,
-                               "scalars": 0, "held_bytes": state_bytes(layer), "residual_bytes": 0,
-                               "state_bytes": state_bytes(layer)})
-        layers.sort(key=lambda s: s["layer"])
-        states = sum(s.get("state_bytes", 0) for s in layers)
-        raw = sum(s["raw_bytes"] for s in layers) + states
-        kv_stored = sum(s["stored_bytes"] for s in layers)
-        stored = kv_stored + states
-        scalars = sum(s["scalars"] for s in layers)
-        decoded = (storage_bytes(self.lossless.decoded_tensors()) + self.lossless.ahead_bytes()
-                   if self.lossless is not None else 0)
-        ids = storage_bytes([self.token_ids]) if self.token_ids is not None else 0
-        calibration = self.calibration.loaded_bytes() if self.calibration is not None else 0
-        dtypes = {str(layer.dtype).replace("torch.", "") for layer in self.layers if getattr(layer, "dtype", None)}
-        summary = {
-            "mode": self.config.mode,
-            "tokens": max((s["tokens"] for s in layers), default=0),
-            "entries": sum(s["entries"] for s in layers),
-            "raw_bytes": raw,
-            "stored_bytes": stored,
-            "held_bytes": sum(s.get("held_bytes", s["stored_bytes"]) for s in layers) + decoded + ids + calibration,
-            "decoded_bytes": decoded,
-            "token_ids_bytes": ids,
-            "calibration_bytes": calibration,
-            "state_bytes": states,
-            "bits_per_scalar": 8.0 * kv_stored / scalars if scalars else 0.0,
-            "compression_ratio": raw / stored if stored else 1.0,
-            "dtype": ",".join(sorted(dtypes)) or None,
-            "predictor": self._predictor_in_use(),
-            "calibration": self.calibration_note,
-        }
-        if per_layer:
-            summary["per_layer"] = layers
-        return summary
-
-    def _predictor_in_use(self) -> str | None:
-        if self.lossless is None:
-            return None
-        predictor = self.lossless.predictor
-        if predictor.calibrated or not predictor.fitted_by_calibration:
-            return predictor.name
-        return f"{predictor.name} without a calibration (per-block statistics, as 'generic')"
+        return cache_stats(self, per_layer=per_layer)
 
     def __repr__(self) -> str:
         return f"CompressedCache(mode={self.config.mode!r}, layers={len(self.layers)}, tokens={self.get_seq_length()})"

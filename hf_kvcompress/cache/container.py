@@ -28,7 +28,7 @@ import torch
 
 from ..blockcodec import BlockCodec, CodedBlock, CodedRow
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
-from ..codec import CodecConfig, CorruptStreamError, stream_info
+from ..codec import CodecConfig, CorruptStreamError, stream_info, stream_infos
 from ..codec.codec_config import MAX_WINDOW
 from ..config import CompressionConfig
 from ..errors import CacheFileError
@@ -251,23 +251,33 @@ def check_row(row: object, where: str, heads: int, elements: int, cursor: list[i
         check_tensor(row["listed"], f"{where} listed", cursor)
 
 
-def check_block(block: CodedBlock, config: CodecConfig, predictor: Predictor, sides: dict[tuple, dict]) -> None:
-    """Each stream must declare the block's dtype and channel-major shape (under ``config``, its layer's codec
-    settings); side data must be what the predictor sends for such a block (names, per-row shapes, dtypes;
-    ``sides`` memoises them per shape)."""
+def check_streams(blocks: list[CodedBlock], config: CodecConfig) -> None:
+    """Each stream of a layer's ``blocks`` must declare its block's dtype and channel-major shape (under
+    ``config``, the layer's codec settings): one codec call for the layer's streams, one per stream only to name
+    a stream that does not parse."""
+    try:
+        infos = iter(stream_infos([blob for block in blocks for row in block.rows for blob in row.blobs],
+                                  config=config))
+    except (CorruptStreamError, TypeError):
+        infos = None
+    for block in blocks:
+        where = f"layer {block.layer}, block at token {block.start}"
+        for r, row in enumerate(block.rows):
+            for s, blob in enumerate(row.blobs):
+                try:
+                    dtype, shape = next(infos) if infos is not None else stream_info(blob, config=config)
+                except (CorruptStreamError, TypeError) as err:
+                    raise CacheFileError(f"{where}, row {r}, stream {s}: {err}") from err
+                dim = block.dim if s < block.heads else block.value_dim  # key streams first (`stream_order`)
+                if dtype != block.dtype or shape != (dim, block.tokens):
+                    raise CacheFileError(f"{where}, row {r}, stream {s}: holds {dtype} {list(shape)}, the header "
+                                         f"says {block.dtype} {[dim, block.tokens]}")
+
+
+def check_block(block: CodedBlock, predictor: Predictor, sides: dict[tuple, dict]) -> None:
+    """Side data must be what the predictor sends for such a block (names, per-row shapes, dtypes; ``sides``
+    memoises them per shape), listed elements in range."""
     where = f"layer {block.layer}, block at token {block.start}"
-    for r, row in enumerate(block.rows):
-        for s, blob in enumerate(row.blobs):
-            try:
-                dtype, shape = stream_info(blob, config=config)
-            except (CorruptStreamError, TypeError) as err:
-                raise CacheFileError(f"{where}, row {r}, stream {s}: {err}") from err
-            dim = block.dim if s < block.heads else block.value_dim  # key streams first (`stream_order`)
-            if dtype != block.dtype or shape != (dim, block.tokens):
-                raise CacheFileError(
-                    f"{where}, row {r}, stream {s}: holds {dtype} {list(shape)}, the header says "
-                    f"{block.dtype} {[dim, block.tokens]}"
-                )
     shape = (block.layer, block.heads, block.tokens, block.dim, block.dtype, block.value_dim)
     if shape not in sides:
         sides[shape] = expected_side(predictor, *shape[:5], value_dim=block.value_dim)
@@ -327,14 +337,15 @@ def read_blocks(kv: dict[str, Any], payload: bytes, coding: BlockCodec, layer: i
                 device: torch.device, predictor: Predictor, sides: dict[tuple, dict]) -> list[CodedBlock]:
     """The blocks of a checked layer entry (``kv``: its ``heads``, ``key_dim``, ``value_dim`` and ``blocks``,
     `check_blocks`) as blocks of ``coding``, their streams copied out of ``payload`` and each checked against the
-    codec and ``predictor`` (`check_block`) before any is decoded."""
-    out, config = [], coding.codec_for(layer)
+    codec and ``predictor`` (`check_streams`, `check_block`) before any is decoded."""
+    out = []
     for b in kv["blocks"]:
         rows = [read_row(row, payload) for row in b["rows"]]
-        block = CodedBlock(layer, b["start"], b["tokens"], rows, kv["heads"], kv["key_dim"], dtype, device,
-                           value_dim=kv["value_dim"])
-        check_block(block, config, predictor, sides)
-        out.append(block)
+        out.append(CodedBlock(layer, b["start"], b["tokens"], rows, kv["heads"], kv["key_dim"], dtype, device,
+                              value_dim=kv["value_dim"]))
+    check_streams(out, coding.codec_for(layer))
+    for block in out:
+        check_block(block, predictor, sides)
     return out
 
 

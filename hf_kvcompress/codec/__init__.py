@@ -25,6 +25,7 @@ from .api import (
     encode_with_stats,
     start_decode_batch,
     stream_info,
+    stream_infos,
 )
 from .codec_config import DEFAULT_CODER, GENERATION_CODER, CodecConfig
 from .coders import CODERS
@@ -58,4 +59,5 @@ __all__ = [
     "set_table_cache",
     "start_decode_batch",
     "stream_info",
+    "stream_infos",
 ]

@@ -14,8 +14,8 @@ from .interface import (
     CodecStats,
     Coder,
     PendingDecode,
+    check_call_data,
     check_config,
-    check_has_data,
     check_parallel,
     unknown_stream,
 )
@@ -42,14 +42,6 @@ def _owns(coder: Coder, blob) -> bool:
     return any(bytes(blob[: len(m)]) == m for m in coder.magic)
 
 
-def _has_data(*values) -> None:
-    """Every tensor among a call's x / mean / std / out holds values (not the meta device): checked here, once,
-    for every coder."""
-    for name, value in zip(("x", "mean", "std", "out"), values):
-        if isinstance(value, torch.Tensor):
-            check_has_data(value, name)
-
-
 def _batch_coder(blobs, cfg: CodecConfig) -> Coder:
     """``cfg``'s coder, after checking that the first of ``blobs`` is one of its streams (a clear error for
     another coder's streams; each coder checks every stream)."""
@@ -71,7 +63,7 @@ def encode(
     """Losslessly code ``x`` (bfloat16, float16 or float32, any shape) given a predicted ``mean`` and
     spread ``std``, each broadcastable to ``x`` (or None: mean 0 / a spread sent as side info)."""
     cfg = check_config(config)
-    _has_data(x, mean, std)
+    check_call_data(x, mean, std)
     return CODERS[cfg.coder].encode(x, mean, std, cfg)
 
 
@@ -90,7 +82,7 @@ def encode_batch(
     stream ``i`` is byte-identical to ``encode(x[i], mean[i], std[i], config)`` (with ``mean[0]`` for a
     shared leading dim)."""
     cfg = check_config(config)
-    _has_data(x, mean, std)
+    check_call_data(x, mean, std)
     return CODERS[cfg.coder].encode_batch(x, mean, std, cfg, threads=threads)
 
 
@@ -123,7 +115,7 @@ def decode_batch(
     ``ans``: stream by stream, each verified whatever ``verify`` says (``threads``: forked workers over one
     stream's windows, as `decode`'s ``workers``)."""
     cfg = check_config(config)
-    _has_data(None, mean, std, out)
+    check_call_data(None, mean, std, out)
     return _batch_coder(blobs, cfg).decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
 
 
@@ -143,7 +135,7 @@ def start_decode_batch(
     where the coder has no background form (``ans``) or `decode_batch` would decode on a device (Triton): call
     `decode_batch` instead."""
     cfg = check_config(config)
-    _has_data(None, mean, std, out)
+    check_call_data(None, mean, std, out)
     return _batch_coder(blobs, cfg).start_decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify,
                                                 chunks=chunks)
 
@@ -169,7 +161,7 @@ def decode(
     `CorruptStreamError` for anything that cannot decode exactly.
     """
     check_parallel(threads, workers)
-    _has_data(None, mean, std)
+    check_call_data(None, mean, std)
     return coder_of_stream(blob).decode(blob, mean, std, config, marginal, threads=threads, workers=workers)
 
 
@@ -196,8 +188,9 @@ def decode_streams(blobs: list[bytes], mean: torch.Tensor, std: torch.Tensor, co
     stream shape exactly."""
     cfg = check_config(config)
     coder = CODERS[cfg.coder]
-    if coder.batched:
-        return decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
+    if coder.batched:  # `decode_batch` without checking cfg again
+        check_call_data(None, mean, std, out)
+        return _batch_coder(blobs, cfg).decode_batch(blobs, mean, std, cfg, out=out, threads=threads, verify=verify)
     shape = (mean.shape[-2], out.shape[-1])
     xs = [decode(b, m.expand(shape), s.expand(shape), config=cfg, workers=threads) for b, m, s in zip(blobs, mean, std)]
     for x in xs:
@@ -220,7 +213,7 @@ def decode_range(
     """Elements ``start:stop`` of the flattened tensor (1-D). ``ans`` decodes only the windows they lie in
     (causal mode: all windows up to ``stop``, since boundaries are found serially); ``lanes`` streams are one
     window, decoded whole. ``config`` and ``marginal`` as for `decode`."""
-    _has_data(None, mean, std)
+    check_call_data(None, mean, std)
     return coder_of_stream(blob).decode_range(blob, start, stop, mean, std, config, marginal)
 
 
@@ -230,7 +223,18 @@ def stream_info(
     """The dtype and shape ``blob`` decodes to, from its checked header (the payload is not decoded): lets a
     container check a stream against what it expects before allocating for it. ``config`` and ``marginal``
     as for `decode`; raises `CorruptStreamError` like `decode`."""
-    return coder_of_stream(blob).stream_info(blob, config, marginal)
+    return coder_of_stream(blob).stream_infos([blob], config, marginal)[0]
+
+
+def stream_infos(
+    blobs: Sequence[bytes], *, config: CodecConfig | None = None, marginal: Marginal | None = None
+) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """`stream_info` of each of ``blobs``, one coder call for streams of one coder (a block's): raises at the
+    first stream that does not parse, as `stream_info` would for it."""
+    coders = [coder_of_stream(blob) for blob in blobs]
+    if coders and all(c is coders[0] for c in coders):
+        return coders[0].stream_infos(blobs, config, marginal)
+    return [c.stream_infos([blob], config, marginal)[0] for c, blob in zip(coders, blobs)]
 
 
 def encode_with_stats(
@@ -247,5 +251,5 @@ def encode_with_stats(
     exact-mixture ideal, float64, slower than coding), escapes, windows timed by size and locality; ``lanes``
     reports its stream as one window and leaves ``model_bits`` / ``escapes`` None."""
     cfg = check_config(config)
-    _has_data(x, mean, std)
+    check_call_data(x, mean, std)
     return CODERS[cfg.coder].encode_with_stats(x, mean, std, cfg, decode=decode, exact=exact)

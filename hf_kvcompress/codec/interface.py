@@ -44,6 +44,14 @@ def check_has_data(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"codec: {name} is on the meta device: it has no values (load the weights first)")
 
 
+def check_call_data(*values) -> None:
+    """Every tensor among an entry point's x / mean / std / out holds values (not the meta device): checked once
+    per call, for every coder (`api`)."""
+    for name, value in zip(("x", "mean", "std", "out"), values):
+        if isinstance(value, torch.Tensor):
+            check_has_data(value, name)
+
+
 def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -> np.ndarray | None:
     """mean/std -> float32 numpy array with x's ndim (broadcastable), after checking shape and values."""
     if value is None:
@@ -73,6 +81,11 @@ def check_stat(value: object, name: str, shape: tuple[int, ...], is_std: bool) -
     if is_std and (arr < 0).any():
         raise ValueError(f"codec: std must be >= 0, got a minimum of {float(arr.min())}")
     return np.ascontiguousarray(arr)
+
+
+def check_stats(mean: object, std: object, shape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """`check_stat` of a call's mean and std: the checked float32 arrays (or None)."""
+    return check_stat(mean, "mean", shape, False), check_stat(std, "std", shape, True)
 
 
 def check_config(config: object) -> CodecConfig:
@@ -173,25 +186,39 @@ def thread_pool(n: int, name: str) -> ThreadPoolExecutor:
         return pool
 
 
-class ChunkedJob(ABC):
-    """A batch decode whose kernel runs in chunks of streams that any thread may take (a `PendingDecode`):
+class ChunkedJob:
+    """A batch decode whose compiled kernel runs in chunks of streams that any thread may take (a `PendingDecode`):
     `start` hands chunks to background threads and returns at once; `finish` takes what is left on the calling
     thread, waits for the rest and returns `result`; `cancel` hands out nothing more and waits for the chunks
-    already running. A subclass sets its chunk boundaries (`_chunks`) and runs one chunk (`_run_chunk`)."""
+    already running. A coder's job parses and checks its streams, then hands this class what it runs (`_setup`):
+    the kernel ``kernel(*args, lo, hi)`` (``args[0]`` the joined streams, the last one the per-stream error codes
+    it writes), the chunk boundaries, the tensor written and the ``out`` asked for. The job calls nothing of the
+    coder's module, so a coder and this interface never call each other both ways."""
 
-    def _chunks(self, cuts: list[int]) -> None:
+    def _setup(self, kernel, args: tuple, cuts: list[int], host: torch.Tensor, out: torch.Tensor | None,
+               corrupt: str, errors: dict[int, str]) -> None:
+        self._kernel, self.args, self.err = kernel, args, args[-1]
+        self.host, self.out = host, out
+        self._corrupt, self._errors = corrupt, errors
         self._cuts = cuts
         self._next = 0
         self._lock = threading.Lock()
         self._running: list = []
 
-    @abstractmethod
-    def _run_chunk(self, lo: int, hi: int) -> None:
-        """Decode streams ``lo..hi``."""
-
-    @abstractmethod
     def result(self, mean=None, std=None) -> torch.Tensor:
-        """After every chunk ran: the tensor, or the first stream's error."""
+        """After every chunk ran: `CorruptStreamError` for the first stream whose kernel failed, else the tensor
+        (``out`` if given, else on the device of a CUDA ``mean`` / ``std``, else the CPU's)."""
+        if self.err.any():
+            i = int(np.flatnonzero(self.err)[0])
+            raise CorruptStreamError(f"{self._corrupt}: stream {i}: {self._errors.get(int(self.err[i]), 'decode failed')}")
+        if self.out is not None:
+            return self.out if self.out is self.host else copy_into(self.out, self.host)
+        return self.host.to(device_of(mean, std))
+
+    def nbytes(self) -> int:
+        """Bytes held beside ``out``: the joined streams and a temporary output."""
+        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
+        return self.args[0].nbytes + extra
 
     def _take(self) -> tuple[int, int] | None:
         with self._lock:
@@ -203,7 +230,7 @@ class ChunkedJob(ABC):
 
     def _work(self) -> None:
         while (chunk := self._take()) is not None:
-            self._run_chunk(*chunk)
+            self._kernel(*self.args, *chunk)
 
     def start(self, threads: int = 1) -> ChunkedJob:
         """Let ``threads`` background threads take chunks (a pool of their own, not the one `decode_batch` and
@@ -288,14 +315,15 @@ class Coder(ABC):
     def decode_range(self, blob, start: int, stop: int, mean, std, config: CodecConfig | None,
                      marginal: Marginal | None = None) -> torch.Tensor:
         """Flat elements ``start:stop``; by default the whole stream is decoded and cut."""
-        n = math.prod(self.stream_info(blob, config, marginal)[1])
+        n = math.prod(self.stream_infos([blob], config, marginal)[0][1])
         check_range(start, stop, n)
         return self.decode(blob, mean, std, config, marginal).reshape(-1)[start:stop].clone()
 
     @abstractmethod
-    def stream_info(self, blob, config: CodecConfig | None,
-                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
-        """(dtype, shape) from the checked header (the payload is not decoded)."""
+    def stream_infos(self, blobs: Sequence, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Each stream's (dtype, shape) from its checked header (the payloads are not decoded); a batch, so a
+        container checks a block's streams in one call."""
 
     def encode_with_stats(self, x: torch.Tensor, mean, std, cfg: CodecConfig, *, decode: bool = True,
                           exact: bool = True) -> tuple[bytes, CodecStats]:

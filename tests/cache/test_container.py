@@ -73,3 +73,40 @@ def test_read_regular_reads_regular_files_only_bounded_and_not_past_a_foreign_pr
     with pytest.raises(CacheFileError) as info:
         read_regular(tmp_path / "missing", magic=MAGIC)
     assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def _coded_block(start: int, config, dim: int = 4, value_dim: int = 6, tokens: int = 3):
+    """A one-row block of one head whose streams are real codec streams ([width, tokens] bfloat16)."""
+    from array import array
+
+    import torch
+
+    from hf_kvcompress import codec
+    from hf_kvcompress.blockcodec import CodedBlock, CodedRow
+
+    blobs = [codec.encode(torch.randn(width, tokens).to(torch.bfloat16), config=config) for width in (dim, value_dim)]
+    row = CodedRow(blobs, array("b", [0, 0]), {})
+    return CodedBlock(0, start, tokens, [row], 1, dim, torch.bfloat16, torch.device("cpu"), value_dim=value_dim)
+
+
+@pytest.mark.parametrize("coder", ["huff", "lanes", "ans"])
+def test_check_streams_checks_a_layers_streams_and_names_the_one_that_fails(coder):
+    import torch
+
+    from hf_kvcompress.cache.container import check_streams
+    from hf_kvcompress.codec import CodecConfig
+
+    config = CodecConfig(coder=coder)
+    blocks = [_coded_block(0, config), _coded_block(3, config)]
+    check_streams(blocks, config)
+    good = blocks[1].rows[0].blobs[1]
+    blocks[1].rows[0].blobs[1] = b"junk" + good[4:]
+    with pytest.raises(CacheFileError, match="layer 0, block at token 3, row 0, stream 1: "):
+        check_streams(blocks, config)
+    blocks[1].rows[0].blobs[1] = blocks[1].rows[0].blobs[0]  # a key stream where the values' is: 4 wide, not 6
+    with pytest.raises(CacheFileError, match=r"block at token 3, row 0, stream 1: holds torch.bfloat16 \[4, 3\]"):
+        check_streams(blocks, config)
+    blocks[1].rows[0].blobs[1] = good
+    blocks[0].dtype = torch.float16
+    with pytest.raises(CacheFileError, match=r"block at token 0, row 0, stream 0: holds torch.bfloat16"):
+        check_streams(blocks, config)

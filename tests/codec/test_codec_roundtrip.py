@@ -148,3 +148,20 @@ def test_round_trip_bit_exact_lanes(case, data):
     start = data.draw(st.integers(0, n))
     stop = data.draw(st.integers(start, n))
     assert_bit_exact(codec.decode_range(blob, start, stop, mean, std, config=cfg), x.reshape(-1)[start:stop])
+
+
+def test_stream_infos_is_stream_info_of_each_stream_in_one_call():
+    from hf_kvcompress.errors import CorruptStreamError
+
+    blobs, want = [], []
+    for coder in sorted(codec.CODERS):
+        for dtype in DTYPES:
+            for shape in ((0,), (3, 5), (2, 1, 4)):
+                blobs.append(codec.encode(torch.zeros(shape, dtype=dtype), config=CodecConfig(coder=coder)))
+                want.append((dtype, shape))
+    assert codec.stream_infos(blobs) == want == [codec.stream_info(b) for b in blobs]  # mixed coders
+    one = [b for b in blobs if codec.coder_of_stream(b) is codec.coder_of_stream(blobs[-1])]
+    assert codec.stream_infos(one) == [codec.stream_info(b) for b in one]  # one coder: one call
+    assert codec.stream_infos([]) == []
+    with pytest.raises(CorruptStreamError):
+        codec.stream_infos([*one, b"not a stream"])

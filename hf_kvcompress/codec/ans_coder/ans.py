@@ -68,9 +68,9 @@ class AnsCoder(Coder):
                      marginal: Marginal | None = None) -> torch.Tensor:
         return decode_range_impl(blob, start, stop, mean, std, marginal, config)
 
-    def stream_info(self, blob, config: CodecConfig | None,
-                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
-        return stream_info_impl(blob, marginal, config)
+    def stream_infos(self, blobs, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        return [stream_info_impl(blob, marginal, config) for blob in blobs]
 
     def encode_with_stats(self, x, mean, std, cfg: CodecConfig, *, decode: bool = True,
                           exact: bool = True) -> tuple[bytes, CodecStats]:

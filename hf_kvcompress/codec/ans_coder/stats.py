@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..codec_config import CodecConfig
-from ..interface import CodecStats, bits_of, check_stat, check_x
+from ..interface import CodecStats, bits_of, check_stats, check_x
 from ..params import GAUSS_BIAS, ParamSource, sigma_bits_of_code
 from ..symbols import FP16, Format, key_to_pattern, split_bits, tensor_bits
 from ..tables import TOTAL, W_MAIN, W_WIDE, WIDE_FACTOR
@@ -80,8 +80,7 @@ def encode_with_stats(
 def _source(x, mean, std, mean_steps: int = 8) -> tuple[ParamSource, Format, np.ndarray]:
     x, fmt = check_x(x)
     shape = tuple(x.shape)
-    src = ParamSource(shape, check_stat(mean, "mean", shape, False), check_stat(std, "std", shape, True), fmt,
-                      mean_steps)
+    src = ParamSource(shape, *check_stats(mean, std, shape), fmt, mean_steps)
     return src, fmt, tensor_bits(x)
 
 

@@ -18,6 +18,7 @@ from ..interface import (
     check_parallel,
     check_range,
     check_stat,
+    check_stats,
     check_x,
     triton_device,
 )
@@ -78,8 +79,7 @@ def encode_impl(x, mean, std, config, want_costs: bool = False) -> tuple[bytes, 
     shape = tuple(int(d) for d in x.shape)
     if len(shape) > MAX_NDIM:
         raise ValueError(f"codec: x has {len(shape)} dims; streams hold at most {MAX_NDIM}")
-    mean32 = check_stat(mean, "mean", shape, False)
-    std32 = check_stat(std, "std", shape, True)
+    mean32, std32 = check_stats(mean, std, shape)
     bits = tensor_bits(x)
     n = bits.size
     keys, raw = split_bits(bits, fmt)

@@ -36,10 +36,9 @@ from ..interface import (
     ChunkedJob,
     Coder,
     check_out,
-    check_stat,
+    check_stats,
     check_tensor,
     check_threads,
-    copy_into,
     describe,
     out_layout,
     verify_mask,
@@ -129,10 +128,6 @@ def _element_contexts(mean: np.ndarray, std: np.ndarray, fmt: Format, shape: tup
     return Contexts(ctx, crow, ctx.shape[1], 1)
 
 
-def _stats(mean, std, xshape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
-    return (check_stat(mean, "mean", xshape, False), check_stat(std, "std", xshape, True))
-
-
 def _prefix(fmt: Format, shape: tuple[int, ...], has_mean: bool, has_std: bool) -> bytes:
     flags = fmt.code | (4 if has_mean else 0) | (8 if has_std else 0)
     return MAGIC + bytes((flags, len(shape))) + b"".join(varint_bytes(d) for d in shape)
@@ -154,7 +149,7 @@ def encode_batch_impl(x: torch.Tensor, mean, std, threads: int | None = None) ->
         raise ValueError(f"codec.encode_batch: x needs a leading batch dim, got {describe(x)}")
     xshape = tuple(x.shape)
     shape = xshape[1:]
-    mean32, std32 = _stats(mean, std, xshape)
+    mean32, std32 = check_stats(mean, std, xshape)
     ew, mw = FIELDS[fmt.code]
     cx = contexts(mean32, std32, fmt, shape, xshape[0])
     fps = np.empty(xshape[0], np.uint32)
@@ -295,37 +290,20 @@ class DecodeJob(ChunkedJob):
         if wrong.size:
             raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
                                          "encoder's (their contexts' fingerprint does not match)")
-        self.out = out
-        self.host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
+        host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
         ew, mw = FIELDS[fmt.code]
-        self.err = np.zeros(n, np.int32)
-        self.args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, 2 << ew,
-                     cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, self.err)
+        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, 2 << ew,
+                cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, np.zeros(n, np.int32))
         groups = -(-n // 4) if math.prod(shape) else 0
         k = max(1, min(chunks, groups))
-        self._chunks(sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)}))
-
-    def _run_chunk(self, lo: int, hi: int) -> None:
-        kernels.decode_streams(*self.args, lo, hi)
-
-    def result(self, mean=None, std=None) -> torch.Tensor:
-        if self.err.any():
-            i = int(np.flatnonzero(self.err)[0])
-            raise _corrupt(f"stream {i}: {_ERRORS.get(int(self.err[i]), 'decode failed')}")
-        if self.out is None:
-            return self.host
-        return self.out if self.host is self.out else copy_into(self.out, self.host)
-
-    def nbytes(self) -> int:
-        """Bytes held beside ``out``: the joined streams and a temporary output."""
-        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
-        return self.args[0].nbytes + extra
+        self._setup(kernels.decode_streams, args, sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)}),
+                    host, out, "corrupt huff codec stream", _ERRORS)
 
 
 def _decode_stats(mean, std, xshape: tuple[int, ...], head: Header):
     """Checked float32 mean / std of a decode, as the stream says it was encoded (with or without each)."""
     try:
-        mean32, std32 = _stats(mean, std, xshape)
+        mean32, std32 = check_stats(mean, std, xshape)
     except ConfigTypeError:
         raise
     except ValueError as err:  # NaN, inf or a negative std: statistics no encoder took, so not the stream's
@@ -398,10 +376,9 @@ class HuffCoder(Coder):
             raise TypeError(f"codec: blob must be bytes, got {type(blob).__name__}")
         return decode_batch_impl([blob], mean, std)[0]
 
-    def stream_info(self, blob, config: CodecConfig | None,
-                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
-        head = parse_prefix(blob)
-        return head.fmt.dtype, head.shape
+    def stream_infos(self, blobs, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        return [(head.fmt.dtype, head.shape) for head in map(parse_prefix, blobs)]
 
     def payload_bytes(self, blob: bytes, n: int, fmt: Format) -> int:
         return len(blob) - len(parse_prefix(blob).prefix) - 8  # fingerprint and crc: the rest codes the elements

@@ -62,9 +62,10 @@ class LanesCoder(Coder):
                      marginal: Marginal | None = None) -> torch.Tensor:
         return lanes.decode_range_one(blob, start, stop, mean, std, _config(config, marginal))
 
-    def stream_info(self, blob, config: CodecConfig | None,
-                    marginal: Marginal | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
-        return lanes.stream_info_one(blob, _config(config, marginal))
+    def stream_infos(self, blobs, config: CodecConfig | None,
+                     marginal: Marginal | None = None) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        cfg = _config(config, marginal)
+        return [lanes.stream_info_one(blob, cfg) for blob in blobs]
 
     def payload_bytes(self, blob: bytes, n: int, fmt: Format) -> int:
         return len(blob) - lanes.parse_header(bytes(blob), verify=False).data_start

@@ -41,8 +41,6 @@ from ..interface import (
     check_out,
     check_stat,
     check_threads,
-    copy_into,
-    device_of,
     out_layout,
     thread_pool,
     verify_mask,
@@ -604,42 +602,19 @@ class DecodeJob(ChunkedJob):
         xshape = (n_streams, *bt.shape)
         check_out(out, fmt, xshape)
         layout = out_layout(out, bt.shape) if out is not None and out.device.type == "cpu" else None
-        self.out = out
-        self.host = out if layout is not None else torch.empty(xshape, dtype=fmt.dtype)
+        host = out if layout is not None else torch.empty(xshape, dtype=fmt.dtype)
         if layout is None:
-            layout = out_layout(self.host, bt.shape)
+            layout = out_layout(host, bt.shape)
             assert layout is not None  # a contiguous tensor folds
         flat, obase, orun, ohi, olo = layout
-        self.err = np.zeros(n_streams, dtype=np.int32)
         tab = lane_tables()
         pcum, plut = phat_tables(cfg.marginal_or_default, fmt)
-        self.args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.run, st.p_row,
-                     st.tid, st.cp, st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut,
-                     _escape_freq(cfg, m), fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks,
-                     verify_mask(verify, n_streams), flat, obase, orun, ohi, olo, self.err)
-        self._chunks(sorted({n_streams * k // max(1, chunks) for k in range(max(1, chunks) + 1)}))
-
-    def _run_chunk(self, lo: int, hi: int) -> None:
-        jit.decode_streams(*self.args, lo, hi)
-
-    def result(self, mean=None, std=None) -> torch.Tensor:
-        """After every chunk ran: `CorruptStreamError` for the first stream that failed, else the tensor."""
-        raise_errors(self.err)
-        if self.out is not None:
-            return self.out if self.out is self.host else copy_into(self.out, self.host)
-        return self.host.to(device_of(mean, std))  # a CUDA mean / std's device, else the CPU
-
-    def nbytes(self) -> int:
-        """Bytes the job holds beside ``out``: the joined streams and its temporary output."""
-        extra = 0 if self.host is self.out else self.host.numel() * self.host.element_size()
-        return self.args[0].nbytes + extra
-
-
-
-
-
-
-
+        args = (bt.buf8, bt.buf32, bt.wstart, bt.wcount, bt.rstart, m, bt.lanes_log2, st.pidx, st.run, st.p_row,
+                st.tid, st.cp, st.cn, st.sg, tab.cum, tab.coff, tab.size, tab.half, tab.lut, pcum, plut,
+                _escape_freq(cfg, m), fmt.zero_key, fmt.pattern_bits, fmt.raw_bits, bt.checks,
+                verify_mask(verify, n_streams), flat, obase, orun, ohi, olo, np.zeros(n_streams, dtype=np.int32))
+        self._setup(jit.decode_streams, args, sorted({n_streams * k // max(1, chunks) for k in range(max(1, chunks) + 1)}),
+                    host, out, "corrupt codec stream (lanes)", _ERRORS)
 
 
 def raise_errors(err: np.ndarray) -> None:
