@@ -14,7 +14,7 @@ from itertools import pairwise
 
 import torch
 
-from .products import linear
+from .products import linear, matmul
 
 
 def ridge_lstsq(
@@ -155,15 +155,15 @@ def ridge_solve_wide(
     t = a.shape[-1]
     x0 = torch.zeros(*a.shape[:-2], t, y.shape[-1], dtype=torch.float32, device=a.device) if prior is None \
         else prior.float()
-    kernel = a @ a.transpose(-1, -2)  # [G, m, m]
+    kernel = symmetric_gram(a)  # [G, m, m]: A A^T from the blocks on and right of the diagonal
     # lam = ridge * mean(diag(A^T A)) = ridge * trace(A A^T) / t
     lam = ridge * (kernel.diagonal(dim1=-2, dim2=-1).sum(-1) / t).clamp_min(1e-30)[:, None, None]
-    residual = y - a @ x0
+    residual = y - matmul(a, x0)
     x = torch.empty_like(x0)
     chol, info = torch.linalg.cholesky_ex(_plus_diagonal(kernel, lam))
     pivots = chol.diagonal(dim1=-2, dim2=-1).abs()
     ratio = pivots.amax(-1) / pivots.amin(-1).clamp_min(1e-30)
-    x32 = x0 + a.transpose(-1, -2) @ torch.cholesky_solve(residual, chol)
+    x32 = x0 + matmul(a.transpose(-1, -2), torch.cholesky_solve(residual, chol))
     ok = (info == 0) & (ratio.square() < FLOAT32_CONDITION) & torch.isfinite(x32).flatten(1).all(-1)
     x = torch.where(ok[:, None, None], x32, x)
     SOLVE_COUNTS["float32"] += int(ok.sum())

@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings(args: argparse.Namespace) -> list[tuple[int, str, bool]]:
-    """``(context, method or 'dynamic', chunked)`` in run order: per context the dynamic rows first (the ratios'
-    reference), then the one-shot and chunked lossy ones."""
+    """``(context, method or 'dynamic', chunked)`` in run order: per context ``dynamic chunked`` first (the ratios'
+    reference), the chunked lossy rows, then the one-shot ones (a long run cut short keeps the chunked rows)."""
     from hf_kvcompress import LossyConfig
     from hf_kvcompress.errors import CliError
 
@@ -69,9 +69,9 @@ def settings(args: argparse.Namespace) -> list[tuple[int, str, bool]]:
     for context in (int(c) for c in args.contexts.split(",")):
         if context < 1:
             raise CliError("--contexts: every length must be >= 1")
-        rows = [] if args.no_dynamic else [(context, "dynamic", True), (context, "dynamic", False)]
-        rows += [(context, m, False) for m in oneshot] + [(context, m, True) for m in methods]
-        out += rows
+        rows = [] if args.no_dynamic else [(context, "dynamic", True)]
+        rows += [(context, m, True) for m in methods] + ([] if args.no_dynamic else [(context, "dynamic", False)])
+        out += rows + [(context, m, False) for m in oneshot]
     return out
 
 
