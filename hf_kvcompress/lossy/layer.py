@@ -271,10 +271,10 @@ class LossyLayer(SummaryMixin, CompressedLayer):
 
     def total_held_bytes(self) -> int:
         """Every byte this layer holds: blocks with their side data, residual and its padding mask, the kept
-        queries."""
+        queries, a KVzip replay's running scores (between its replay and its pruning)."""
         total = sum(block.nbytes() for block in self.blocks)
         total += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
-        total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes()
+        total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes() + tensor_nbytes(self.replay_scores)
         return total
 
     def query_reserve(self) -> int:

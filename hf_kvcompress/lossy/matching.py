@@ -21,7 +21,7 @@ import torch
 
 from .products import linear, matmul
 from .region import FitContext, Region
-from .solvers import nnls, ridge_lstsq, ridge_solve, symmetric_gram
+from .solvers import nnls, ridge_lstsq, ridge_solve, ridge_solve_wide, symmetric_gram
 
 
 class Kernel:
@@ -129,10 +129,13 @@ def fit_row(
     # refit's; one Gram serves both (the refit's is diag(w) G diag(w))
     row_scale = root_w / kernel.full_z
     scaled = base * row_scale[..., None]
+    # more kept entries than reference queries (a chunked prefill's later summaries, a long one-shot one): the
+    # t x t Gram has rank m at most; NNLS and the ridge solve run on the m x m side instead (`ridge_solve_wide`)
+    wide = scaled.shape[-1] > scaled.shape[-2]
     # [h, t, m]: the products below read the kept entries' columns as rows (`products.linear` takes x @ w.T)
-    columns = scaled[0].transpose(-1, -2).contiguous()
+    columns = None if wide else scaled[0].transpose(-1, -2).contiguous()
     gram = None
-    if ridge > 0 or use_bias:
+    if (ridge > 0 or use_bias) and not wide:
         known = None if prefix is None else prefix.gram
         gram = symmetric_gram(columns) if known is None else _extend_gram(known, columns)
     if use_bias and bool((kernel.query_weight > 0).any()):
@@ -153,11 +156,7 @@ def fit_row(
             # the same model, the queries weighted by sqrt(w) / Z instead of sqrt(w) / Z^ (Z^ ~ Z once NNLS has
             # fitted the mass), so the Gram is the NNLS one: design diag(w), Gram diag(w) G diag(w)
             target = (kernel.output * summary_z[..., None] - kernel.context_n) * row_scale[..., None]
-            w = weight[0]
-            rhs = w[..., None] * linear(columns, target[0].transpose(-1, -2))
-            # diag(w) G diag(w) with one t x t temporary, not two
-            values = ridge_solve((gram * w[..., :, None]).mul_(w[..., None, :]), rhs, ridge=ridge, prior=prior[0],
-                                 design=lambda: scaled[0] * w[..., None, :], target=target[0])[None].float()
+            values = _refit_values(scaled[0], columns, gram, weight[0], target[0], prior[0], ridge)[None]
     except FloatingPointError:
         values = prior
     # an ill-conditioned fit (ridge=0) can still overflow: such heads keep their entries' own values
@@ -166,6 +165,26 @@ def fit_row(
     if not weights:
         return Fit(values, bias, gram=gram)
     return Fit(values, bias, base, weight, summary_z, gram)
+
+
+def _refit_values(
+    scaled: torch.Tensor,
+    columns: torch.Tensor | None,
+    gram: torch.Tensor | None,
+    w: torch.Tensor,
+    target: torch.Tensor,
+    prior: torch.Tensor,
+    ridge: float,
+) -> torch.Tensor:
+    """The ridge refit of the values (``[h, t, d]``) for the design ``scaled diag(w)`` (``scaled`` ``[h, m, t]``):
+    from the NNLS Gram (``diag(w) G diag(w)``), or without a Gram where the design is wide (``gram`` None,
+    `ridge_solve_wide`)."""
+    if gram is None:
+        return ridge_solve_wide(scaled * w[..., None, :], target, ridge=ridge, prior=prior)
+    rhs = w[..., None] * linear(columns, target.transpose(-1, -2))
+    # diag(w) G diag(w) with one t x t temporary, not two
+    return ridge_solve((gram * w[..., :, None]).mul_(w[..., None, :]), rhs, ridge=ridge, prior=prior,
+                       design=lambda: scaled * w[..., None, :], target=target).float()
 
 
 def _extend_gram(known: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

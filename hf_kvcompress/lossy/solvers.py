@@ -14,7 +14,7 @@ from itertools import pairwise
 
 import torch
 
-from .products import linear
+from .products import linear, matmul
 
 
 def ridge_lstsq(
@@ -138,6 +138,53 @@ def ridge_solve(
     return x
 
 
+def ridge_solve_wide(
+    design: torch.Tensor, target: torch.Tensor, *, ridge: float, prior: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`ridge_solve`'s problem (``G = A^T A``, ``R = A^T Y``, the same ``lam``) for a *wide* design ``A`` ``[G, m, t]``
+    (more unknowns ``t`` than equations ``m``), solved in its dual form: ``X = X0 + A^T (A A^T + lam I)^-1 (Y - A X0)``
+    (the push-through identity; ``(A^T A + lam I) A^T = A^T (A A^T + lam I)``). The system is ``m x m`` instead of
+    ``t x t``: ``O(m^2 t)`` work and ``m^2`` memory instead of ``O(t^2 m + t^3)`` and ``t^2``. A chunked prefill's
+    summary keeps ~0.25 of the tokens seen per head (2,048 at 8k) against 768 reference queries per KV head, so its
+    systems grow wide as the context grows (docs/results/lossy.md, "Chunked prefill").
+
+    Same numerics as `ridge_solve`: a float32 Cholesky whose pivots are checked (the dual system's non-zero spectrum
+    is the primal's, so its condition number is the same), float64 from ``design`` for the systems float32 cannot
+    resolve, ``gelsd`` on the stacked primal system where even that fails. Returns float32 ``[G, t, c]``."""
+    a, y = design.float(), target.float()
+    t = a.shape[-1]
+    x0 = torch.zeros(*a.shape[:-2], t, y.shape[-1], dtype=torch.float32, device=a.device) if prior is None \
+        else prior.float()
+    kernel = symmetric_gram(a)  # [G, m, m]: A A^T from the blocks on and right of the diagonal
+    # lam = ridge * mean(diag(A^T A)) = ridge * trace(A A^T) / t
+    lam = ridge * (kernel.diagonal(dim1=-2, dim2=-1).sum(-1) / t).clamp_min(1e-30)[:, None, None]
+    residual = y - matmul(a, x0)
+    x = torch.empty_like(x0)
+    chol, info = torch.linalg.cholesky_ex(_plus_diagonal(kernel, lam))
+    pivots = chol.diagonal(dim1=-2, dim2=-1).abs()
+    ratio = pivots.amax(-1) / pivots.amin(-1).clamp_min(1e-30)
+    x32 = x0 + matmul(a.transpose(-1, -2), torch.cholesky_solve(residual, chol))
+    ok = (info == 0) & (ratio.square() < FLOAT32_CONDITION) & torch.isfinite(x32).flatten(1).all(-1)
+    x = torch.where(ok[:, None, None], x32, x)
+    SOLVE_COUNTS["float32"] += int(ok.sum())
+    if bool(ok.all()):
+        return x
+    idx = (~ok).nonzero()[:, 0]
+    a64, y64, x0_64 = a[idx].double(), y[idx].double(), x0[idx].double()
+    k64 = a64 @ a64.transpose(-1, -2)
+    lam64 = ridge * (k64.diagonal(dim1=-2, dim2=-1).sum(-1) / t).clamp_min(1e-30)[:, None, None]
+    chol, info = torch.linalg.cholesky_ex(_plus_diagonal(k64, lam64))
+    SOLVE_COUNTS["float64"] += len(idx)
+    if bool((info == 0).all()):
+        x[idx] = (x0_64 + a64.transpose(-1, -2) @ torch.cholesky_solve(y64 - a64 @ x0_64, chol)).float()
+        return x
+    SOLVE_COUNTS["gelsd"] += len(idx)
+    root = lam64.sqrt() * torch.eye(t, dtype=torch.float64, device=a.device).expand(len(idx), t, t)
+    stacked_a, stacked_y = torch.cat([a64, root], dim=-2), torch.cat([y64, lam64.sqrt() * x0_64], dim=-2)
+    x[idx] = torch.linalg.lstsq(stacked_a.cpu(), stacked_y.cpu(), driver="gelsd").solution.to(x.device, x.dtype)
+    return x
+
+
 def _plus_diagonal(gram: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     """``gram + lam I`` (``lam`` ``[G, 1, 1]``) as one new ``[G, t, t]`` tensor: the same values as adding ``lam``
     times an identity, without the identity and the product, two more ``t x t`` temporaries per head (a chunked
@@ -160,11 +207,16 @@ def nnls(
 
     Multiplicative updates (Lee & Seung): every step keeps ``w`` non-negative without an active set, works on the
     whole batch at once and only needs ``A^T A`` and ``A^T z`` (t x t), so it stays cheap for thousands of queries.
-    ``gram``: ``A^T A`` when the caller has it already (a summary fit shares it with the value refit).
+    ``gram``: ``A^T A`` when the caller has it already (a summary fit shares it with the value refit); without one
+    a wide ``A`` (``t > m``) is never formed into a Gram.
     """
     a = design.float()
+    # a wide design (more entries than queries, as a chunked prefill's summary grows): ``A^T (A w)``, two mat-vecs
+    # of ``m t`` each, in place of the ``t x t`` Gram (``t^2 m`` to build, ``t^2`` per iteration)
+    wide = gram is None and a.shape[-1] > a.shape[-2]
     # float32 on purpose: the iteration is a memory-bound batched mat-vec; the update is self-correcting
-    gram = a.transpose(-1, -2) @ a if gram is None else gram.float()
+    if not wide:
+        gram = a.transpose(-1, -2) @ a if gram is None else gram.float()
     # as a row vector times A: A is read along its rows (A^T z as a transposed mat-vec took 13x longer)
     atz = (target.float()[..., None, :] @ a)[..., 0, :].clamp_min(0.0)
     w = torch.ones(a.shape[0], a.shape[-1]) if init is None else init.float().clone()
@@ -173,9 +225,10 @@ def nnls(
     # one system at a time: its t x t Gram (1.4 MB at t = 600) stays in the core's cache for all the iterations,
     # where a batched product streams every head's Gram from memory at each one (1.8x faster for 3 heads x 600)
     out = []
-    for g, wi, zi in zip(gram, w, atz):
+    for i, (wi, zi) in enumerate(zip(w, atz)):
+        g, ai = (None, a[i]) if wide else (gram[i], None)
         for _ in range(iters):
-            wi = wi * zi / (g @ wi).clamp_min(1e-30)
+            wi = wi * zi / ((ai.transpose(-1, -2) @ (ai @ wi)) if wide else (g @ wi)).clamp_min(1e-30)
         out.append(wi)
     return torch.stack(out) if out else w
 

@@ -25,6 +25,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                    "the rate / speed frontier of every in-generation predictor side by side"),
     "kernels": ("hf_kvcompress_eval.bench.kernels",
                 "the Triton kernels against their torch references and the memory bandwidth (GPU)"),
+    "chunked": ("hf_kvcompress_eval.bench.chunked",
+                "chunked lossy prefill: peak RSS, held bytes per chunk and time against DynamicCache"),
 }
 
 
@@ -57,7 +59,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to the ``hf-kvcompress`` parser's subparsers."""
     listing = "\n".join(f"  {name:<9} {about}" for name, (_, about) in BENCHES.items())
     parser = subparsers.add_parser(
-        "bench", help="run a maintained benchmark (generate, codec, prefix, lmcache, predictors, kernels)",
+        "bench", help="run a maintained benchmark (generate, codec, prefix, lmcache, predictors, kernels, chunked)",
         description="Run one benchmark; `hf-kvcompress bench NAME --help` lists its options. Every benchmark "
         "takes --out (default: eval-results/bench/NAME) and --smoke (seconds, on a tiny random model).",
         epilog=f"benchmarks:\n{listing}", formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,6 +20,7 @@ OUTPUTS = {
     "lmcache": ["results.json", "report.md"],
     "predictors": ["results.json", "frontier.md"],
     "kernels": ["bench_kernels_smoke.json"],
+    "chunked": ["results.json", "table.md"],
 }
 NEEDS = {"lmcache": "lmcache", "kernels": "triton"}
 
@@ -43,6 +44,13 @@ def check_results(name: str, results: dict) -> None:
     elif name == "predictors":
         assert set(results["rows"]) == {"generic", "none", "context", "below", "below:huff"}
         assert all(r["identical"] for r in results["rows"].values()) and set(results["held"]) == {"generic", "below"}
+    elif name == "chunked":
+        rows = {r["key"]: r for r in results["rows"]}
+        assert list(rows) == ["96 dynamic chunked", "96 summary chunked", "96 dynamic", "96 streaming"]
+        # within budget + one chunk after every chunk, and holding less than DynamicCache
+        assert 0 < rows["96 summary chunked"]["most_over_bound"] <= 1
+        assert rows["96 summary chunked"]["held_mb"] < rows["96 dynamic chunked"]["held_mb"]
+        assert rows["96 summary chunked"]["summaries"] >= 2 and rows["96 streaming"]["summaries"] == 1
     elif name == "kernels":
         assert results["smoke"] and all(r["check"] in (None, True) for r in results["rows"])
         assert {"decode_over_attention", "decode_ms"} <= set(results["ans_vs_attention"])
@@ -52,8 +60,9 @@ def test_every_bench_has_a_test():
     assert set(OUTPUTS) == set(BENCHES)
 
 
-#: smoke runs of 15-23 s on 2 loaded cores (2026-12-04): outside the fast tier (README), still in CI
-SLOW_SMOKE = ("generate", "prefix")
+#: smoke runs of 15-23 s on 2 loaded cores (2026-12-04; chunked: four fresh processes, 33 s of CPU, 81-272 s loaded):
+#: outside the fast tier (README), still in CI
+SLOW_SMOKE = ("generate", "prefix", "chunked")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SMOKE else n for n in BENCHES])

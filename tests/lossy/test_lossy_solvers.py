@@ -1,9 +1,11 @@
 """The summary fit's numerical paths (docs/lossy.md, *Numerics*): the float32 Cholesky and its float64 fallback, the symmetric Gram,
-one Gram shared by NNLS and the value refit, and the refit that reuses the first fit's Gram. Work is counted
-(`solvers.SOLVE_COUNTS`), never timed."""
+one Gram shared by NNLS and the value refit, the refit that reuses the first fit's Gram, and the dual (``m x m``)
+form of wide systems (more kept entries than reference queries). Work is counted (`solvers.SOLVE_COUNTS`), never
+timed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_kvcompress.config import LossyConfig
@@ -11,7 +13,7 @@ from hf_kvcompress.lossy import solvers
 from hf_kvcompress.lossy.matching import Kernel, fit_row
 from hf_kvcompress.lossy.region import FitContext, Region
 from hf_kvcompress.lossy.scores import top_entries
-from hf_kvcompress.lossy.solvers import ridge_solve, symmetric_gram
+from hf_kvcompress.lossy.solvers import nnls, ridge_solve, ridge_solve_wide, symmetric_gram
 
 
 def reference(gram: torch.Tensor, rhs: torch.Tensor, ridge: float, prior: torch.Tensor) -> torch.Tensor:
@@ -105,13 +107,16 @@ def fit_setup(seed: int = 3, h: int = 2, n: int = 60, d: int = 16, m: int = 90, 
     return region, kernel
 
 
-def test_value_refit_solves_the_stated_weighted_problem():
+@pytest.mark.parametrize("queries", [90, 16])
+def test_value_refit_solves_the_stated_weighted_problem(queries):
     """The value refit shares NNLS's Gram: ``sum_j (w_j e_qj / Z^) c_j ~ o - N_ctx / Z^`` with each query's row
-    weighted by ``sqrt(query weight) Z^ / Z``. Checked against that problem built explicitly in float64."""
-    region, kernel = fit_setup()
+    weighted by ``sqrt(query weight) Z^ / Z``. Checked against that problem built explicitly in float64; with 16
+    queries for 24 kept entries the fit is wide and runs in the dual form, with no Gram."""
+    region, kernel = fit_setup(m=queries)
     index = top_entries(kernel.mass(), 24)
     ridge = 1e-3
     fit = fit_row(kernel, region, index, use_bias=True, ridge=ridge)
+    assert (fit.gram is None) == (queries < 24)
     w = fit.bias.exp().double()  # [1, h, t]
     e = torch.gather(kernel.region_exp, -1, index[..., None, :].expand(1, 2, kernel.region_exp.shape[-2], -1)).double()
     z_hat = kernel.context_z.double() + (e * w[..., None, :]).sum(-1)
@@ -141,3 +146,32 @@ def test_refit_reusing_the_first_fit_gram_equals_a_fresh_fit():
     torch.testing.assert_close(reused.gram, fresh.gram, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(reused.values, fresh.values, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(reused.bias, fresh.bias, atol=1e-5, rtol=1e-5)
+
+
+def test_wide_systems_are_solved_in_the_dual_form():
+    """``t > m``: `ridge_solve_wide` gives the primal ridge solution (the same ``lam``) from the ``m x m`` system,
+    in float32 when its pivots allow; an ill-conditioned one falls back to float64 like `ridge_solve`."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.rand(3, 40, 120, generator=gen)
+    y, prior = torch.randn(3, 40, 8, generator=gen), torch.randn(3, 120, 8, generator=gen)
+    a64 = a.double()
+    expected = reference(a64.mT @ a64, a64.mT @ y.double(), 1e-3, prior)
+    before = counts()
+    x = ridge_solve_wide(a, y, ridge=1e-3, prior=prior)
+    assert spent(before) == {"float32": 3, "float64": 0, "gelsd": 0} and x.shape == (3, 120, 8)
+    assert ((x.double() - expected).norm(dim=(-1, -2)) / expected.norm(dim=(-1, -2))).max() < 2e-3
+    bad = ill_conditioned(gen)[0].mT.contiguous()  # [40, 96]: singular values down to 1e-5 of the largest
+    y_bad = bad @ torch.randn(96, 8, generator=gen)
+    bad64 = bad.double()
+    expected = reference((bad64.mT @ bad64)[None], (bad64.mT @ y_bad.double())[None], 1e-9, torch.zeros(1, 96, 8))
+    before = counts()
+    x = ridge_solve_wide(bad[None], y_bad[None], ridge=1e-9)
+    assert spent(before)["float64"] == 1
+    assert (x.double() - expected).norm() / expected.norm() < 1e-4
+
+
+def test_nnls_of_a_wide_design_needs_no_gram():
+    """Without a Gram, a wide design runs the multiplicative updates as ``A^T (A w)``: the iterates of the Gram form."""
+    gen = torch.Generator().manual_seed(6)
+    a, z = torch.rand(2, 30, 80, generator=gen), torch.rand(2, 30, generator=gen)
+    torch.testing.assert_close(nnls(a, z, iters=40), nnls(a, z, iters=40, gram=a.mT @ a), atol=1e-6, rtol=1e-4)
