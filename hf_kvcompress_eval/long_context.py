@@ -12,7 +12,7 @@ Tasks (`TASKS`):
 `make_sample(task, length, seed, count_tokens)` builds one sample from ``seed`` alone (a `random.Random`), filling to
 about ``length`` tokens as ``count_tokens`` counts them (the model's tokenizer); `score` is RULER's
 ``string_match_all``: the share of the expected answers that appear in the prediction (case-insensitive).
-Not yet wired to ``hf-kvcompress eval --suite long`` (issue 36 stays open for it).
+`hf_kvcompress_eval.long_suite` runs them (``hf-kvcompress eval --suite long``).
 """
 
 from __future__ import annotations
@@ -37,17 +37,25 @@ WORDS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Sample:
-    """One test: ``context`` then ``question`` are the prompt; ``answers`` the strings a right answer contains."""
+    """One test: ``context``, ``question`` and ``answer_prefix`` are the prompt (`prompt`); ``answers`` the strings a
+    right answer contains."""
 
     task: str
     context: str
     question: str
     answers: tuple[str, ...]
     seed: int
+    #: the start of the answer, given (RULER's answer prefixes: a small model then answers at once)
+    answer_prefix: str = ""
+
+    @property
+    def asked(self) -> str:
+        """What follows the context: the question and the start of the answer."""
+        return f"\n{self.question}\nAnswer:" + (f" {self.answer_prefix}" if self.answer_prefix else "")
 
     @property
     def prompt(self) -> str:
-        return f"{self.context}\n{self.question}\nAnswer:"
+        return self.context + self.asked
 
 
 def _number(rng: random.Random) -> str:
@@ -85,12 +93,13 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         key = _number(rng)
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
         context = _fill(_needle_in_filler(needle, depth), length, count_tokens)
-        return Sample(task, context, "What is the pass key?", (key,), seed)
+        return Sample(task, context, "What is the pass key?", (key,), seed, "The pass key is")
     if task == "niah_single":
         key, value = rng.choice(WORDS), _number(rng)
         needle = f"One of the special magic numbers for {key} is: {value}."
         context = _fill(_needle_in_filler(needle, depth), length, count_tokens)
-        return Sample(task, context, f"What is the special magic number for {key}?", (value,), seed)
+        return Sample(task, context, f"What is the special magic number for {key}?", (value,), seed,
+                      f"The special magic number for {key} is")
     if task == "niah_multikey":
         keys = [f"{rng.choice(WORDS)}-{rng.choice(WORDS)}-{i}" for i in range(4096)]
         values = [_number(rng) for _ in keys]
@@ -98,7 +107,8 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         context = _fill(lambda n: " ".join(lines[:n]), length, count_tokens)
         shown = context.count("special magic numbers for")
         asked = rng.randrange(shown)
-        return Sample(task, context, f"What is the special magic number for {keys[asked]}?", (values[asked],), seed)
+        return Sample(task, context, f"What is the special magic number for {keys[asked]}?", (values[asked],), seed,
+                      f"The special magic number for {keys[asked]} is")
     # variable tracking: one chain of five variables, each assignment at a spread position of the filler
     value = _number(rng)
     names: list[str] = []
@@ -116,7 +126,8 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         return "".join(out) + FILLER * (n - at)
 
     context = _fill(chain, length, count_tokens)
-    return Sample(task, context, f"Which variables are assigned the value {value}?", tuple(names), seed)
+    return Sample(task, context, f"Which variables are assigned the value {value}?", tuple(names), seed,
+                  f"The variables assigned the value {value} are")
 
 
 def score(sample: Sample, prediction: str) -> float:

@@ -1,0 +1,389 @@
+"""The long-context suite's engine (``hf-kvcompress eval --suite long``, issue 36): every lossy method at several
+budgets on the generated RULER-style tasks (`long_context`) and on the NLL of held-out real text after a long context,
+against the full cache, sharing the work that does not depend on the method.
+
+Per batch of samples (one task and length; every context exactly ``length`` tokens, so rows batch unpadded):
+- one captured full prefill (`capture.capture`) serves every method that compresses after a prefill: each cache is
+  filled from the captured states (`capture.replay`, which runs the layer's summary on the prefill's own queries as a
+  one-shot prefill does; ``tests/evaluation/test_long_suite.py`` checks it against a real prefill bit for bit);
+  methods named in ``own_prefill`` get a real prefill instead;
+- KVzip's replay (the context re-fed after its repeat prompt, `methods.kvzip.replay_scores`) runs once per batch and
+  its scores prune a fresh copy of the context for every budget (`methods.kvzip.prune`);
+- answers are generated greedily (`generation.greedy_generate`), stopping at the end of the answer's line.
+
+Rows go to ``results.jsonl`` as soon as a batch's method is done (one JSON object per sample and method: task,
+length, seed, method, budget, score or NLL, held bytes per row by the cache's own count against the full cache's);
+a rerun skips the rows already there. ``max_seconds`` stops between two methods, keeping what is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_kvcompress.generation import greedy_generate
+from hf_kvcompress.lossy.methods import METHODS
+from hf_kvcompress.lossy.methods import kvzip
+from hf_kvcompress.validation import check_int, check_number
+
+from .capture import Captured, capture, replay
+from .long_context import FILLER, TASKS, Sample, make_sample, score
+from .lossy import continuation_nll, lossy_setting, physical_bytes
+
+FULL = "none"
+NLL = "nll"
+RESULTS = "results.jsonl"
+#: new tokens per task: a 7-digit number after the answer prefix is 8 tokens with SmolLM2's tokenizer (one per digit,
+#: a leading space) and a full stop; five variable names take about 25 (measured: docs/results/long_context.md)
+NEW_TOKENS = {"passkey": 10, "niah_single": 10, "niah_multikey": 10, "variable_tracking": 32}
+
+
+@dataclass
+class LongRun:
+    """What one run measures. ``samples[i]`` samples per task at ``lengths[i]``; methods are registered lossy
+    method names plus ``"none"`` (the full cache); ``nll_samples`` text windows of ``nll_lengths[i]`` context
+    tokens and ``continuation`` scored tokens each."""
+
+    tasks: tuple[str, ...] = TASKS
+    lengths: tuple[int, ...] = (2048, 4096)
+    samples: tuple[int, ...] = (50, 25)
+    methods: tuple[str, ...] = (FULL, *METHODS)
+    budgets: tuple[float, ...] = (0.5, 0.25, 0.125)
+    nll_lengths: tuple[int, ...] = (2048, 4096, 8192)
+    nll_samples: int = 8
+    continuation: int = 64
+    #: rows per batch (samples of one task and length with equally long questions)
+    batch: int = 16
+    #: the lossy caches' exact recent window (``residual_tokens``), sinks and summary interval
+    window: int = 32
+    sinks: int = 4
+    interval: int = 64
+    own_prefill: tuple[str, ...] = ()
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for task in self.tasks:
+            if task not in TASKS:
+                raise ValueError(f"long suite: task must be among {list(TASKS)}, got {task!r}")
+        known = (FULL, *METHODS)
+        for method in (*self.methods, *self.own_prefill):
+            if method not in known:
+                raise ValueError(f"long suite: method must be among {list(known)}, got {method!r}")
+        if len(self.samples) not in (1, len(self.lengths)):
+            raise ValueError(f"long suite: give one sample count, or one per length ({len(self.lengths)}), "
+                             f"got {list(self.samples)}")
+        for length in (*self.lengths, *self.nll_lengths):
+            check_int("long suite: lengths", length, minimum=64)
+        for count in self.samples:
+            check_int("long suite: samples", count, minimum=0)
+        for budget in self.budgets:
+            check_number("long suite: budgets", budget, low=0.0, high=1.0, low_open=True)
+        for name in ("nll_samples", "batch", "continuation", "window", "sinks", "interval"):
+            check_int(f"long suite: {name}", getattr(self, name), minimum=0 if name in ("nll_samples", "sinks") else 1)
+        if self.continuation < 2:
+            raise ValueError(f"long suite: continuation must be >= 2 tokens, got {self.continuation}")
+        if self.max_seconds is not None:
+            check_number("long suite: max_seconds", self.max_seconds, low=0.0, high=math.inf, low_open=True)
+
+    def count(self, length: int) -> int:
+        return self.samples[0] if len(self.samples) == 1 else self.samples[self.lengths.index(length)]
+
+    def configs(self) -> list[tuple[str, float | None]]:
+        """(method, budget) pairs: the full cache once, every lossy method at every budget."""
+        return [(m, None) if m == FULL else (m, b) for m in self.methods for b in ((None,) if m == FULL else self.budgets)]
+
+
+# ---------------------------------------------------------------------- samples in tokens
+
+
+@dataclass
+class Encoded:
+    """One sample in token ids: ``context`` exactly ``length`` ids, then ``asked`` (question and answer prefix)."""
+
+    sample: Sample
+    length: int
+    context: list[int]
+    asked: list[int]
+
+
+def encode(tokenizer, task: str, length: int, seed: int) -> Encoded:
+    """Sample ``seed`` of ``task`` with a context of exactly ``length`` tokens: the generator fills to at most
+    ``length`` (whole sentences), the rest is the end of the filler's repetition put before it."""
+    ids = _ids_counter(tokenizer)
+    sample = make_sample(task, length, seed, lambda text: len(ids(text)))
+    context = ids(sample.context)
+    missing = length - len(context)
+    if missing > 0:
+        filler = ids(FILLER)
+        filler = filler * (missing // len(filler) + 1)
+        context = filler[len(filler) - missing :] + context
+    return Encoded(sample, length, context, ids(sample.asked))
+
+
+def _ids_counter(tokenizer) -> Callable[[str], list[int]]:
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def batches(encoded: list[Encoded], size: int) -> list[list[Encoded]]:
+    """Samples of one task and length grouped by question length (so a batch has no padding), ``size`` at most."""
+    by_len: dict[int, list[Encoded]] = {}
+    for e in encoded:
+        by_len.setdefault(len(e.asked), []).append(e)
+    return [group[i : i + size] for group in by_len.values() for i in range(0, len(group), size)]
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """Token ids that end an answer: end of text, and every token holding a line break."""
+    text = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    found = [i for i, t in enumerate(text) if "\n" in t]
+    return sorted({*found, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+
+
+# ---------------------------------------------------------------------- results file
+
+
+class Results:
+    """``results.jsonl``: one JSON row per sample and configuration, appended and flushed as they come."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.done: set[tuple] = set()
+        if path.exists():
+            data = path.read_bytes()
+            # a run killed mid-write leaves a partial last line: dropped, the row is redone
+            if data and not data.endswith(b"\n"):
+                data = data[: data.rfind(b"\n") + 1]
+                path.write_bytes(data)
+            for line in data.decode().splitlines():
+                self.done.add(row_key(json.loads(line)))
+
+    def has(self, key: tuple) -> bool:
+        return key in self.done
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        fresh = [row for row in rows if row_key(row) not in self.done]
+        if not fresh:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as out:
+            out.write("".join(json.dumps(row) + "\n" for row in fresh))
+        self.done.update(row_key(row) for row in fresh)
+
+
+def row_key(row: dict[str, Any]) -> tuple:
+    return (row["task"], row["length"], row["seed"], row["method"], row["budget"])
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every complete row of a results file."""
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # only the last line may be cut short (a killed run)
+                raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+    return out
+
+
+# ---------------------------------------------------------------------- caches
+
+
+@dataclass
+class Engine:
+    """A model with what every batch needs: the cache of each configuration, the KVzip repeat prompt, stop ids."""
+
+    model: Any
+    tokenizer: Any
+    run: LongRun
+    stops: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.device = next(self.model.parameters()).device
+        self.repeat = torch.tensor(_ids_counter(self.tokenizer)(kvzip.REPEAT_PROMPT), device=self.device)
+        self.stops = self.stops or stop_ids(self.tokenizer)
+
+    def fresh(self, method: str, budget: float):
+        r = self.run
+        setting = lossy_setting(self.model, method, {"method": method}, budget, window=r.window, interval=r.interval,
+                                sinks=r.sinks)
+        return setting.make()
+
+    def caches(self, captured: Captured, ids: torch.Tensor, configs: list[tuple[str, float | None]]) -> Iterator:
+        """``(method, budget, cache)`` holding the context ``ids`` (``[b, t]``, captured as ``captured``) for every
+        configuration, one at a time (the previous one is freed first)."""
+        scores = None
+        for method, budget in configs:
+            if method == FULL:
+                cache = replay(DynamicCache(), captured)
+            elif method == "kvzip":
+                cache = self.fresh(method, budget)
+                with kvzip.hold_context(cache):
+                    replay(cache, captured)
+                if scores is None:  # the replay forward once per batch; every budget prunes by its scores
+                    scores = kvzip.replay_scores(self.model, cache, ids, self.repeat)
+                kvzip.prune(cache, scores)
+            elif method in self.run.own_prefill:
+                cache = self.fresh(method, budget)
+                with torch.inference_mode():
+                    self.model(ids, cache=cache, logits_to_keep=1)
+            else:
+                cache = replay(self.fresh(method, budget), captured)
+            yield method, budget, cache
+            del cache
+
+
+def _raw_bytes(captured: Captured) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in captured.states)
+
+
+# ---------------------------------------------------------------------- one batch
+
+
+def task_batch(engine: Engine, group: list[Encoded], configs, results: Results, clock: Clock, bar) -> bool:
+    """Every configuration on one batch of task samples; False if the clock ran out first."""
+    device = engine.device
+    context = torch.tensor([e.context for e in group], device=device)
+    prompt = torch.cat([context, torch.tensor([e.asked for e in group], device=device)], dim=-1)
+    captured = capture(engine.model, context)
+    full_bytes = _raw_bytes(captured) / len(group)
+    task = group[0].sample.task
+    for method, budget, cache in engine.caches(captured, context, configs):
+        held = physical_bytes(cache) / len(group)
+        run = greedy_generate(engine.model, prompt, cache, NEW_TOKENS[task], min_new_tokens=0,
+                              eos_token_id=engine.stops, pad_token_id=engine.stops[0])
+        texts = engine.tokenizer.batch_decode(run.sequences[:, prompt.shape[1] :].cpu(), skip_special_tokens=True)
+        results.write([{"task": task, "length": e.length, "seed": e.sample.seed, "method": method, "budget": budget,
+                        "score": score(e.sample, text), "prediction": text, "held_bytes": held,
+                        "full_bytes": full_bytes, "nll": None} for e, text in zip(group, texts)])
+        bar.update(len(group))
+        if clock.out():
+            return False
+    return True
+
+
+def nll_batch(engine: Engine, windows: torch.Tensor, seeds: list[int], length: int, configs, results: Results,
+              clock: Clock, bar) -> bool:
+    """Every configuration's NLL of the continuation after ``length`` context tokens of ``windows``
+    (``[b, length + continuation]``); False if the clock ran out first."""
+    windows = windows.to(engine.device)
+    cont = windows.shape[1] - length
+    captured = capture(engine.model, windows, logits_to_keep=cont + 1)
+    states = captured.slice(0, length)
+    full_bytes = _raw_bytes(states) / len(seeds)
+    context = windows[:, :length]
+    for method, budget, cache in engine.caches(states, context, configs):
+        held = physical_bytes(cache) / len(seeds)
+        if method == FULL:
+            nll = torch.nn.functional.cross_entropy(captured.logits[:, :-1].float().transpose(1, 2), windows[:, length:],
+                                                    reduction="none")
+        else:
+            nll = continuation_nll(engine.model, cache, windows, length, engine.run.interval, captured.logits[:, 0])
+        per_row = nll.float().mean(dim=-1).cpu().tolist()
+        results.write([{"task": NLL, "length": length, "seed": seed, "method": method, "budget": budget,
+                        "score": None, "prediction": None, "held_bytes": held, "full_bytes": full_bytes, "nll": value}
+                       for seed, value in zip(seeds, per_row)])
+        bar.update(len(seeds))
+        if clock.out():
+            return False
+    return True
+
+
+class Clock:
+    """Seconds left of a run's ``max_seconds`` (None: no bound)."""
+
+    def __init__(self, max_seconds: float | None):
+        self.deadline = None if max_seconds is None else time.monotonic() + max_seconds
+
+    def out(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def text_windows(tokenizer, text: str, length: int, continuation: int, count: int) -> torch.Tensor:
+    """``[count, length + continuation]`` ids: disjoint windows of ``text``, one after another from its start."""
+    ids = _ids_counter(tokenizer)(text)
+    size = length + continuation
+    if len(ids) < count * size:
+        raise ValueError(f"long suite: the NLL text has {len(ids)} tokens, {count} windows of {size} need "
+                         f"{count * size}; pass a longer --text or fewer --nll-samples")
+    return torch.tensor(ids[: count * size]).view(count, size)
+
+
+def plan(engine: Engine, results: Results, text: str | None) -> list[tuple[str, Any]]:
+    """The work left, in rounds (a round is one batch of every task and length, then one of every NLL length), so
+    a run stopped by its clock has about as many samples of each."""
+    run, configs = engine.run, engine.run.configs()
+    queues: list[list[tuple[str, Any]]] = []
+    for length in run.lengths:
+        for task in run.tasks:
+            todo = [seed for seed in range(run.count(length))
+                    if any(not results.has((task, length, seed, m, b)) for m, b in configs)]
+            encoded = [encode(engine.tokenizer, task, length, seed) for seed in todo]
+            queues.append([("task", group) for group in batches(encoded, run.batch)])
+    if text is not None:
+        for length in run.nll_lengths:
+            todo = [seed for seed in range(run.nll_samples)
+                    if any(not results.has((NLL, length, seed, m, b)) for m, b in configs)]
+            if not todo:
+                continue
+            windows = text_windows(engine.tokenizer, text, length, run.continuation, run.nll_samples)
+            queues.append([("nll", (length, todo[i : i + run.batch], windows[todo[i : i + run.batch]]))
+                           for i in range(0, len(todo), run.batch)])
+    rounds = max((len(q) for q in queues), default=0)
+    return [q[i] for i in range(rounds) for q in queues if i < len(q)]
+
+
+def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = True) -> dict[str, Any]:
+    """Run what ``out/results.jsonl`` lacks; returns ``{"rows_written", "stopped", "seconds"}``."""
+    start = time.monotonic()
+    results = Results(out / RESULTS)
+    before = len(results.done)
+    configs = engine.run.configs()
+    work = plan(engine, results, text)
+    total = sum(len(item) if kind == "task" else len(item[1]) for kind, item in work) * len(configs)
+    clock = Clock(engine.run.max_seconds)
+    stopped = False
+    with tqdm(total=total, desc="long suite", unit="row", disable=not progress) as bar:
+        for kind, item in work:
+            if clock.out():
+                stopped = True
+                break
+            todo = [c for c in configs if any(not results.has(_key(kind, item, c, s)) for s in _seeds(kind, item))]
+            bar.update((len(configs) - len(todo)) * len(_seeds(kind, item)))
+            if kind == "task":
+                finished = task_batch(engine, item, todo, results, clock, bar)
+            else:
+                length, seeds, windows = item
+                finished = nll_batch(engine, windows, seeds, length, todo, results, clock, bar)
+            if not finished:
+                stopped = True
+                break
+    return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start}
+
+
+def _seeds(kind: str, item: Any) -> list[int]:
+    return [e.sample.seed for e in item] if kind == "task" else item[1]
+
+
+def _key(kind: str, item: Any, config: tuple[str, float | None], seed: int) -> tuple:
+    task, length = (item[0].sample.task, item[0].length) if kind == "task" else (NLL, item[0])
+    return (task, length, seed, *config)
+
+
+def rows_of(run: LongRun) -> int:
+    """Rows a complete run writes (tasks and NLL)."""
+    per_config = sum(run.count(length) for length in run.lengths) * len(run.tasks)
+    return (per_config + run.nll_samples * len(run.nll_lengths)) * len(run.configs())
