@@ -40,6 +40,9 @@ def add_long_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--continuation", type=int, default=defaults.continuation, help="NLL tokens per window")
     group.add_argument("--batch", type=int, default=defaults.batch, help="samples per forward")
     group.add_argument("--own-prefill", default="", help="methods that get a real prefill instead of the shared one")
+    group.add_argument("--verify-prefill", default=",".join(defaults.verify_prefill),
+                       help="methods whose shared prefill is checked bit for bit against a real one first "
+                       "(a mismatch gives the method real prefills)")
     group.add_argument("--max-seconds", type=float, default=None,
                        help="stop (cleanly, between two methods) after this long; a rerun continues")
     group.add_argument("--text", default=None, help="text file of the NLL rows (default: the held-out Shakespeare)")
@@ -64,7 +67,8 @@ def long_run(args: argparse.Namespace) -> LongRun:
             samples=_list(args.samples, int, "samples"), methods=_list(args.methods, str, "methods"),
             budgets=_list(args.budgets, float, "budgets"), nll_lengths=_list(args.nll_lengths, int, "nll-lengths"),
             nll_samples=args.nll_samples, continuation=args.continuation, batch=args.batch,
-            own_prefill=_list(args.own_prefill, str, "own-prefill"), max_seconds=args.max_seconds,
+            own_prefill=_list(args.own_prefill, str, "own-prefill"),
+            verify_prefill=_list(args.verify_prefill, str, "verify-prefill"), max_seconds=args.max_seconds,
         )
     except (TypeError, ValueError) as err:
         raise CliError(str(err)) from err
@@ -129,6 +133,9 @@ def cmd_long(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "runs.jsonl").open("a") as f:
         f.write(json.dumps(log) + "\n")
+    if done["prefill_check"]:
+        print("shared prefill bit for bit a real one: " + ", ".join(f"{m} {ok}" for m, ok in done["prefill_check"].items())
+              + f"; real prefills for: {', '.join(done['own_prefill']) or 'none'}")
     state = "stopped by --max-seconds (rerun to continue)" if done["stopped"] else "complete"
     print(f"long suite {state}: {done['rows_written']} rows in {done['seconds']:.0f} s -> {results}")
     if results.is_file():

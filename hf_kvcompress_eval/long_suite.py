@@ -68,6 +68,8 @@ class LongRun:
     sinks: int = 4
     interval: int = 64
     own_prefill: tuple[str, ...] = ()
+    #: methods whose shared prefill is checked against a real one at the start (`Engine.verify_prefill`)
+    verify_prefill: tuple[str, ...] = ("summary",)
     max_seconds: float | None = None
 
     def __post_init__(self) -> None:
@@ -75,7 +77,7 @@ class LongRun:
             if task not in TASKS:
                 raise ValueError(f"long suite: task must be among {list(TASKS)}, got {task!r}")
         known = (FULL, *METHODS)
-        for method in (*self.methods, *self.own_prefill):
+        for method in (*self.methods, *self.own_prefill, *self.verify_prefill):
             if method not in known:
                 raise ValueError(f"long suite: method must be among {list(known)}, got {method!r}")
         if len(self.samples) not in (1, len(self.lengths)):
@@ -210,6 +212,8 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.device = next(self.model.parameters()).device
+        #: methods that get a real prefill (``own_prefill``, and those `verify_prefill` finds the replay differs for)
+        self.own = set(self.run.own_prefill)
         self.repeat = torch.tensor(_ids_counter(self.tokenizer)(kvzip.REPEAT_PROMPT), device=self.device)
         self.stops = self.stops or stop_ids(self.tokenizer)
 
@@ -226,21 +230,70 @@ class Engine:
         for method, budget in configs:
             if method == FULL:
                 cache = replay(DynamicCache(), captured)
+            elif method in self.own:
+                cache = self.prefilled(method, budget, ids)
             elif method == "kvzip":
-                cache = self.fresh(method, budget)
-                with kvzip.hold_context(cache):
-                    replay(cache, captured)
+                cache = self.shared(method, budget, captured, ids, hold=True)
                 if scores is None:  # the replay forward once per batch; every budget prunes by its scores
                     scores = kvzip.replay_scores(self.model, cache, ids, self.repeat)
                 kvzip.prune(cache, scores)
-            elif method in self.run.own_prefill:
-                cache = self.fresh(method, budget)
-                with torch.inference_mode():
-                    self.model(ids, cache=cache, logits_to_keep=1)
             else:
-                cache = replay(self.fresh(method, budget), captured)
+                cache = self.shared(method, budget, captured, ids)
             yield method, budget, cache
             del cache
+
+    def shared(self, method: str, budget: float, captured: Captured, ids: torch.Tensor, *, hold: bool = False):
+        """A cache at ``budget`` filled from the captured prefill (``hold``: KVzip's, summarising nothing yet), with
+        the token ids a real prefill records (`CompressedCache.token_ids`: they count in its held bytes)."""
+        cache = self.fresh(method, budget)
+        if hold:
+            with kvzip.hold_context(cache):
+                replay(cache, captured)
+        else:
+            replay(cache, captured)
+        cache.token_ids = ids.detach().cpu()
+        return cache
+
+    def prefilled(self, method: str, budget: float, ids: torch.Tensor):
+        """A cache at ``budget`` after a real prefill of ``ids`` (KVzip's: `methods.kvzip.compress_context`)."""
+        cache = self.fresh(method, budget)
+        with torch.inference_mode():
+            if method == "kvzip":
+                kvzip.compress_context(self.model, cache, ids, self.repeat)
+            else:
+                self.model(ids, cache=cache, logits_to_keep=1)
+        return cache
+
+    def verify_prefill(self, ids: torch.Tensor, methods: list[str], budget: float) -> dict[str, bool]:
+        """Per method: whether the shared path (captured prefill replayed; KVzip's replay scores then prune) leaves
+        the cache a real prefill leaves, bit for bit (every layer's held keys and values, held bytes). A method
+        where it does not gets real prefills from here on."""
+        captured = capture(self.model, ids)
+        out = {}
+        for method in methods:
+            real = self.prefilled(method, budget, ids)
+            if method == "kvzip":
+                mine = self.shared(method, budget, captured, ids, hold=True)
+                kvzip.prune(mine, kvzip.replay_scores(self.model, mine, ids, self.repeat))
+            else:
+                mine = self.shared(method, budget, captured, ids)
+            out[method] = same_state(real, mine)
+            if not out[method]:
+                self.own.add(method)
+        return out
+
+
+def same_state(a, b) -> bool:
+    """Whether two caches hold the same bits: every layer's keys and values, and the same held bytes."""
+    if physical_bytes(a) != physical_bytes(b) or len(a.layers) != len(b.layers):
+        return False
+    for x, y in zip(a.layers, b.layers):
+        for u, v in ((x.keys, y.keys), (x.values, y.values)):
+            if u.shape != v.shape or u.dtype != v.dtype:
+                return False
+            if not torch.equal(u.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)):
+                return False
+    return True
 
 
 def _raw_bytes(captured: Captured) -> int:
@@ -347,16 +400,23 @@ def plan(engine: Engine, results: Results, text: str | None) -> list[tuple[str, 
 
 
 def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = True) -> dict[str, Any]:
-    """Run what ``out/results.jsonl`` lacks; returns ``{"rows_written", "stopped", "seconds"}``."""
+    """Run what ``out/results.jsonl`` lacks; returns ``{"rows_written", "stopped", "seconds", "prefill_check",
+    "own_prefill"}`` (``prefill_check``: method -> whether the shared prefill was bit for bit a real one)."""
     start = time.monotonic()
     results = Results(out / RESULTS)
     before = len(results.done)
     configs = engine.run.configs()
     work = plan(engine, results, text)
+    check = [m for m in engine.run.verify_prefill if m in engine.run.methods and m != FULL and m not in engine.own]
+    checked = {}
+    if check and work and engine.run.budgets:
+        kind, item = work[0]
+        ids = (torch.tensor([item[0].context]) if kind == "task" else item[2][:1, : item[0]]).to(engine.device)
+        checked = engine.verify_prefill(ids, check, min(engine.run.budgets))
     total = sum(len(item) if kind == "task" else len(item[1]) for kind, item in work) * len(configs)
     clock = Clock(engine.run.max_seconds)
     stopped = False
-    with tqdm(total=total, desc="long suite", unit="row", disable=not progress) as bar:
+    with tqdm(total=total, desc="long suite", unit="row", disable=not progress, mininterval=5) as bar:
         for kind, item in work:
             if clock.out():
                 stopped = True
@@ -371,7 +431,8 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
             if not finished:
                 stopped = True
                 break
-    return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start}
+    return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start,
+            "prefill_check": checked, "own_prefill": sorted(engine.own)}
 
 
 def _seeds(kind: str, item: Any) -> list[int]:
