@@ -13,7 +13,8 @@ Per batch of samples (one task and length; every context exactly ``length`` toke
 
 Rows go to ``results.jsonl`` as soon as a batch's method is done (one JSON object per sample and method: task,
 length, seed, method, budget, score or NLL, held bytes per row by the cache's own count against the full cache's);
-a rerun skips the rows already there. ``max_seconds`` stops between two methods, keeping what is written.
+a rerun skips the rows already there. ``max_seconds`` stops after the first method (of a batch) that ends past
+it, keeping what is written.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def encode(tokenizer, task: str, length: int, seed: int) -> Encoded:
     ids = _ids_counter(tokenizer)
     sample = make_sample(task, length, seed, lambda text: len(ids(text)))
     context = ids(sample.context)
+    if len(context) > length:
+        raise ValueError(f"long suite: a {task} context cannot be as short as {length} tokens (its least is "
+                         f"{len(context)})")
     missing = length - len(context)
     if missing > 0:
         filler = ids(FILLER)
@@ -418,9 +422,6 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
     stopped = False
     with tqdm(total=total, desc="long suite", unit="row", disable=not progress, mininterval=5) as bar:
         for kind, item in work:
-            if clock.out():
-                stopped = True
-                break
             todo = [c for c in configs if any(not results.has(_key(kind, item, c, s)) for s in _seeds(kind, item))]
             bar.update((len(configs) - len(todo)) * len(_seeds(kind, item)))
             if kind == "task":

@@ -20,7 +20,7 @@ from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
 from ..layer import CompressedLayer, RawStorage, Storage
 from ..layer.hybrid import CompressedHybridLayer, state_bytes
-from ..layer.storage import row_index, storage_bytes
+from ..layer.storage import owned, row_index, storage_bytes
 from ..lossy.layer import LossyHybridLayer, LossyLayer, require_model
 from ..predictors.registry import FITTED, reads_calibration
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
@@ -241,7 +241,7 @@ class CompressedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         if self.token_ids is not None and tokens_to_remove < 0:
-            self.token_ids = self.token_ids[:, :tokens_to_remove]
+            self.token_ids = owned(self.token_ids[:, :tokens_to_remove])  # a view would pin the cropped ids
         self._blocks_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
