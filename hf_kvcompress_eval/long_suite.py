@@ -32,8 +32,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_kvcompress.generation import greedy_generate
-from hf_kvcompress.lossy.methods import METHODS
-from hf_kvcompress.lossy.methods import kvzip
+from hf_kvcompress.lossy.methods import METHODS, kvzip
 from hf_kvcompress.validation import check_int, check_number
 
 from .capture import Captured, capture, replay
