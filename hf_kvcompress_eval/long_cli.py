@@ -43,6 +43,8 @@ def add_long_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--verify-prefill", default=",".join(defaults.verify_prefill),
                        help="methods whose shared prefill is checked bit for bit against a real one first "
                        "(a mismatch gives the method real prefills)")
+    group.add_argument("--min-full-score", type=float, default=defaults.min_full_score,
+                       help="run the lossy methods only on tasks the full cache scores at least this on (0: all)")
     group.add_argument("--max-seconds", type=float, default=None,
                        help="stop (cleanly, between two methods) after this long; a rerun continues")
     group.add_argument("--text", default=None, help="text file of the NLL rows (default: the held-out Shakespeare)")
@@ -68,7 +70,7 @@ def long_run(args: argparse.Namespace) -> LongRun:
             budgets=_list(args.budgets, float, "budgets"), nll_lengths=_list(args.nll_lengths, int, "nll-lengths"),
             nll_samples=args.nll_samples, continuation=args.continuation, batch=args.batch,
             own_prefill=_list(args.own_prefill, str, "own-prefill"),
-            verify_prefill=_list(args.verify_prefill, str, "verify-prefill"), max_seconds=args.max_seconds,
+            verify_prefill=_list(args.verify_prefill, str, "verify-prefill"), max_seconds=args.max_seconds, min_full_score=args.min_full_score,
         )
     except (TypeError, ValueError) as err:
         raise CliError(str(err)) from err
@@ -136,6 +138,9 @@ def cmd_long(args: argparse.Namespace) -> int:
     if done["prefill_check"]:
         print("shared prefill bit for bit a real one: " + ", ".join(f"{m} {ok}" for m, ok in done["prefill_check"].items())
               + f"; real prefills for: {', '.join(done['own_prefill']) or 'none'}")
+    if done["left_out"]:
+        print(f"full cache below --min-full-score {run.min_full_score:g}, lossy methods skipped: "
+              + ", ".join(done["left_out"]))
     state = "stopped by --max-seconds (rerun to continue)" if done["stopped"] else "complete"
     print(f"long suite {state}: {done['rows_written']} rows in {done['seconds']:.0f} s -> {results}")
     if results.is_file():

@@ -40,6 +40,7 @@ from .long_context import FILLER, TASKS, Sample, make_sample, score
 from .lossy import continuation_nll, lossy_setting, physical_bytes
 
 FULL = "none"
+FULL_CONFIG = (FULL, None)
 NLL = "nll"
 RESULTS = "results.jsonl"
 #: new tokens per task: a 7-digit number after the answer prefix is 8 tokens with SmolLM2's tokenizer (one per digit,
@@ -70,6 +71,8 @@ class LongRun:
     own_prefill: tuple[str, ...] = ()
     #: methods whose shared prefill is checked against a real one at the start (`Engine.verify_prefill`)
     verify_prefill: tuple[str, ...] = ("summary",)
+    #: the lossy methods run only on tasks the full cache scores at least this on (issue 36: ~30 %); 0 runs all
+    min_full_score: float = 0.3
     max_seconds: float | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +96,7 @@ class LongRun:
             check_int(f"long suite: {name}", getattr(self, name), minimum=0 if name in ("nll_samples", "sinks") else 1)
         if self.continuation < 2:
             raise ValueError(f"long suite: continuation must be >= 2 tokens, got {self.continuation}")
+        check_number("long suite: min_full_score", self.min_full_score, low=0.0, high=1.0)
         if self.max_seconds is not None:
             check_number("long suite: max_seconds", self.max_seconds, low=0.0, high=math.inf, low_open=True)
 
@@ -162,6 +166,7 @@ class Results:
     def __init__(self, path: Path):
         self.path = path
         self.done: set[tuple] = set()
+        self.scores: dict[tuple, list[float]] = {}
         if path.exists():
             data = path.read_bytes()
             # a run killed mid-write leaves a partial last line: dropped, the row is redone
@@ -169,7 +174,7 @@ class Results:
                 data = data[: data.rfind(b"\n") + 1]
                 path.write_bytes(data)
             for line in data.decode().splitlines():
-                self.done.add(row_key(json.loads(line)))
+                self._add(json.loads(line))
 
     def has(self, key: tuple) -> bool:
         return key in self.done
@@ -181,7 +186,18 @@ class Results:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as out:
             out.write("".join(json.dumps(row) + "\n" for row in fresh))
-        self.done.update(row_key(row) for row in fresh)
+        for row in fresh:
+            self._add(row)
+
+    def _add(self, row: dict[str, Any]) -> None:
+        self.done.add(row_key(row))
+        if row.get("score") is not None:
+            self.scores.setdefault((row["task"], row["length"], row["method"], row["budget"]), []).append(row["score"])
+
+    def mean(self, key: tuple) -> float:
+        """Mean score of ``(task, length, method, budget)`` over the rows there are (nan if none)."""
+        values = self.scores.get(key)
+        return sum(values) / len(values) if values else math.nan
 
 
 def row_key(row: dict[str, Any]) -> tuple:
@@ -219,6 +235,14 @@ class Engine:
         self.own = set(self.run.own_prefill)
         self.repeat = torch.tensor(_ids_counter(self.tokenizer)(kvzip.REPEAT_PROMPT), device=self.device)
         self.stops = self.stops or stop_ids(self.tokenizer)
+        self._encoded: dict[tuple[str, int, int], Encoded] = {}
+
+    def encoded(self, task: str, length: int, seed: int) -> Encoded:
+        """`encode` once per sample (a run plans twice: the full cache first, then the lossy methods)."""
+        key = (task, length, seed)
+        if key not in self._encoded:
+            self._encoded[key] = encode(self.tokenizer, task, length, seed)
+        return self._encoded[key]
 
     def fresh(self, method: str, budget: float):
         r = self.run
@@ -378,49 +402,71 @@ def text_windows(tokenizer, text: str, length: int, continuation: int, count: in
     return torch.tensor(ids[: count * size]).view(count, size)
 
 
-def plan(engine: Engine, results: Results, text: str | None) -> list[tuple[str, Any]]:
-    """The work left, in rounds (a round is one batch of every task and length, then one of every NLL length), so
-    a run stopped by its clock has about as many samples of each."""
-    run, configs = engine.run, engine.run.configs()
-    queues: list[list[tuple[str, Any]]] = []
-    for length in run.lengths:
-        for task in run.tasks:
+def plan(engine: Engine, results: Results, text: str | None, task_configs: list, nll_configs: list,
+         tasks_at: Callable[[int], list[str]] | None = None) -> list[tuple[str, Any, list]]:
+    """The work left as ``(kind, item, configs)``, in rounds (a round is one batch of every task and length, then one
+    of every NLL length), so a run stopped by its clock has about as many samples of each. ``tasks_at(length)``: the
+    tasks to run at that length (default: all)."""
+    run = engine.run
+    queues: list[list[tuple[str, Any, list]]] = []
+    for length in run.lengths if task_configs else ():
+        for task in run.tasks if tasks_at is None else tasks_at(length):
             todo = [seed for seed in range(run.count(length))
-                    if any(not results.has((task, length, seed, m, b)) for m, b in configs)]
-            encoded = [encode(engine.tokenizer, task, length, seed) for seed in todo]
-            queues.append([("task", group) for group in batches(encoded, run.batch)])
-    if text is not None:
-        for length in run.nll_lengths:
-            todo = [seed for seed in range(run.nll_samples)
-                    if any(not results.has((NLL, length, seed, m, b)) for m, b in configs)]
-            if not todo:
-                continue
-            windows = text_windows(engine.tokenizer, text, length, run.continuation, run.nll_samples)
-            queues.append([("nll", (length, todo[i : i + run.batch], windows[todo[i : i + run.batch]]))
-                           for i in range(0, len(todo), run.batch)])
+                    if any(not results.has((task, length, seed, m, b)) for m, b in task_configs)]
+            encoded = [engine.encoded(task, length, seed) for seed in todo]
+            queues.append([("task", group, task_configs) for group in batches(encoded, run.batch)])
+    for length in run.nll_lengths if text is not None and nll_configs else ():
+        todo = [seed for seed in range(run.nll_samples)
+                if any(not results.has((NLL, length, seed, m, b)) for m, b in nll_configs)]
+        if not todo:
+            continue
+        windows = text_windows(engine.tokenizer, text, length, run.continuation, run.nll_samples)
+        queues.append([("nll", (length, todo[i : i + run.batch], windows[todo[i : i + run.batch]]), nll_configs)
+                       for i in range(0, len(todo), run.batch)])
     rounds = max((len(q) for q in queues), default=0)
     return [q[i] for i in range(rounds) for q in queues if i < len(q)]
 
 
 def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = True) -> dict[str, Any]:
-    """Run what ``out/results.jsonl`` lacks; returns ``{"rows_written", "stopped", "seconds", "prefill_check",
-    "own_prefill"}`` (``prefill_check``: method -> whether the shared prefill was bit for bit a real one)."""
+    """Run what ``out/results.jsonl`` lacks: first the full cache on every task and length, then the lossy methods
+    on the tasks the full cache scores at least ``min_full_score`` on, and the NLL rows. Returns ``{"rows_written",
+    "stopped", "seconds", "prefill_check", "own_prefill", "left_out"}`` (``prefill_check``: method -> whether the
+    shared prefill was bit for bit a real one; ``left_out``: ``"task@length"`` the lossy methods skipped)."""
     start = time.monotonic()
+    run = engine.run
     results = Results(out / RESULTS)
     before = len(results.done)
-    configs = engine.run.configs()
-    work = plan(engine, results, text)
-    check = [m for m in engine.run.verify_prefill if m in engine.run.methods and m != FULL and m not in engine.own]
-    checked = {}
-    if check and work and engine.run.budgets:
-        kind, item = work[0]
+    configs = run.configs()
+    full = [c for c in configs if c[0] == FULL]
+    lossy = [c for c in configs if c[0] != FULL]
+    clock = Clock(run.max_seconds)
+    stopped, checked, left_out = False, {}, []
+    if full and lossy and run.min_full_score > 0:
+        stopped = _run_work(engine, plan(engine, results, None, full, []), results, clock, progress, "full cache")
+
+        def tasks_at(length: int) -> list[str]:
+            kept = [t for t in run.tasks if results.mean((t, length, *FULL_CONFIG)) >= run.min_full_score]
+            left_out.extend(f"{t}@{length}" for t in run.tasks if t not in kept)
+            return kept
+
+        work = [] if stopped else plan(engine, results, text, lossy, configs, tasks_at)
+    else:
+        work = plan(engine, results, text, configs, configs)
+    check = [m for m in run.verify_prefill if m in run.methods and m != FULL and m not in engine.own]
+    if check and work and run.budgets:
+        kind, item, _ = work[0]
         ids = (torch.tensor([item[0].context]) if kind == "task" else item[2][:1, : item[0]]).to(engine.device)
-        checked = engine.verify_prefill(ids, check, min(engine.run.budgets))
-    total = sum(len(item) if kind == "task" else len(item[1]) for kind, item in work) * len(configs)
-    clock = Clock(engine.run.max_seconds)
-    stopped = False
-    with tqdm(total=total, desc="long suite", unit="row", disable=not progress, mininterval=5) as bar:
-        for kind, item in work:
+        checked = engine.verify_prefill(ids, check, min(run.budgets))
+    stopped = stopped or _run_work(engine, work, results, clock, progress, "long suite")
+    return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start,
+            "prefill_check": checked, "own_prefill": sorted(engine.own), "left_out": left_out}
+
+
+def _run_work(engine: Engine, work: list, results: Results, clock: Clock, progress: bool, name: str) -> bool:
+    """Run ``work`` (`plan`); True if the clock stopped it."""
+    total = sum(len(_seeds(kind, item)) * len(configs) for kind, item, configs in work)
+    with tqdm(total=total, desc=name, unit="row", disable=not progress, mininterval=5) as bar:
+        for kind, item, configs in work:
             todo = [c for c in configs if any(not results.has(_key(kind, item, c, s)) for s in _seeds(kind, item))]
             bar.update((len(configs) - len(todo)) * len(_seeds(kind, item)))
             if kind == "task":
@@ -429,10 +475,8 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
                 length, seeds, windows = item
                 finished = nll_batch(engine, windows, seeds, length, todo, results, clock, bar)
             if not finished:
-                stopped = True
-                break
-    return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start,
-            "prefill_check": checked, "own_prefill": sorted(engine.own)}
+                return True
+    return False
 
 
 def _seeds(kind: str, item: Any) -> list[int]:
@@ -443,8 +487,3 @@ def _key(kind: str, item: Any, config: tuple[str, float | None], seed: int) -> t
     task, length = (item[0].sample.task, item[0].length) if kind == "task" else (NLL, item[0])
     return (task, length, seed, *config)
 
-
-def rows_of(run: LongRun) -> int:
-    """Rows a complete run writes (tasks and NLL)."""
-    per_config = sum(run.count(length) for length in run.lengths) * len(run.tasks)
-    return (per_config + run.nll_samples * len(run.nll_lengths)) * len(run.configs())

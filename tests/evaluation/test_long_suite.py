@@ -162,23 +162,32 @@ def test_cli_smoke_resumes_and_stops_on_time(tiny_assets, tmp_path, capsys):
     args = ["eval", "--suite", "long", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
             "--tasks", "passkey,variable_tracking", "--lengths", "200", "--samples", "2", "--methods",
             "none,summary,kvzip", "--budgets", "0.5", "--nll-lengths", "96", "--nll-samples", "1",
-            "--continuation", "8", "--batch", "2", "--text", str(text), "--out", str(out), "--no-progress"]
+            "--continuation", "8", "--batch", "2", "--text", str(text), "--no-progress"]
+    args, out = [*args, "--min-full-score", "0"], tmp_path / "long"
+    args_out = [*args, "--out", str(out)]
     total = (2 * 2 + 1) * 3
-    assert main([*args, "--max-seconds", "1e-6"]) == 0
+    assert main([*args_out, "--max-seconds", "1e-6"]) == 0
     assert "stopped by --max-seconds" in capsys.readouterr().out
     cut = len((out / "results.jsonl").read_text().splitlines())
     assert cut == 2  # the first method of the first batch (2 samples), then the clock stops the run
-    assert main(args) == 0
+    assert main(args_out) == 0
     printed = capsys.readouterr().out
     assert f"complete: {total - cut} rows" in printed
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len({(r["task"], r["length"], r["seed"], r["method"], r["budget"]) for r in rows}) == len(rows) == total
-    assert main(args) == 0
+    assert main(args_out) == 0
     assert "complete: 0 rows" in capsys.readouterr().out
     report = (out / "report.md").read_text()
     assert "| method | budget | held | passkey | variable_tracking | kept mean |" in report
     assert (out / "long_context.png").stat().st_size > 0
     assert main(["eval", "--suite", "long", "--out", str(out), "--report-only"]) == 0
+    # the random model scores nothing: with the default bar the lossy methods skip every task (not the NLL rows)
+    other = tmp_path / "bar"
+    assert main([*args[:-2], "--out", str(other)]) == 0
+    assert "lossy methods skipped: passkey@200, variable_tracking@200" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (other / "results.jsonl").read_text().splitlines()]
+    assert {(r["task"], r["method"]) for r in rows if r["method"] != FULL} == {(NLL, "summary"), (NLL, "kvzip")}
+    assert len(rows) == 2 * 2 + 3
 
 
 class _Bar:
