@@ -141,6 +141,10 @@ def cmd_long(args: argparse.Namespace) -> int:
     if done["left_out"]:
         print(f"full cache below --min-full-score {run.min_full_score:g}, lossy methods skipped: "
               + ", ".join(done["left_out"]))
+    for note in done["notes"]:
+        print(f"note: {note}")
+    if done["errors"]:
+        print("FAILED configurations (no rows): " + "; ".join(f"{k}: {v}" for k, v in done["errors"].items()))
     state = "stopped by --max-seconds (rerun to continue)" if done["stopped"] else "complete"
     print(f"long suite {state}: {done['rows_written']} rows in {done['seconds']:.0f} s -> {results}")
     if results.is_file():

@@ -19,10 +19,12 @@ it, keeping what is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_kvcompress.generation import greedy_generate
+from hf_kvcompress.kernels import dispatch
 from hf_kvcompress.lossy.methods import METHODS, kvzip
 from hf_kvcompress.validation import check_int, check_number
 
@@ -236,6 +239,10 @@ class Engine:
         self.repeat = torch.tensor(_ids_counter(self.tokenizer)(kvzip.REPEAT_PROMPT), device=self.device)
         self.stops = self.stops or stop_ids(self.tokenizer)
         self._encoded: dict[tuple[str, int, int], Encoded] = {}
+        #: (method, budget) -> why it failed (`attempt`); methods run with the torch kernels; what happened
+        self.errors: dict[tuple[str, float | None], str] = {}
+        self.torch_kernels: set[str] = set()
+        self.notes: list[str] = []
 
     def encoded(self, task: str, length: int, seed: int) -> Encoded:
         """`encode` once per sample (a run plans twice: the full cache first, then the lossy methods)."""
@@ -250,24 +257,47 @@ class Engine:
                                 sinks=r.sinks)
         return setting.make()
 
-    def caches(self, captured: Captured, ids: torch.Tensor, configs: list[tuple[str, float | None]]) -> Iterator:
-        """``(method, budget, cache)`` holding the context ``ids`` (``[b, t]``, captured as ``captured``) for every
-        configuration, one at a time (the previous one is freed first)."""
-        scores = None
-        for method, budget in configs:
-            if method == FULL:
-                cache = replay(DynamicCache(), captured)
-            elif method in self.own:
-                cache = self.prefilled(method, budget, ids)
-            elif method == "kvzip":
-                cache = self.shared(method, budget, captured, ids, hold=True)
-                if scores is None:  # the replay forward once per batch; every budget prunes by its scores
-                    scores = kvzip.replay_scores(self.model, cache, ids, self.repeat)
-                kvzip.prune(cache, scores)
-            else:
-                cache = self.shared(method, budget, captured, ids)
-            yield method, budget, cache
-            del cache
+    def cache_for(self, method: str, budget: float | None, captured: Captured, ids: torch.Tensor,
+                  scores: dict[str, list[torch.Tensor]]):
+        """A cache holding the context ``ids`` (``[b, t]``, captured as ``captured``) for one configuration; ``scores``
+        keeps KVzip's replay scores for the batch (computed at its first budget, reused for the others)."""
+        if method == FULL:
+            return replay(DynamicCache(), captured)
+        if method in self.own:
+            return self.prefilled(method, budget, ids)
+        if method == "kvzip":
+            cache = self.shared(method, budget, captured, ids, hold=True)
+            if "kvzip" not in scores:  # the replay forward once per batch; every budget prunes by its scores
+                scores["kvzip"] = kvzip.replay_scores(self.model, cache, ids, self.repeat)
+            kvzip.prune(cache, scores["kvzip"])
+            return cache
+        return self.shared(method, budget, captured, ids)
+
+    def attempt(self, method: str, budget: float | None, work: Callable[[], Any]) -> Any | None:
+        """``work()`` for one configuration. On CUDA a failure is retried with the torch kernels (`kernels.dispatch`),
+        kept for that method from then on; a configuration that still fails is recorded in ``errors``, said once
+        on stderr and skipped for the rest of the run (None): one failing method must not lose the others."""
+        key = (method, budget)
+        if key in self.errors:
+            return None
+        torch_kernels = method in self.torch_kernels
+        try:
+            with dispatch.forced("torch") if torch_kernels else contextlib.nullcontext():
+                return work()
+        except Exception as err:
+            problem = f"{type(err).__name__}: {err}"
+        if not torch_kernels and self.device.type == "cuda":
+            try:
+                with dispatch.forced("torch"):
+                    out = work()
+                self.torch_kernels.add(method)
+                self.notes.append(f"{method}: torch kernels after {problem}")
+                return out
+            except Exception as err:
+                problem += f"; with the torch kernels: {type(err).__name__}: {err}"
+        self.errors[key] = problem
+        print(f"long suite: {method} at budget {budget} failed, skipped from here on: {problem}", file=sys.stderr)
+        return None
 
     def shared(self, method: str, budget: float, captured: Captured, ids: torch.Tensor, *, hold: bool = False):
         """A cache at ``budget`` filled from the captured prefill (``hold``: KVzip's, summarising nothing yet), with
@@ -337,15 +367,22 @@ def task_batch(engine: Engine, group: list[Encoded], configs, results: Results, 
     prompt = torch.cat([context, torch.tensor([e.asked for e in group], device=device)], dim=-1)
     captured = capture(engine.model, context)
     full_bytes = _raw_bytes(captured) / len(group)
-    task = group[0].sample.task
-    for method, budget, cache in engine.caches(captured, context, configs):
+    task, scores = group[0].sample.task, {}
+
+    def answer(method: str, budget: float | None) -> tuple[float, list[str]]:
+        cache = engine.cache_for(method, budget, captured, context, scores)
         held = physical_bytes(cache) / len(group)
         run = greedy_generate(engine.model, prompt, cache, NEW_TOKENS[task], min_new_tokens=0,
                               eos_token_id=engine.stops, pad_token_id=engine.stops[0])
-        texts = engine.tokenizer.batch_decode(run.sequences[:, prompt.shape[1] :].cpu(), skip_special_tokens=True)
-        results.write([{"task": task, "length": e.length, "seed": e.sample.seed, "method": method, "budget": budget,
-                        "score": score(e.sample, text), "prediction": text, "held_bytes": held,
-                        "full_bytes": full_bytes, "nll": None} for e, text in zip(group, texts)])
+        return held, engine.tokenizer.batch_decode(run.sequences[:, prompt.shape[1] :].cpu(), skip_special_tokens=True)
+
+    for method, budget in configs:
+        got = engine.attempt(method, budget, lambda m=method, b=budget: answer(m, b))
+        if got is not None:
+            held, texts = got
+            results.write([{"task": task, "length": e.length, "seed": e.sample.seed, "method": method,
+                            "budget": budget, "score": score(e.sample, text), "prediction": text, "held_bytes": held,
+                            "full_bytes": full_bytes, "nll": None} for e, text in zip(group, texts)])
         bar.update(len(group))
         if clock.out():
             return False
@@ -361,18 +398,25 @@ def nll_batch(engine: Engine, windows: torch.Tensor, seeds: list[int], length: i
     captured = capture(engine.model, windows, logits_to_keep=cont + 1)
     states = captured.slice(0, length)
     full_bytes = _raw_bytes(states) / len(seeds)
-    context = windows[:, :length]
-    for method, budget, cache in engine.caches(states, context, configs):
+    context, scores = windows[:, :length], {}
+
+    def nll(method: str, budget: float | None) -> tuple[float, list[float]]:
+        cache = engine.cache_for(method, budget, states, context, scores)
         held = physical_bytes(cache) / len(seeds)
         if method == FULL:
-            nll = torch.nn.functional.cross_entropy(captured.logits[:, :-1].float().transpose(1, 2), windows[:, length:],
-                                                    reduction="none")
+            losses = torch.nn.functional.cross_entropy(captured.logits[:, :-1].float().transpose(1, 2),
+                                                       windows[:, length:], reduction="none")
         else:
-            nll = continuation_nll(engine.model, cache, windows, length, engine.run.interval, captured.logits[:, 0])
-        per_row = nll.float().mean(dim=-1).cpu().tolist()
-        results.write([{"task": NLL, "length": length, "seed": seed, "method": method, "budget": budget,
-                        "score": None, "prediction": None, "held_bytes": held, "full_bytes": full_bytes, "nll": value}
-                       for seed, value in zip(seeds, per_row)])
+            losses = continuation_nll(engine.model, cache, windows, length, engine.run.interval, captured.logits[:, 0])
+        return held, losses.float().mean(dim=-1).cpu().tolist()
+
+    for method, budget in configs:
+        got = engine.attempt(method, budget, lambda m=method, b=budget: nll(m, b))
+        if got is not None:
+            held, per_row = got
+            results.write([{"task": NLL, "length": length, "seed": seed, "method": method, "budget": budget,
+                            "score": None, "prediction": None, "held_bytes": held, "full_bytes": full_bytes,
+                            "nll": value} for seed, value in zip(seeds, per_row)])
         bar.update(len(seeds))
         if clock.out():
             return False
@@ -430,7 +474,7 @@ def plan(engine: Engine, results: Results, text: str | None, task_configs: list,
 def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = True) -> dict[str, Any]:
     """Run what ``out/results.jsonl`` lacks: first the full cache on every task and length, then the lossy methods
     on the tasks the full cache scores at least ``min_full_score`` on, and the NLL rows. Returns ``{"rows_written",
-    "stopped", "seconds", "prefill_check", "own_prefill", "left_out"}`` (``prefill_check``: method -> whether the
+    "stopped", "seconds", "prefill_check", "own_prefill", "left_out", "errors", "notes"}`` (``prefill_check``: method -> whether the
     shared prefill was bit for bit a real one; ``left_out``: ``"task@length"`` the lossy methods skipped)."""
     start = time.monotonic()
     run = engine.run
@@ -459,7 +503,8 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
         checked = engine.verify_prefill(ids, check, min(run.budgets))
     stopped = stopped or _run_work(engine, work, results, clock, progress, "long suite")
     return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start,
-            "prefill_check": checked, "own_prefill": sorted(engine.own), "left_out": left_out}
+            "prefill_check": checked, "own_prefill": sorted(engine.own), "left_out": left_out,
+            "errors": {f"{m}@{b}": why for (m, b), why in engine.errors.items()}, "notes": engine.notes}
 
 
 def _run_work(engine: Engine, work: list, results: Results, clock: Clock, progress: bool, name: str) -> bool:

@@ -111,6 +111,21 @@ def test_a_crop_frees_the_cropped_token_ids(engine):
     assert cache.stats()["token_ids_bytes"] == ids.numel() * 8
 
 
+def test_a_failing_method_is_reported_and_skipped(engine, capsys):
+    calls = []
+
+    def boom():
+        calls.append(1)
+        raise RuntimeError("no kernel")
+
+    assert engine.attempt("tova", 0.5, boom) is None
+    assert engine.attempt("tova", 0.5, boom) is None  # skipped, not tried again
+    assert calls == [1]  # on CPU: no retry with the torch kernels (they ran already)
+    assert engine.errors == {("tova", 0.5): "RuntimeError: no kernel"}
+    assert "tova at budget 0.5 failed, skipped from here on: RuntimeError: no kernel" in capsys.readouterr().err
+    engine.errors.clear()
+
+
 def test_results_skip_done_rows_and_drop_a_cut_last_line(tmp_path):
     path = tmp_path / "results.jsonl"
     row = {"task": "passkey", "length": 96, "seed": 0, "method": "none", "budget": None, "score": 1.0}
@@ -173,6 +188,7 @@ def test_cli_smoke_resumes_and_stops_on_time(tiny_assets, tmp_path, capsys):
     assert main(args_out) == 0
     printed = capsys.readouterr().out
     assert f"complete: {total - cut} rows" in printed
+    assert "FAILED" not in printed and "shared prefill bit for bit a real one: summary True" in printed
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len({(r["task"], r["length"], r["seed"], r["method"], r["budget"]) for r in rows}) == len(rows) == total
     assert main(args_out) == 0
