@@ -46,8 +46,8 @@ FULL = "none"
 FULL_CONFIG = (FULL, None)
 NLL = "nll"
 RESULTS = "results.jsonl"
-#: new tokens per task: a 7-digit number after the answer prefix is 8 tokens with SmolLM2's tokenizer (one per digit,
-#: a leading space) and a full stop; five variable names take about 25 (measured: docs/results/long_context.md)
+#: new tokens per task: a 7-digit number after the answer prefix, its full stop and the line break are 10 SmolLM2
+#: tokens, five variable names 26 (docs/results/long_context.md, "Full-cache scores (CPU)")
 NEW_TOKENS = {"passkey": 10, "niah_single": 10, "niah_multikey": 10, "variable_tracking": 32}
 
 
