@@ -40,7 +40,7 @@ from hf_kvcompress.validation import check_int, check_number
 
 from .capture import Captured, capture, replay
 from .long_context import FILLER, TASKS, Sample, make_sample, score
-from .lossy import continuation_nll, lossy_setting, physical_bytes
+from .lossy import continuation_nll, lossy_setting, physical_bytes, captured_bytes
 
 FULL = "none"
 FULL_CONFIG = (FULL, None)
@@ -353,10 +353,6 @@ def same_state(a, b) -> bool:
     return True
 
 
-def _raw_bytes(captured: Captured) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in captured.states)
-
-
 # ---------------------------------------------------------------------- one batch
 
 
@@ -366,7 +362,7 @@ def task_batch(engine: Engine, group: list[Encoded], configs, results: Results, 
     context = torch.tensor([e.context for e in group], device=device)
     prompt = torch.cat([context, torch.tensor([e.asked for e in group], device=device)], dim=-1)
     captured = capture(engine.model, context)
-    full_bytes = _raw_bytes(captured) / len(group)
+    full_bytes = captured_bytes(captured) / len(group)
     task, scores = group[0].sample.task, {}
 
     def answer(method: str, budget: float | None) -> tuple[float, list[str]]:
@@ -397,7 +393,7 @@ def nll_batch(engine: Engine, windows: torch.Tensor, seeds: list[int], length: i
     cont = windows.shape[1] - length
     captured = capture(engine.model, windows, logits_to_keep=cont + 1)
     states = captured.slice(0, length)
-    full_bytes = _raw_bytes(states) / len(seeds)
+    full_bytes = captured_bytes(states) / len(seeds)
     context, scores = windows[:, :length], {}
 
     def nll(method: str, budget: float | None) -> tuple[float, list[float]]:

@@ -214,7 +214,7 @@ def run_perplexity(model, segments: list[torch.Tensor], settings: list[Setting],
             try:
                 start = time.perf_counter()
                 cache = replay(s.make(), context_states)
-                raw = _raw_bytes(context_states)
+                raw = captured_bytes(context_states)
                 entry = results[key]
                 entry["kept"].append(physical_bytes(cache) / raw)
                 entry["layer_errors"].append(attention_errors(cache, full, context, stride))
@@ -231,7 +231,8 @@ def run_perplexity(model, segments: list[torch.Tensor], settings: list[Setting],
         del full, context_states
 
 
-def _raw_bytes(captured: Captured) -> int:
+def captured_bytes(captured: Captured) -> int:
+    """Bytes of the captured keys and values: what a full cache holds for them."""
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in captured.states)
 
 
