@@ -40,7 +40,7 @@ from hf_kvcompress.validation import check_int, check_number
 
 from .capture import Captured, capture, replay
 from .long_context import FILLER, TASKS, Sample, make_sample, score
-from .lossy import continuation_nll, lossy_setting, physical_bytes, captured_bytes
+from .lossy import captured_bytes, continuation_nll, lossy_setting, physical_bytes
 
 FULL = "none"
 FULL_CONFIG = (FULL, None)
