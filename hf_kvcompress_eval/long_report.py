@@ -66,7 +66,8 @@ def markdown(rows: list[dict[str, Any]], png: str | None = None) -> str:
     parts = ["Score: RULER's string_match_all (share of the expected answers in the greedy answer), mean ± standard "
              "error over samples; held: bytes the cache holds after the context (its own count, `stats()`), as a "
              f"fraction of the full cache's. Tasks the full cache scores below {KEEP_FULL_SCORE:.0%} on are shown but "
-             "left out of the ranking (\"kept mean\": the mean over the kept tasks' samples).", ""]
+             "left out of the ranking (\"kept mean\": the mean over the kept tasks' samples; methods ranked by it per budget). "
+             "samples: rows behind a line (a run stopped by its time bound may hold fewer for some methods).", ""]
     for length in sorted(full):
         tasks = sorted(full[length])
         left_out = [f"{t} ({full[length][t]:.2f})" for t in tasks if t not in kept[length]]
@@ -75,7 +76,7 @@ def markdown(rows: list[dict[str, Any]], png: str | None = None) -> str:
             parts += ["Left out of the ranking (full-cache score below the bar): " + ", ".join(left_out) + ".", ""]
         counts = ", ".join(f"{t} {stats[(t, length, FULL, None)]['n']}" for t in tasks)
         parts += [f"Samples per task: {counts}.", ""]
-        head = ["method", "budget", "held", *tasks, "kept mean"]
+        head = ["method", "budget", "held", "samples", *tasks, "kept mean"]
         parts += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         configs = [(FULL, None)] + [(m, b) for b in budgets for m in _ranked(rows, lossy, length, b, kept[length])]
         for method, budget in configs:
@@ -84,8 +85,9 @@ def markdown(rows: list[dict[str, Any]], png: str | None = None) -> str:
                 continue
             cells = [_cell(stats.get((t, length, method, budget))) for t in tasks]
             pooled = _pooled(rows, length, method, budget, kept[length])
+            count = sum(stats[k]["n"] for t in tasks if (k := (t, length, method, budget)) in stats)
             parts.append("| " + " | ".join([method if method != FULL else "full cache", "-" if budget is None else
-                                             f"{budget:g}", f"{sum(held) / len(held):.3f}", *cells,
+                                             f"{budget:g}", f"{sum(held) / len(held):.3f}", str(count), *cells,
                                              _cell(pooled)]) + " |")
         parts.append("")
     nll_lengths = sorted({key[1] for key in stats if key[0] == NLL})
@@ -93,15 +95,16 @@ def markdown(rows: list[dict[str, Any]], png: str | None = None) -> str:
         parts += ["### NLL of held-out text after the context", "",
                   "Mean NLL (nats per token) of the continuation after a context of the given length, mean ± standard "
                   "error over text windows (held: at the first length).", ""]
-        head = ["method", "budget", "held", *[f"{n} tokens" for n in nll_lengths]]
+        head = ["method", "budget", "held", "windows", *[f"{n} tokens" for n in nll_lengths]]
         parts += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for method, budget in [(FULL, None)] + [(m, b) for b in budgets for m in lossy]:
             cells = [_cell(stats.get((NLL, n, method, budget))) for n in nll_lengths]
             first = next((stats[(NLL, n, method, budget)] for n in nll_lengths if (NLL, n, method, budget) in stats), None)
             if first is None:
                 continue
+            count = sum(stats[k]["n"] for n in nll_lengths if (k := (NLL, n, method, budget)) in stats)
             parts.append("| " + " | ".join([method if method != FULL else "full cache", "-" if budget is None else
-                                             f"{budget:g}", f"{first['held']:.3f}", *cells]) + " |")
+                                             f"{budget:g}", f"{first['held']:.3f}", str(count), *cells]) + " |")
         parts.append("")
     if png:
         parts += [f"![long-context scores]({png})", ""]
@@ -130,8 +133,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Kept-task score (one panel per length) and NLL (one per NLL length) against the budget, a line per method."""
     plt = _plt()
     stats = summarise(rows)
-    kept, _ = kept_tasks(stats)
-    lengths = sorted(kept)
+    kept, full = kept_tasks(stats)
+    lengths = sorted(full)
     nll_lengths = sorted({key[1] for key in stats if key[0] == NLL})
     panels = [("score", n) for n in lengths] + [(NLL, n) for n in nll_lengths]
     if not panels:
@@ -146,7 +149,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                 if kind == NLL:
                     s = stats.get((NLL, length, method, budget))
                 else:
-                    s = _pooled(rows, length, method, budget, kept[length])
+                    s = _pooled(rows, length, method, budget, kept[length] or sorted(full[length]))
                 if s is not None:
                     points.append((budget, s["mean"], s["se"]))
             if not points:
@@ -158,7 +161,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                             capsize=2, label=method)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (fraction of the full cache)")
-        ax.set_title(f"{'kept-task score' if kind == 'score' else 'continuation NLL'}, {length} tokens")
+        title = "continuation NLL" if kind == NLL else "kept-task score" if kept[length] else "score (no task kept)"
+        ax.set_title(f"{title}, {length} tokens")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()

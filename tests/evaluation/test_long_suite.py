@@ -167,8 +167,8 @@ def test_report_statistics_on_hand_made_rows():
     assert kept[96] == ["passkey"] and full[96]["variable_tracking"] == pytest.approx(0.2)
     text = markdown(rows)
     assert "Left out of the ranking (full-cache score below the bar): variable_tracking (0.20)" in text
-    assert "| snapkv | 0.5 | 0.480 | 0.250 ± 0.250 | - | 0.250 ± 0.250 |" in text
-    assert "| snapkv | 0.5 | 0.500 | 2.500 ± 0.000 |" in text
+    assert "| snapkv | 0.5 | 0.480 | 4 | 0.250 ± 0.250 | - | 0.250 ± 0.250 |" in text
+    assert "| snapkv | 0.5 | 0.500 | 1 | 2.500 ± 0.000 |" in text
 
 
 def test_cli_smoke_resumes_and_stops_on_time(tiny_assets, tmp_path, capsys):
@@ -194,7 +194,7 @@ def test_cli_smoke_resumes_and_stops_on_time(tiny_assets, tmp_path, capsys):
     assert main(args_out) == 0
     assert "complete: 0 rows" in capsys.readouterr().out
     report = (out / "report.md").read_text()
-    assert "| method | budget | held | passkey | variable_tracking | kept mean |" in report
+    assert "| method | budget | held | samples | passkey | variable_tracking | kept mean |" in report
     assert (out / "long_context.png").stat().st_size > 0
     assert main(["eval", "--suite", "long", "--out", str(out), "--report-only"]) == 0
     # the random model scores nothing: with the default bar the lossy methods skip every task (not the NLL rows)
