@@ -73,3 +73,23 @@ def test_smoke_one_sample_through_a_chunked_lossy_prefill():
     text = "".join(chr(t) for t in run.sequences[0, ids.shape[1]:].tolist())
     assert score(sample, text) in (0.0, 1.0)
     assert cache.stats()["held_bytes"] < 0.5 * cache.stats()["raw_bytes"]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_question_and_answer_prefix_never_give_the_answer_away(task):
+    for seed in range(5):
+        sample = make_sample(task, 400, seed, words)
+        assert sample.answer_prefix and sample.prompt.endswith(f"\nAnswer: {sample.answer_prefix}")
+        assert sample.prompt == sample.context + sample.asked
+        assert not any(answer.lower() in sample.asked.lower() for answer in sample.answers)
+
+
+def test_score_on_hand_made_answers_after_a_prefix():
+    needle = make_sample("niah_single", 300, 2, words)
+    value = needle.answers[0]
+    assert score(needle, f" {value}.") == 1.0  # what the model writes after "... is"
+    assert score(needle, f" {value[:-1]}.") == 0.0  # one digit short
+    assert score(needle, f" {value[:3]} {value[3:]}") == 0.0  # split: not the number
+    chain = make_sample("variable_tracking", 300, 2, words)
+    assert score(chain, " " + ", ".join(chain.answers[:2])) == pytest.approx(2 / 5)
+    assert score(chain, " " + ", ".join(reversed(chain.answers)) + ".") == 1.0  # order does not matter
