@@ -14,6 +14,7 @@ import torch
 
 from hf_kvcompress.errors import CliError
 
+from .long_context import TEXT_TASKS
 from .long_report import write_report
 from .long_suite import RESULTS, Engine, LongRun, run_long
 
@@ -47,7 +48,8 @@ def add_long_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the lossy methods only on tasks the full cache scores at least this on (0: all)")
     group.add_argument("--max-seconds", type=float, default=None,
                        help="stop (cleanly, between two methods) after this long; a rerun continues")
-    group.add_argument("--text", default=None, help="text file of the NLL rows (default: the held-out Shakespeare)")
+    group.add_argument("--text", default=None,
+                       help="text file of the NLL rows and niah_text (default: the held-out Shakespeare)")
     group.add_argument("--report-only", action="store_true", help="only write report.md and the PNG from the results")
 
 
@@ -115,11 +117,12 @@ def cmd_long(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     text = None
-    if run.nll_lengths and run.nll_samples:
+    if (run.nll_lengths and run.nll_samples) or any(task in TEXT_TASKS for task in run.tasks):
         try:
             text = nll_text(args.text)
         except (RuntimeError, OSError) as err:  # no Shakespeare in the cache folder and no network to fetch it
-            print(f"WARNING: NLL rows skipped: their text is not available ({err}); pass --text FILE", file=sys.stderr)
+            print(f"WARNING: NLL rows (and real-text tasks) skipped: their text is not available ({err}); pass --text "
+                  "FILE", file=sys.stderr)
     from hf_kvcompress.models import load_model
 
     try:

@@ -7,7 +7,9 @@ Tasks (`TASKS`):
 - ``niah_single``: one "special magic number for <key>" in repeated filler; answer the number;
 - ``niah_multikey``: the haystack is needles: many keys with their numbers; answer the number of one key;
 - ``variable_tracking``: a value assigned to one variable, then copied along a chain of variables among filler;
-  answer every variable that holds the value.
+  answer every variable that holds the value;
+- ``niah_text``: our needle ("the secret number is ...", as `needles`) at a depth of real text (``text``: a window
+  of it chosen by the seed); answer the number.
 
 `make_sample(task, length, seed, count_tokens)` builds one sample from ``seed`` alone (a `random.Random`), filling to
 about ``length`` tokens as ``count_tokens`` counts them (the model's tokenizer); `score` is RULER's
@@ -22,7 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
-TASKS: tuple[str, ...] = ("passkey", "niah_single", "niah_multikey", "variable_tracking")
+TASKS: tuple[str, ...] = ("passkey", "niah_single", "niah_multikey", "variable_tracking", "niah_text")
+#: the tasks whose haystack is real text (`make_sample`'s ``text``)
+TEXT_TASKS: tuple[str, ...] = ("niah_text",)
+#: characters a real-text haystack grows by (`_fill` counts these parts); a window is at most 8 characters per token
+TEXT_PART, TEXT_CHARS_PER_TOKEN = 64, 8
 
 #: the filler of the passkey test (Mohtashami and Jaggi 2023), repeated
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -81,8 +87,19 @@ def _needle_in_filler(needle: str, depth: float) -> Callable[[int], str]:
     return parts
 
 
-def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str], int]) -> Sample:
-    """Sample ``seed`` of ``task``, its context about ``length`` tokens long (``count_tokens`` of the context)."""
+def _needle_in_text(text: str, start: int, needle: str, depth: float) -> Callable[[int], str]:
+    def parts(n: int) -> str:
+        window = text[start : start + n * TEXT_PART]
+        at = window.find(" ", round(depth * len(window)))  # between two words
+        at = len(window) if at < 0 else at
+        return window[:at] + " " + needle + window[at:]
+
+    return parts
+
+
+def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str], int], text: str | None = None) -> Sample:
+    """Sample ``seed`` of ``task``, its context about ``length`` tokens long (``count_tokens`` of the context);
+    ``text``: the real text of `TEXT_TASKS` (at least ``2 * 8 * length`` characters)."""
     if task not in TASKS:
         raise ValueError(f"long-context task must be one of {list(TASKS)}, got {task!r}")
     if not isinstance(length, int) or length < 16:
@@ -100,6 +117,17 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         context = _fill(_needle_in_filler(needle, depth), length, count_tokens)
         return Sample(task, context, f"What is the special magic number for {key}?", (value,), seed,
                       f"The special magic number for {key} is")
+    if task == "niah_text":
+        window = TEXT_CHARS_PER_TOKEN * length
+        if text is None or len(text) < 2 * window:
+            have = "no text" if text is None else f"a text of {len(text)} characters"
+            raise ValueError(f"long-context task 'niah_text' at {length} tokens needs a text of at least {2 * window} "
+                             f"characters (text=...), got {have}")
+        key = _number(rng)
+        needle = f"Remember this: the secret number is {key}. The secret number is {key}."
+        start = text.find(" ", rng.randrange(len(text) - window)) + 1  # a word's start
+        context = _fill(_needle_in_text(text, start, needle, depth), length, count_tokens)
+        return Sample(task, context, "What is the secret number?", (key,), seed, "The secret number is")
     if task == "niah_multikey":
         keys = [f"{rng.choice(WORDS)}-{rng.choice(WORDS)}-{i}" for i in range(4096)]
         values = [_number(rng) for _ in keys]

@@ -39,7 +39,7 @@ from hf_kvcompress.lossy.methods import METHODS, kvzip
 from hf_kvcompress.validation import check_int, check_number
 
 from .capture import Captured, capture, replay
-from .long_context import FILLER, TASKS, Sample, make_sample, score
+from .long_context import FILLER, TASKS, TEXT_TASKS, Sample, make_sample, score
 from .lossy import captured_bytes, continuation_nll, lossy_setting, physical_bytes
 
 FULL = "none"
@@ -48,7 +48,7 @@ NLL = "nll"
 RESULTS = "results.jsonl"
 #: new tokens per task: a 7-digit number after the answer prefix, its full stop and the line break are 10 SmolLM2
 #: tokens, five variable names 26 (docs/results/long_context.md, "Full-cache scores (CPU)")
-NEW_TOKENS = {"passkey": 10, "niah_single": 10, "niah_multikey": 10, "variable_tracking": 32}
+NEW_TOKENS = {"passkey": 10, "niah_single": 10, "niah_multikey": 10, "variable_tracking": 32, "niah_text": 10}
 
 
 @dataclass
@@ -124,11 +124,12 @@ class Encoded:
     asked: list[int]
 
 
-def encode(tokenizer, task: str, length: int, seed: int) -> Encoded:
+def encode(tokenizer, task: str, length: int, seed: int, text: str | None = None) -> Encoded:
     """Sample ``seed`` of ``task`` with a context of exactly ``length`` tokens: the generator fills to at most
-    ``length`` (whole sentences), the rest is the end of the filler's repetition put before it."""
+    ``length`` (whole sentences), the rest is the end of the filler's repetition put before it. ``text``: the real
+    text of `long_context.TEXT_TASKS`."""
     ids = _ids_counter(tokenizer)
-    sample = make_sample(task, length, seed, lambda text: len(ids(text)))
+    sample = make_sample(task, length, seed, lambda part: len(ids(part)), text)
     context = ids(sample.context)
     if len(context) > length:
         raise ValueError(f"long suite: a {task} context cannot be as short as {length} tokens (its least is "
@@ -236,11 +237,13 @@ class Engine:
         self.device = next(self.model.parameters()).device
         #: methods that get a real prefill (``own_prefill``, and those `verify_prefill` finds the replay differs for)
         self.own = set(self.run.own_prefill)
+        #: the real text of the NLL rows and of `long_context.TEXT_TASKS` (set by `run_long`)
+        self.text: str | None = None
         self.repeat = torch.tensor(_ids_counter(self.tokenizer)(kvzip.REPEAT_PROMPT), device=self.device)
         self.stops = self.stops or stop_ids(self.tokenizer)
         self._encoded: dict[tuple[str, int, int], Encoded] = {}
         #: (method, budget) -> why it failed (`attempt`); methods run with the torch kernels; what happened
-        self.errors: dict[tuple[str, float | None], str] = {}
+        self.errors: dict[tuple[str, str, float | None], str] = {}
         self.torch_kernels: set[str] = set()
         self.notes: list[str] = []
 
@@ -248,7 +251,7 @@ class Engine:
         """`encode` once per sample (a run plans twice: the full cache first, then the lossy methods)."""
         key = (task, length, seed)
         if key not in self._encoded:
-            self._encoded[key] = encode(self.tokenizer, task, length, seed)
+            self._encoded[key] = encode(self.tokenizer, task, length, seed, self.text)
         return self._encoded[key]
 
     def fresh(self, method: str, budget: float):
@@ -273,11 +276,12 @@ class Engine:
             return cache
         return self.shared(method, budget, captured, ids)
 
-    def attempt(self, method: str, budget: float | None, work: Callable[[], Any]) -> Any | None:
+    def attempt(self, task: str, method: str, budget: float | None, work: Callable[[], Any]) -> Any | None:
         """``work()`` for one configuration. On CUDA a failure is retried with the torch kernels (`kernels.dispatch`),
         kept for that method from then on; a configuration that still fails is recorded in ``errors``, said once
-        on stderr and skipped for the rest of the run (None): one failing method must not lose the others."""
-        key = (method, budget)
+        on stderr and skipped for the rest of the run on that task (None): one failing method must not lose the
+        others."""
+        key = (task, method, budget)
         if key in self.errors:
             return None
         torch_kernels = method in self.torch_kernels
@@ -296,7 +300,8 @@ class Engine:
             except Exception as err:
                 problem += f"; with the torch kernels: {type(err).__name__}: {err}"
         self.errors[key] = problem
-        print(f"long suite: {method} at budget {budget} failed, skipped from here on: {problem}", file=sys.stderr)
+        print(f"long suite: {method} at budget {budget} failed on {task}, skipped there from here on: {problem}",
+              file=sys.stderr)
         return None
 
     def shared(self, method: str, budget: float, captured: Captured, ids: torch.Tensor, *, hold: bool = False):
@@ -373,7 +378,7 @@ def task_batch(engine: Engine, group: list[Encoded], configs, results: Results, 
         return held, engine.tokenizer.batch_decode(run.sequences[:, prompt.shape[1] :].cpu(), skip_special_tokens=True)
 
     for method, budget in configs:
-        got = engine.attempt(method, budget, lambda m=method, b=budget: answer(m, b))
+        got = engine.attempt(task, method, budget, lambda m=method, b=budget: answer(m, b))
         if got is not None:
             held, texts = got
             results.write([{"task": task, "length": e.length, "seed": e.sample.seed, "method": method,
@@ -407,7 +412,7 @@ def nll_batch(engine: Engine, windows: torch.Tensor, seeds: list[int], length: i
         return held, losses.float().mean(dim=-1).cpu().tolist()
 
     for method, budget in configs:
-        got = engine.attempt(method, budget, lambda m=method, b=budget: nll(m, b))
+        got = engine.attempt(NLL, method, budget, lambda m=method, b=budget: nll(m, b))
         if got is not None:
             held, per_row = got
             results.write([{"task": NLL, "length": length, "seed": seed, "method": method, "budget": budget,
@@ -451,6 +456,8 @@ def plan(engine: Engine, results: Results, text: str | None, task_configs: list,
     queues: list[list[tuple[str, Any, list]]] = []
     for length in run.lengths if task_configs else ():
         for task in run.tasks if tasks_at is None else tasks_at(length):
+            if task in TEXT_TASKS and text is None:
+                continue  # no real text here (said once by `run_long`)
             todo = [seed for seed in range(run.count(length))
                     if any(not results.has((task, length, seed, m, b)) for m, b in task_configs)]
             encoded = [engine.encoded(task, length, seed) for seed in todo]
@@ -474,6 +481,10 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
     shared prefill was bit for bit a real one; ``left_out``: ``"task@length"`` the lossy methods skipped)."""
     start = time.monotonic()
     run = engine.run
+    engine.text = text
+    missing = [t for t in run.tasks if t in TEXT_TASKS and text is None]
+    if missing:
+        print(f"WARNING: {', '.join(missing)} skipped: no real text (the NLL rows' text)", file=sys.stderr)
     results = Results(out / RESULTS)
     before = len(results.done)
     configs = run.configs()
@@ -482,7 +493,7 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
     clock = Clock(run.max_seconds)
     stopped, checked, left_out = False, {}, []
     if full and lossy and run.min_full_score > 0:
-        stopped = _run_work(engine, plan(engine, results, None, full, []), results, clock, progress, "full cache")
+        stopped = _run_work(engine, plan(engine, results, text, full, []), results, clock, progress, "full cache")
 
         def tasks_at(length: int) -> list[str]:
             kept = [t for t in run.tasks if results.mean((t, length, *FULL_CONFIG)) >= run.min_full_score]
@@ -500,7 +511,7 @@ def run_long(engine: Engine, out: Path, *, text: str | None, progress: bool = Tr
     stopped = stopped or _run_work(engine, work, results, clock, progress, "long suite")
     return {"rows_written": len(results.done) - before, "stopped": stopped, "seconds": time.monotonic() - start,
             "prefill_check": checked, "own_prefill": sorted(engine.own), "left_out": left_out,
-            "errors": {f"{m}@{b}": why for (m, b), why in engine.errors.items()}, "notes": engine.notes}
+            "errors": {f"{t}/{m}@{b}": why for (t, m, b), why in engine.errors.items()}, "notes": engine.notes}
 
 
 def _run_work(engine: Engine, work: list, results: Results, clock: Clock, progress: bool, name: str) -> bool:

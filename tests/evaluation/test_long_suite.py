@@ -44,13 +44,18 @@ def engine(tokenizer):
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_samples_encode_to_exactly_the_asked_length(tokenizer, task):
-    one = encode(tokenizer, task, 300, 3)
+def test_samples_encode_to_exactly_the_asked_length(tokenizer, tiny_assets, task):
+    text = tiny_assets[1].read_text()
+    one = encode(tokenizer, task, 300, 3, text)
     assert len(one.context) == 300
-    assert one.context == encode(tokenizer, task, 300, 3).context
+    assert one.context == encode(tokenizer, task, 300, 3, text).context
     text = tokenizer.decode(one.context)
     assert all(answer in text for answer in one.sample.answers)
     assert tokenizer.decode(one.asked).endswith(one.sample.answer_prefix)
+
+
+def test_every_task_has_an_answer_length():
+    assert set(long_suite.NEW_TOKENS) == set(TASKS)
 
 
 def test_batches_hold_equally_long_questions(tokenizer):
@@ -118,11 +123,13 @@ def test_a_failing_method_is_reported_and_skipped(engine, capsys):
         calls.append(1)
         raise RuntimeError("no kernel")
 
-    assert engine.attempt("tova", 0.5, boom) is None
-    assert engine.attempt("tova", 0.5, boom) is None  # skipped, not tried again
+    assert engine.attempt("passkey", "tova", 0.5, boom) is None
+    assert engine.attempt("passkey", "tova", 0.5, boom) is None  # skipped, not tried again
     assert calls == [1]  # on CPU: no retry with the torch kernels (they ran already)
-    assert engine.errors == {("tova", 0.5): "RuntimeError: no kernel"}
-    assert "tova at budget 0.5 failed, skipped from here on: RuntimeError: no kernel" in capsys.readouterr().err
+    assert engine.errors == {("passkey", "tova", 0.5): "RuntimeError: no kernel"}
+    assert engine.attempt("nll", "tova", 0.5, lambda: 7) == 7  # another task still runs it
+    assert "tova at budget 0.5 failed on passkey, skipped there from here on: RuntimeError: no kernel" in (
+        capsys.readouterr().err)
     engine.errors.clear()
 
 
