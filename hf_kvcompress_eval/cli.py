@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hf_kvcompress.errors import CliError
 
+from .long_cli import add_long_arguments, cmd_long
 from .runner import EvalError, failed_rows, run_suite
 from .suite import SuiteError, load_suite
 
@@ -22,7 +23,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         description="Run an evaluation suite (quick: a few minutes; full: about an hour on 2 CPU cores) and write "
         "results.json, report.md and PNG plots into the results folder.",
     )
-    parser.add_argument("--suite", default="quick", help="quick, full, or a path to a suite .toml file")
+    parser.add_argument("--suite", default="quick",
+                        help="quick, full, long (the long-context suite: options below), or a path to a suite .toml file")
     parser.add_argument("--out", default=None, help="results folder (default: eval-results/<suite name>, untracked)")
     parser.add_argument("--model", default=None, help="model of the run: hub id or local folder (overrides the suite)")
     parser.add_argument("--dataset", default=None,
@@ -32,11 +34,14 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (overrides the suite; 0 = the library's thread plan)")
     parser.add_argument("--only", default=None, help=f"comma-separated sections to run, among {','.join(SECTIONS)}")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_long_arguments(parser)
     parser.set_defaults(func=cmd_eval)
     return parser
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.suite == "long":
+        return cmd_long(args)
     try:
         suite = load_suite(args.suite)
     except SuiteError as err:

@@ -7,12 +7,14 @@ Tasks (`TASKS`):
 - ``niah_single``: one "special magic number for <key>" in repeated filler; answer the number;
 - ``niah_multikey``: the haystack is needles: many keys with their numbers; answer the number of one key;
 - ``variable_tracking``: a value assigned to one variable, then copied along a chain of variables among filler;
-  answer every variable that holds the value.
+  answer every variable that holds the value;
+- ``niah_text``: our needle ("the secret number is ...", as `needles`) at a depth of real text (``text``: a window
+  of it chosen by the seed); answer the number.
 
 `make_sample(task, length, seed, count_tokens)` builds one sample from ``seed`` alone (a `random.Random`), filling to
 about ``length`` tokens as ``count_tokens`` counts them (the model's tokenizer); `score` is RULER's
 ``string_match_all``: the share of the expected answers that appear in the prediction (case-insensitive).
-Not yet wired to ``hf-kvcompress eval --suite long`` (issue 36 stays open for it).
+`hf_kvcompress_eval.long_suite` runs them (``hf-kvcompress eval --suite long``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
-TASKS: tuple[str, ...] = ("passkey", "niah_single", "niah_multikey", "variable_tracking")
+TASKS: tuple[str, ...] = ("passkey", "niah_single", "niah_multikey", "variable_tracking", "niah_text")
+#: the tasks whose haystack is real text (`make_sample`'s ``text``)
+TEXT_TASKS: tuple[str, ...] = ("niah_text",)
+#: characters a real-text haystack grows by (`_fill` counts these parts); a window is at most 8 characters per token
+TEXT_PART, TEXT_CHARS_PER_TOKEN = 64, 8
 
 #: the filler of the passkey test (Mohtashami and Jaggi 2023), repeated
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -37,17 +43,25 @@ WORDS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Sample:
-    """One test: ``context`` then ``question`` are the prompt; ``answers`` the strings a right answer contains."""
+    """One test: ``context``, ``question`` and ``answer_prefix`` are the prompt (`prompt`); ``answers`` the strings a
+    right answer contains."""
 
     task: str
     context: str
     question: str
     answers: tuple[str, ...]
     seed: int
+    #: the start of the answer, given (RULER's answer prefixes: a small model then answers at once)
+    answer_prefix: str = ""
+
+    @property
+    def asked(self) -> str:
+        """What follows the context: the question and the start of the answer."""
+        return f"\n{self.question}\nAnswer:" + (f" {self.answer_prefix}" if self.answer_prefix else "")
 
     @property
     def prompt(self) -> str:
-        return f"{self.context}\n{self.question}\nAnswer:"
+        return self.context + self.asked
 
 
 def _number(rng: random.Random) -> str:
@@ -73,8 +87,19 @@ def _needle_in_filler(needle: str, depth: float) -> Callable[[int], str]:
     return parts
 
 
-def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str], int]) -> Sample:
-    """Sample ``seed`` of ``task``, its context about ``length`` tokens long (``count_tokens`` of the context)."""
+def _needle_in_text(text: str, start: int, needle: str, depth: float) -> Callable[[int], str]:
+    def parts(n: int) -> str:
+        window = text[start : start + n * TEXT_PART]
+        at = window.find(" ", round(depth * len(window)))  # between two words
+        at = len(window) if at < 0 else at
+        return window[:at] + " " + needle + window[at:]
+
+    return parts
+
+
+def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str], int], text: str | None = None) -> Sample:
+    """Sample ``seed`` of ``task``, its context about ``length`` tokens long (``count_tokens`` of the context);
+    ``text``: the real text of `TEXT_TASKS` (at least ``2 * 8 * length`` characters)."""
     if task not in TASKS:
         raise ValueError(f"long-context task must be one of {list(TASKS)}, got {task!r}")
     if not isinstance(length, int) or length < 16:
@@ -85,12 +110,24 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         key = _number(rng)
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
         context = _fill(_needle_in_filler(needle, depth), length, count_tokens)
-        return Sample(task, context, "What is the pass key?", (key,), seed)
+        return Sample(task, context, "What is the pass key?", (key,), seed, "The pass key is")
     if task == "niah_single":
         key, value = rng.choice(WORDS), _number(rng)
         needle = f"One of the special magic numbers for {key} is: {value}."
         context = _fill(_needle_in_filler(needle, depth), length, count_tokens)
-        return Sample(task, context, f"What is the special magic number for {key}?", (value,), seed)
+        return Sample(task, context, f"What is the special magic number for {key}?", (value,), seed,
+                      f"The special magic number for {key} is")
+    if task == "niah_text":
+        window = TEXT_CHARS_PER_TOKEN * length
+        if text is None or len(text) < 2 * window:
+            have = "no text" if text is None else f"a text of {len(text)} characters"
+            raise ValueError(f"long-context task 'niah_text' at {length} tokens needs a text of at least {2 * window} "
+                             f"characters (text=...), got {have}")
+        key = _number(rng)
+        needle = f"Remember this: the secret number is {key}. The secret number is {key}."
+        start = text.find(" ", rng.randrange(len(text) - window)) + 1  # a word's start
+        context = _fill(_needle_in_text(text, start, needle, depth), length, count_tokens)
+        return Sample(task, context, "What is the secret number?", (key,), seed, "The secret number is")
     if task == "niah_multikey":
         keys = [f"{rng.choice(WORDS)}-{rng.choice(WORDS)}-{i}" for i in range(4096)]
         values = [_number(rng) for _ in keys]
@@ -98,7 +135,8 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         context = _fill(lambda n: " ".join(lines[:n]), length, count_tokens)
         shown = context.count("special magic numbers for")
         asked = rng.randrange(shown)
-        return Sample(task, context, f"What is the special magic number for {keys[asked]}?", (values[asked],), seed)
+        return Sample(task, context, f"What is the special magic number for {keys[asked]}?", (values[asked],), seed,
+                      f"The special magic number for {keys[asked]} is")
     # variable tracking: one chain of five variables, each assignment at a spread position of the filler
     value = _number(rng)
     names: list[str] = []
@@ -116,7 +154,8 @@ def make_sample(task: str, length: int, seed: int, count_tokens: Callable[[str],
         return "".join(out) + FILLER * (n - at)
 
     context = _fill(chain, length, count_tokens)
-    return Sample(task, context, f"Which variables are assigned the value {value}?", tuple(names), seed)
+    return Sample(task, context, f"Which variables are assigned the value {value}?", tuple(names), seed,
+                  f"The variables assigned the value {value} are")
 
 
 def score(sample: Sample, prediction: str) -> float:

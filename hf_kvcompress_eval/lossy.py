@@ -168,15 +168,17 @@ def summary_seconds(cache) -> list[float]:
 
 @torch.inference_mode()
 def continuation_nll(model, cache, ids: torch.Tensor, context: int, chunk: int, first_logits: torch.Tensor):
-    """NLL of every continuation token: the first from the (shared) full prefill, the rest through the cache."""
+    """``[b, continuation]`` NLL of every continuation token: the first from the (shared) full prefill's
+    ``first_logits`` (``[b, vocab]``), the rest teacher-forced through the cache ``chunk`` tokens per forward."""
     cont = ids[:, context:]
-    losses = [torch.nn.functional.cross_entropy(first_logits.float(), cont[:, 0], reduction="none")]
+    losses = [torch.nn.functional.cross_entropy(first_logits.float(), cont[:, 0], reduction="none")[:, None]]
     for start in range(0, cont.shape[1] - 1, chunk):
         piece = cont[:, start : start + chunk]
         logits = model(piece, cache=cache).logits.float()
         target = cont[:, start + 1 : start + chunk + 1]
-        losses.append(torch.nn.functional.cross_entropy(logits[0, : target.shape[1]], target[0], reduction="none"))
-    return torch.cat([x.reshape(-1) for x in losses])
+        losses.append(torch.nn.functional.cross_entropy(logits[:, : target.shape[1]].transpose(1, 2), target,
+                                                        reduction="none"))
+    return torch.cat(losses, dim=1)
 
 
 # ---------------------------------------------------------------------- the experiment
@@ -212,12 +214,12 @@ def run_perplexity(model, segments: list[torch.Tensor], settings: list[Setting],
             try:
                 start = time.perf_counter()
                 cache = replay(s.make(), context_states)
-                raw = _raw_bytes(context_states)
+                raw = captured_bytes(context_states)
                 entry = results[key]
                 entry["kept"].append(physical_bytes(cache) / raw)
                 entry["layer_errors"].append(attention_errors(cache, full, context, stride))
                 nll = continuation_nll(model, cache, ids, context, interval, full.logits[:, 0])
-                entry["nll"].extend(nll.tolist())
+                entry["nll"].extend(nll.reshape(-1).tolist())
                 entry["kept_end"].append(physical_bytes(cache) / (raw * ids.shape[1] / context))
                 entry["summary_seconds"].extend(summary_seconds(cache))
                 entry["seconds"].append(time.perf_counter() - start)
@@ -229,7 +231,8 @@ def run_perplexity(model, segments: list[torch.Tensor], settings: list[Setting],
         del full, context_states
 
 
-def _raw_bytes(captured: Captured) -> int:
+def captured_bytes(captured: Captured) -> int:
+    """Bytes of the captured keys and values: what a full cache holds for them."""
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in captured.states)
 
 

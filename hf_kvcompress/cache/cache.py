@@ -22,7 +22,7 @@ from ..config import CompressionConfig
 from ..identity import layer_types
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
 from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
-from ..layer.storage import row_index
+from ..layer.storage import owned, row_index
 from ..lossy.layer import LossyHybridLayer, LossyLayer
 from ..lossy.refusals import require_model
 from ..predictors.registry import FITTED, reads_calibration
@@ -281,7 +281,7 @@ class CompressedCache(CacheFiles, Cache):
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         if self.token_ids is not None and tokens_to_remove < 0:
-            self.token_ids = self.token_ids[:, :tokens_to_remove]
+            self.token_ids = owned(self.token_ids[:, :tokens_to_remove])  # a view would pin the cropped ids
         self._blocks_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

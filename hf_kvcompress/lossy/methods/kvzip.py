@@ -21,6 +21,8 @@ Two ways in:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -80,7 +82,19 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
                      chunk_size: int | None = None) -> None:
     """Prefill ``context_ids`` (``[b, t]``, no padding) into ``cache`` (a lossy `CompressedCache` with method
     ``kvzip`` built with ``model``), replay ``repeat_ids`` (``[b, r]`` or ``[r]``: the tokenized `REPEAT_PROMPT`) and
-    the context to score every entry, and prune the whole cache to its budget at once (see the module docstring)."""
+    the context to score every entry, and prune the whole cache to its budget at once (see the module docstring).
+    The same as `hold_context` around the prefill, then `replay_scores` and `prune` (which an evaluation calls
+    apart, to score a context once and prune copies of it to several budgets)."""
+    if context_ids.dim() != 2 or context_ids.shape[-1] < 1:
+        raise ValueError(f"compress_context: context_ids must be [batch, tokens] with tokens >= 1, got {list(context_ids.shape)}")
+    with hold_context(cache):
+        _forward(model, cache, context_ids, chunk_size or context_ids.shape[-1])
+    prune(cache, replay_scores(model, cache, context_ids, repeat_ids, chunk_size=chunk_size))
+
+
+def kvzip_layers(cache) -> list[Any]:
+    """The lossy layers of ``cache`` that run KVzip; refuses a cache with none, or with layers a replay would change
+    in a way cropping cannot undo."""
     layers = [layer for layer in cache.layers if getattr(layer, "replay_phase", False) is None
               and getattr(getattr(layer, "method", None), "name", None) == "kvzip"]
     if not layers:
@@ -94,22 +108,58 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
         raise ValueError(f"compress_context: the cache also holds {', '.join(others)} layers, which the replay would "
                          "change in a way cropping cannot undo (sliding windows drop context entries, recurrent "
                          "states absorb the replay); KVzip's replay needs full-attention layers only")
+    return layers
+
+
+@contextlib.contextmanager
+def hold_context(cache) -> Iterator[list[Any]]:
+    """While inside, ``cache``'s KVzip layers hold everything they get, summarising nothing (a prefill of the context
+    by ``model(...)`` or by `hf_kvcompress_eval`'s replay of captured states); yields the layers."""
+    layers = kvzip_layers(cache)
+    try:
+        for layer in layers:
+            layer.replay_phase = "hold"
+        yield layers
+    finally:
+        for layer in layers:
+            layer.replay_phase = None
+
+
+@torch.no_grad()
+def replay_scores(model, cache, context_ids: torch.Tensor, repeat_ids: torch.Tensor, *,
+                  chunk_size: int | None = None) -> list[torch.Tensor]:
+    """Per KVzip layer of ``cache`` (which holds ``context_ids`` whole, `hold_context`): ``[b, h, held]`` float32, the
+    most attention any query of a replay of ``repeat_ids`` and the context gives each held entry. The replay's own
+    entries are cropped off again: the cache is left as it was."""
+    layers = kvzip_layers(cache)
     if context_ids.dim() != 2 or context_ids.shape[-1] < 1:
         raise ValueError(f"compress_context: context_ids must be [batch, tokens] with tokens >= 1, got {list(context_ids.shape)}")
     repeat_ids = repeat_ids.expand(context_ids.shape[0], -1) if repeat_ids.dim() == 1 else repeat_ids
     step = chunk_size or context_ids.shape[-1] + repeat_ids.shape[-1]
+    end = cache.get_seq_length()
     try:
-        for layer in layers:
-            layer.replay_phase = "hold"
-        _forward(model, cache, context_ids, step)
-        end = cache.get_seq_length()
         for layer in layers:
             layer.replay_phase, layer.replay_scores = "score", None
         _forward(model, cache, torch.cat([repeat_ids.to(context_ids.device), context_ids], dim=-1), step)
         cache.crop(end - cache.get_seq_length())  # the replay's own entries (exact, in the residual) go
+        scores = [layer.replay_scores for layer in layers]
     finally:
         for layer in layers:
-            layer.replay_phase = None
+            layer.replay_phase, layer.replay_scores = None, None
+    return scores
+
+
+def prune(cache, scores: list[torch.Tensor]) -> None:
+    """Prune ``cache``'s KVzip layers (holding the context whole) to their budget across layers by ``scores``
+    (`replay_scores` of the same context; read, not changed, so one scoring serves several budgets)."""
+    layers = kvzip_layers(cache)
+    if len(scores) != len(layers):
+        raise ValueError(f"prune: {len(scores)} score tensors for {len(layers)} KVzip layers")
+    for layer, score in zip(layers, scores):
+        if score.shape[-1] != layer.residual_length + sum(block.entries for block in layer.blocks):
+            raise ValueError(f"prune: layer {layer.layer_idx} holds other entries than its scores cover "
+                             f"({score.shape[-1]} scores)")
+        layer.replay_scores = score.clone()
     _share_budget(layers)
     for layer in layers:
         if layer.compresses and layer.held_bytes() > layer.budget_bytes():
