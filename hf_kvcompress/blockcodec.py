@@ -190,9 +190,22 @@ class BlockCodec:
             self._keep(block, found)  # advances the chain memo as a decode would
         return found
 
+    def decoded_layer(self, blocks: list[CodedBlock]) -> list[LayerValues]:
+        """`decoded` of several blocks of one layer, in position order: those not held decoded in one
+        `decode_blocks` call when no block's session depends on another's decode (a `Predictor.kind_batched`
+        predictor, or one that reads no layer below and is not `Predictor.self_fitting`: sessions that change the
+        predictor as they finish), else one by one."""
+        found = self.held_of(blocks, keep=True)
+        missing = [b for b, v in zip(blocks, found) if v is None]
+        if len(missing) > 1 and (self.predictor.kind_batched or self.depth == 0) and not self.predictor.self_fitting:
+            with one_thread():
+                decoded = iter(self.decode_blocks(missing))
+            return [next(decoded) if v is None else v for v in found]
+        return [self.decoded(b) if v is None else v for b, v in zip(blocks, found)]
+
     def decode_blocks(self, blocks: list[CodedBlock]) -> list[LayerValues]:
-        """Decode ``blocks`` (of one layer when more than one: a `Predictor.kind_batched` predictor's, one codec
-        call per kind and shape) through their sessions."""
+        """Decode ``blocks`` (of one layer when more than one, under `decoded_layer`'s rule; one codec call per
+        kind and shape) through their sessions."""
         items = []
         for block in blocks:
             side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
@@ -308,6 +321,8 @@ class BlockCodec:
     def _catch_up(self, layer: int, start: int) -> None:
         """Show a self-fitting predictor the earlier blocks of ``layer`` it has not seen (after a structural
         change or a load), in position order, so that it fits the same maps the encoder did."""
+        if not self.predictor.self_fitting:
+            return
         while (wanted := self.predictor.history(layer, start)) is not None:
             block = self.find_block(layer, wanted)
             if block is None:

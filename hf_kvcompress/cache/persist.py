@@ -301,7 +301,7 @@ def _fill_layer(saved: _Saved, target: CompressedCache, reading: _Reading, entry
     held = target.layers[layer] if layer < len(target.layers) else None
     count = _adoptable_blocks(kv, tokens, target, held) if reading.adopting else 0
     adopted = [_adopted(reading.blocks[(layer, b["start"])], device) for b in kv["blocks"][:count]]
-    decoded = [reading.coding.decoded(reading.blocks[(layer, b["start"])]) for b in kv["blocks"][count:]]
+    decoded = reading.coding.decoded_layer([reading.blocks[(layer, b["start"])] for b in kv["blocks"][count:]])
     keys = [d.keys for d in decoded]  # the newest tokens, which generation holds as plain tensors
     values = [d.values for d in decoded]
     if adopted:
