@@ -118,8 +118,8 @@ class BlockCodec:
         self.find_block = find_block or (lambda layer, start: None)
         self.workers = workers if workers is not None else thread_plan().codec  # LosslessConfig.workers=None
         self.extras_source: ExtrasSource | None = None
-        #: decoded blocks kept across reads (a cache's `cache.pool.DecodedPool`: ``get``, ``wants``, ``offer``),
-        #: consulted before the chain memo; None: only the memo
+        #: decoded blocks kept across reads (a cache's `cache.pool.DecodedPool`: ``holds``, ``get``, ``wants``,
+        #: ``offer``), consulted before the chain memo; None: only the memo
         self.pool = None
         #: layers of the model (None while unknown): the top layer's blocks need no chain memo entry
         self.layer_count: int | None = None
@@ -369,7 +369,7 @@ class BlockCodec:
 
     def _held(self, block: Block) -> LayerValues | None:
         """The block's values if held decoded (in the pool or the chain memo)."""
-        found = self.pool.get(block) if self.pool is not None else None
+        found = self.pool.get(block) if self.pool is not None and self.pool.holds else None
         if found is not None:
             return found
         hit = self._chain.get((block.layer, block.start))
@@ -377,7 +377,7 @@ class BlockCodec:
 
     def _keep(self, block: Block, values: LayerValues) -> None:
         """Store what the next layers and steps may need; drop what no layer above can need any more."""
-        if self.pool is not None and self.pool.wants(block, values):
+        if self.pool is not None and self.pool.holds and self.pool.wants(block, values):
             self.pool.offer(block, flat_values(values))
         if self.depth == 0:
             return
