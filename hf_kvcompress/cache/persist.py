@@ -191,10 +191,10 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
     try:
         for entry in tqdm(reading.entries, desc=f"loading ({reading.name})", disable=not progress, leave=False):
             _fill_layer(saved, target, reading, entry, layer_device(model, entry["layer"]))
-        if verify and reading.adopting:  # adopted blocks decode once here: a stream that does not decode fails now
-            for held in target.kv_layers():
-                if held.blocks and target.lossless is not None:
-                    target.lossless.read_all(held.blocks)
+        if verify and reading.adopting and target.lossless is not None:
+            # adopted blocks decode once here (every layer in one call where the codec may: `read_layers`): a stream
+            # that does not decode fails now
+            target.lossless.read_layers([held.blocks for held in target.kv_layers() if held.blocks])
         if model is not None:
             _check_binding(target, model, reading.token_ids)
     except PredictorMismatchError as err:
