@@ -118,8 +118,8 @@ class BlockCodec:
         self.find_block = find_block or (lambda layer, start: None)
         self.workers = workers if workers is not None else thread_plan().codec  # LosslessConfig.workers=None
         self.extras_source: ExtrasSource | None = None
-        #: decoded blocks kept across reads (a cache's `cache.pool.DecodedPool`: ``get``, ``wants``, ``offer``),
-        #: consulted before the chain memo; None: only the memo
+        #: decoded blocks kept across reads (a cache's `cache.pool.DecodedPool`: ``holds``, ``get``, ``wants``,
+        #: ``offer``), consulted before the chain memo; None: only the memo
         self.pool = None
         #: layers of the model (None while unknown): the top layer's blocks need no chain memo entry
         self.layer_count: int | None = None
@@ -190,9 +190,22 @@ class BlockCodec:
             self._keep(block, found)  # advances the chain memo as a decode would
         return found
 
+    def decoded_layer(self, blocks: list[CodedBlock]) -> list[LayerValues]:
+        """`decoded` of several blocks of one layer, in position order: those not held decoded in one
+        `decode_blocks` call when no block's session depends on another's decode (a `Predictor.kind_batched`
+        predictor, or one that reads no layer below and is not `Predictor.self_fitting`: sessions that change the
+        predictor as they finish), else one by one."""
+        found = self.held_of(blocks, keep=True)
+        missing = [b for b, v in zip(blocks, found) if v is None]
+        if len(missing) > 1 and (self.predictor.kind_batched or self.depth == 0) and not self.predictor.self_fitting:
+            with one_thread():
+                decoded = iter(self.decode_blocks(missing))
+            return [next(decoded) if v is None else v for v in found]
+        return [self.decoded(b) if v is None else v for b, v in zip(blocks, found)]
+
     def decode_blocks(self, blocks: list[CodedBlock]) -> list[LayerValues]:
-        """Decode ``blocks`` (of one layer when more than one: a `Predictor.kind_batched` predictor's, one codec
-        call per kind and shape) through their sessions."""
+        """Decode ``blocks`` (of one layer when more than one, under `decoded_layer`'s rule; one codec call per
+        kind and shape) through their sessions."""
         items = []
         for block in blocks:
             side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
@@ -308,6 +321,8 @@ class BlockCodec:
     def _catch_up(self, layer: int, start: int) -> None:
         """Show a self-fitting predictor the earlier blocks of ``layer`` it has not seen (after a structural
         change or a load), in position order, so that it fits the same maps the encoder did."""
+        if not self.predictor.self_fitting:
+            return
         while (wanted := self.predictor.history(layer, start)) is not None:
             block = self.find_block(layer, wanted)
             if block is None:
@@ -354,7 +369,7 @@ class BlockCodec:
 
     def _held(self, block: Block) -> LayerValues | None:
         """The block's values if held decoded (in the pool or the chain memo)."""
-        found = self.pool.get(block) if self.pool is not None else None
+        found = self.pool.get(block) if self.pool is not None and self.pool.holds else None
         if found is not None:
             return found
         hit = self._chain.get((block.layer, block.start))
@@ -362,7 +377,7 @@ class BlockCodec:
 
     def _keep(self, block: Block, values: LayerValues) -> None:
         """Store what the next layers and steps may need; drop what no layer above can need any more."""
-        if self.pool is not None and self.pool.wants(block, values):
+        if self.pool is not None and self.pool.holds and self.pool.wants(block, values):
             self.pool.offer(block, flat_values(values))
         if self.depth == 0:
             return

@@ -285,8 +285,12 @@ def decode_blocks(items: list[DecodeItem], threads: int = 1) -> list[tuple[torch
         if item.session.kind_independent and not item.session.independent:
             phased.append(i)
             continue
+        # an independent session's streams predicted in one call (`PredictorSession.predict_all`, equal to its
+        # `predict` of each; the portable ones settle stream by stream, keys and values of two widths do not stack)
+        together = item.session.independent and not item.session.portable and item.dim == item.value_dim
+        stats = item.session.predict_all(item.heads) if together else None
         for index, (kind, head) in enumerate(stream_order(item.heads)):
-            found = _expected(item, i, index, kind, head)
+            found = _expected(item, i, index, kind, head, None if stats is None else (stats[0][index], stats[1][index]))
             if item.session.independent:
                 pending += found
             else:
@@ -323,11 +327,13 @@ def _scaled(item: EncodeItem, coded: CodedStreams, i: int, index: int, kind: str
                     compact(std[b].T).mul(factors[b]), item.config) for b in range(x.shape[0])]
 
 
-def _expected(item: DecodeItem, i: int, index: int, kind: str, head: int) -> list[_Stream]:
-    """The decoder's `_scaled`: stream ``index`` of block ``i`` with the statistics it was coded with."""
+def _expected(item: DecodeItem, i: int, index: int, kind: str, head: int,
+              predicted: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[_Stream]:
+    """The decoder's `_scaled`: stream ``index`` of block ``i`` with the statistics it was coded with (its
+    session's `predict`, or ``predicted``: mean and std ``[batch, tokens or 1, width]`` from `predict_all`)."""
     session, coded = item.session, item.streams
     rows = len(coded.blobs)
-    mean, std = session.predict(kind, head)
+    mean, std = predicted if predicted is not None else session.predict(kind, head)
     factors = [scale_factor(coded.codes[b][index]) for b in range(rows)]
     listed = None if coded.listed is None else [coded.listed[b][index] for b in range(rows)]
     if session.portable and mean.dtype == torch.float64:

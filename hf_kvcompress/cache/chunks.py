@@ -230,12 +230,17 @@ class Chunks:
         decoded here once (verifying each stream), so that no stored stream first fails inside `generate`."""
         if keys0 is None:
             coding = cache.lossless
-            for layer in cache.kv_layers():
-                try:
-                    decoded = coding.read_all(layer.blocks)
-                except Exception:
-                    return self._failing_chunk(coding, layer.blocks, count)
-                keys0 = keys0 if keys0 is not None else torch.cat([k for k, _ in decoded], dim=2)
+            layers = [layer.blocks for layer in cache.kv_layers()]
+            try:  # every layer at once where the codec may (`read_layers`); a failure is found layer by layer
+                decoded = coding.read_layers(layers)
+            except Exception:
+                for blocks in layers:
+                    try:
+                        coding.read_all(blocks)
+                    except Exception:
+                        return self._failing_chunk(coding, blocks, count)
+                raise
+            keys0 = torch.cat([k for k, _ in decoded[0]], dim=2) if decoded else None
         tokens = count * self.chunk_tokens
         found = binding_problem(self.model, torch.from_numpy(row[:tokens].copy()).unsqueeze(0), 0, keys0)
         return None if found is None else (min(found[0] // self.chunk_tokens, count - 1), found[1])

@@ -79,10 +79,20 @@ class LosslessCoding(BlockCodec):
         self.pool.sealed_raw_bytes += (keys.numel() + values.numel()) * keys.element_size()  # before the pool sees it
         return super().encode_block(layer, keys, values, start)
 
+    def read_layers(self, layers: list[list[Block]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """`read_all` of several layers' blocks, bottom layer first. When the predictor reads no layer below and is
+        not `Predictor.self_fitting` (nor `kind_batched`: its batch is one layer's), no block's decode needs another
+        layer's, so all of them go to one `read_all` (one codec call per shape, device and layer codec setting);
+        else layer by layer."""
+        if self.depth != 0 or self.predictor.self_fitting or self.predictor.kind_batched:
+            return [self.read_all(blocks) for blocks in layers]
+        read = iter(self.read_all([block for blocks in layers for block in blocks]))
+        return [[next(read) for _ in blocks] for blocks in layers]
+
     def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Keys and values of one layer's ``blocks`` on their device. Blocks not held decoded are decoded
-        together in one codec call when the predictor's sessions are independent (per-block statistics:
-        no block needs another's values), else one by one in layer order."""
+        """Keys and values of one layer's ``blocks`` (or several layers', from `read_layers`) on their device.
+        Blocks not held decoded are decoded together in one codec call when the predictor's sessions are
+        independent (per-block statistics: no block needs another's values), else one by one in layer order."""
         found = self.held_of(blocks, keep=True)
         missing = [i for i, (b, v) in enumerate(zip(blocks, found)) if v is None and isinstance(b, CodedBlock)]
         if self.predictor.kind_batched and len(missing) > 1:
@@ -93,7 +103,10 @@ class LosslessCoding(BlockCodec):
             groups: dict[tuple, list[int]] = {}
             for i in missing:
                 b = blocks[i]
-                groups.setdefault((b.tokens, len(b.rows), b.heads, b.dim, b.value_dim, b.dtype), []).append(i)
+                # one codec setting per call: per layer only with the calibration's marginals (`codec_for`)
+                layer = b.layer if self.marginals is not None else None
+                groups.setdefault((b.tokens, len(b.rows), b.heads, b.dim, b.value_dim, b.dtype, b.device, layer),
+                                  []).append(i)
             with one_thread():
                 for members in groups.values():
                     decoded = self._decode_together([blocks[i] for i in members])

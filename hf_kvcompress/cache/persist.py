@@ -191,10 +191,10 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
     try:
         for entry in tqdm(reading.entries, desc=f"loading ({reading.name})", disable=not progress, leave=False):
             _fill_layer(saved, target, reading, entry, layer_device(model, entry["layer"]))
-        if verify and reading.adopting:  # adopted blocks decode once here: a stream that does not decode fails now
-            for held in target.kv_layers():
-                if held.blocks and target.lossless is not None:
-                    target.lossless.read_all(held.blocks)
+        if verify and reading.adopting and target.lossless is not None:
+            # adopted blocks decode once here (every layer in one call where the codec may: `read_layers`): a stream
+            # that does not decode fails now
+            target.lossless.read_layers([held.blocks for held in target.kv_layers() if held.blocks])
         if model is not None:
             _check_binding(target, model, reading.token_ids)
     except PredictorMismatchError as err:
@@ -301,7 +301,7 @@ def _fill_layer(saved: _Saved, target: CompressedCache, reading: _Reading, entry
     held = target.layers[layer] if layer < len(target.layers) else None
     count = _adoptable_blocks(kv, tokens, target, held) if reading.adopting else 0
     adopted = [_adopted(reading.blocks[(layer, b["start"])], device) for b in kv["blocks"][:count]]
-    decoded = [reading.coding.decoded(reading.blocks[(layer, b["start"])]) for b in kv["blocks"][count:]]
+    decoded = reading.coding.decoded_layer([reading.blocks[(layer, b["start"])] for b in kv["blocks"][count:]])
     keys = [d.keys for d in decoded]  # the newest tokens, which generation holds as plain tensors
     values = [d.values for d in decoded]
     if adopted:

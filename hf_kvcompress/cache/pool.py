@@ -35,6 +35,8 @@ class DecodedPool:
 
     def __init__(self, fraction: float):
         self.fraction = fraction
+        #: False for a budget of 0 (a pool that never keeps anything): its readers need not ask it
+        self.holds = fraction > 0
         self.entries: dict[tuple[int, int], tuple[object, LayerValues, int]] = {}
         self.nbytes = 0
         #: raw bytes of every sealed block of the cache (the budget is a fraction of it); kept up to date by the cache

@@ -214,6 +214,10 @@ class Predictor(ABC):
     #: cache decodes a layer's blocks together, one codec call per kind
     kind_batched: bool = False
 
+    #: True when it fits on the cache's own blocks (`history`, `absorb`): the codec asks `history` before every
+    #: session only then
+    self_fitting: ClassVar[bool] = False
+
     def predict_blocks(self, side: dict[str, torch.Tensor], blocks: int,
                        heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Mean and std of every stream of ``blocks`` same-shaped blocks of one layer in one call, for a

@@ -180,6 +180,7 @@ class SelfFitPredictor(Predictor):
 
     #: sessions never depend on other streams of their block: a cache may decode a layer's blocks together
     independent_blocks = True
+    self_fitting = True
 
     def _active(self, layer: int, start: int, dim: int | None = None) -> bool:
         even = not self._odd if dim is None else dim % 2 == 0

@@ -84,3 +84,11 @@ def test_a_name_registered_twice_is_refused():
     with pytest.raises(ValueError, match="'generic' is registered twice"):
         register(Again)
     assert REGISTERED["generic"] is registry.PREDICTORS["generic"] is not Again
+
+
+def test_a_predictor_with_history_declares_itself_self_fitting():
+    """The block codec asks `history` only of `Predictor.self_fitting` predictors (and decodes a layer's blocks
+    together only for the others): a predictor that fits on the cache's blocks must say so."""
+    for name, cls in registry.PREDICTORS.items():
+        fits = cls.history is not Predictor.history or cls.absorb is not Predictor.absorb
+        assert cls.self_fitting == fits, name
