@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..blockcodec import BlockCodec, CodedBlock
 from ..blockcoder import decode_stacked, one_thread
@@ -22,6 +21,7 @@ from ..codec import (
     decode_streams,
     start_decode_batch,
 )
+from ..identity import layer_types as model_layer_types
 from ..layer.storage import Block, Storage
 from ..predictors import make_predictor
 from ..predictors.base import KINDS, LayerValues, Predictor
@@ -399,7 +399,7 @@ def _check_layer_chain(cache, predictor) -> None:
     config = cache.model_config
     if not uses_below or config is None:
         return
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    layer_types = model_layer_types(config)
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(
             f"lossless predictor '{predictor.name}' reads the layer below, but this model has "
