@@ -129,6 +129,15 @@ class Calibration:
         held = self.tensors.loaded() if isinstance(self.tensors, _GroupFile) else self.tensors.values()
         return sum(t.numel() * t.element_size() for t in held)
 
+    def loaded_groups(self) -> dict[str, int]:
+        """Bytes held now per tensor group (``marginal``, a head set's name, ``rope``...): `loaded_bytes` split."""
+        held = self.tensors.loaded_items() if isinstance(self.tensors, _GroupFile) else self.tensors.items()
+        out: dict[str, int] = {}
+        for name, tensor in held:
+            group = name.split("/", 1)[0]
+            out[group] = out.get(group, 0) + tensor.numel() * tensor.element_size()
+        return out
+
     def release(self) -> None:
         """Drop the groups read from the file so far (they are read again when next used); a no-op for a
         calibration built in memory."""
@@ -646,6 +655,9 @@ class _GroupFile(Mapping):
 
     def loaded(self) -> list[torch.Tensor]:
         return [t for part in self._held.values() for t in part.values()]
+
+    def loaded_items(self) -> list[tuple[str, torch.Tensor]]:
+        return [item for part in self._held.values() for item in part.items()]
 
     def release(self) -> None:
         self._held.clear()

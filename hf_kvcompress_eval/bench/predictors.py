@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import FIRST_USE_CHUNK, FIRST_USE_TOKENS, Calibration
+from hf_kvcompress.layer.storage import storage_bytes
 from hf_kvcompress.predictors.registry import FITTED
 
 from ..env import machine, versions
@@ -180,9 +181,9 @@ def frontier(work: Workload, names: list[str], calibration, args, tmp: Path) -> 
     return rows
 
 
-def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args) -> dict[str, float]:
+def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args) -> dict[str, dict]:
     """Per predictor: ``held_bytes`` of a cache of ``tokens`` prompt tokens (one decode step taken) over
-    DynamicCache's bytes."""
+    DynamicCache's bytes (``ratio``), and its parts (`held_parts`, bytes)."""
     ids = work.ids(tokens + 1, split="evaluation")
     prefix, _ = prefilled(work.model, ids[:, :tokens])
     out = {}
@@ -190,9 +191,34 @@ def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args
         cache = CompressedCache(config(name, args), model=work.model, calibration=calibration(name))
         fill(cache, prefix)
         run_steps(work.model, cache, ids[:, tokens:])
-        stats = cache.stats()
-        out[name] = stats["held_bytes"] / stats["raw_bytes"]
+        stats = cache.stats(per_layer=True)
+        out[name] = {"ratio": stats["held_bytes"] / stats["raw_bytes"], "raw_bytes": stats["raw_bytes"],
+                     "held_bytes": stats["held_bytes"], "parts": held_parts(cache, stats)}
+        del cache
     return out
+
+
+def held_parts(cache: CompressedCache, stats: dict) -> dict[str, int]:
+    """``stats()['held_bytes']`` of a lossless cache split by what holds it: sealed blocks (streams, scale bytes,
+    side data), residual buffers, the decoded pool, the chain memo (with a decode started ahead), the predictor's
+    state (its heads; its RoPE cos / sin tables apart), the calibration's tensors per group, the token ids; ``other``
+    is what the parts leave of ``held_bytes`` (0 when they cover it)."""
+    coding = cache.lossless
+    frame = getattr(coding.predictor, "frame", None)
+    rope = storage_bytes(frame.tensors()) if frame is not None else 0
+    parts = {
+        "streams": sum(b.nbytes() for layer in cache.kv_layers() for b in layer.blocks),
+        "residual": sum(s["residual_bytes"] for s in stats["per_layer"]),
+        "decoded pool": storage_bytes(coding.pool.tensors()),
+        "chain memo": storage_bytes(coding.chain_tensors()) + coding.ahead_bytes(),
+        "heads": storage_bytes(coding.predictor.state_tensors()) - rope,
+        "rope tables": rope,
+        **{f"calibration {group}": size for group, size in
+           (cache.calibration.loaded_groups() if cache.calibration is not None else {}).items()},
+        "token ids": stats["token_ids_bytes"],
+    }
+    parts["other"] = stats["held_bytes"] - sum(parts.values())
+    return parts
 
 
 def table(result: dict) -> str:
@@ -207,6 +233,13 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {r['bits']:.3f} | {r['file_bits']:.3f} | {r['step_ratio']:.2f} | "
                      f"{r['load_ratio']:.2f} | {r['step_cpu_ratio']:.2f} | {r['load_cpu_ratio']:.2f} | "
                      f"{r['held_ratio']:.3f} | {fit} | {heads} | {r['identical']} |")
-    for name, ratio in result["held"].items():
-        lines.append(f"held x DynamicCache at {result['held_tokens']} tokens, {name}: {ratio:.3f}")
+    for name, held in result["held"].items():
+        lines.append(f"held x DynamicCache at {result['held_tokens']} tokens, {name}: {held['ratio']:.3f}")
+    if result["held"]:
+        lines += ["", f"held bytes at {result['held_tokens']} tokens by part, x DynamicCache's (MB)",
+                  "| part | " + " | ".join(result["held"]) + " |", "| --- |" + " ---: |" * len(result["held"])]
+        parts = dict.fromkeys(p for held in result["held"].values() for p in held["parts"])
+        for part in parts:
+            cells = [(h["parts"].get(part, 0), h["raw_bytes"]) for h in result["held"].values()]
+            lines.append(f"| {part} | " + " | ".join(f"{b / raw:.4f} ({b / 1e6:.1f})" for b, raw in cells) + " |")
     return "\n".join(lines)
