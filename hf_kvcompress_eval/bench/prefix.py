@@ -5,10 +5,11 @@ SmolLM2-135M-Instruct in bf16 (the embedded default), held-out Shakespeare (eval
 
 - ``recompute``: `generate(prompt, max_new_tokens=1)` with a fresh `DynamicCache`: the time to the first token
   of the whole P + 64 prompt;
-- ``store`` / ``store (context)``: a warm `PrefixStore` (``predictor="generic"``, and ``"context"`` with the
-  model's calibration) filled by prefilling exactly the prefix, then per repetition a new `PrefixStore` object
-  (nothing kept in memory between repetitions), ``cache_for(prompt)`` and `generate(max_new_tokens=1)`;
-- ``load (generic)`` / ``load (context)``: `CompressedCache.load` of a saved prefix file, then the same
+- ``store`` / ``store (NAME)``: a warm `PrefixStore` (``predictor="generic"``, and each of ``--calibrated``,
+  default ``context`` and ``below``, with the model's calibration) filled by prefilling exactly the prefix, then
+  per repetition a new `PrefixStore` object (nothing kept in memory between repetitions), ``cache_for(prompt)``
+  and `generate(max_new_tokens=1)`;
+- ``load (generic)`` / ``load (NAME)``: `CompressedCache.load` of a saved prefix file, then the same
   generate; and ``load`` alone against a `DynamicCache` prefill of the P prefix tokens (the "load of a
   generation-format file <= 0.1x prefill" goal).
 
@@ -18,7 +19,8 @@ route equal (bitwise) those of DynamicCache reusing the same prefix (prefill the
 generate the whole prompt from a `copy.deepcopy` of it: transformers' prompt-reuse pattern). Writes
 ``results.json`` first, then ``prefix_store.png``.
 
-    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--out DIR]
+    hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--calibrated context,below]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (2 as docs/results/prefix.md measured; 0 = the library's thread plan)")
     parser.add_argument("--offset", type=int, default=3000, help="first token of the held-out text used")
-    parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes")
+    parser.add_argument("--calibrated", default="context,below",
+                        help="calibrated predictors given store and load routes beside generic's (comma-separated)")
+    parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes (--calibrated '')")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,13 +67,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--repeats must be >= 5 (medians of at least five runs)")
     out = out_folder(args, "prefix")
     work = workload(args.smoke)
-    calibration = None if args.no_context else work.default_calibration(("context",))
+    calibrated = [] if args.no_context else [name for name in args.calibrated.split(",") if name]
+    calibration = work.default_calibration(tuple(calibrated)) if calibrated else None
     prefixes = [int(p) for p in args.prefixes.split(",")]
     result = {"model": f"{work.name} bf16", "threads": torch.get_num_threads(), "repeats": args.repeats,
               "suffix": SUFFIX, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "prefixes": {}}
     for prefix in prefixes:
-        result["prefixes"][str(prefix)] = run_prefix(work, prefix, args, calibration)
+        result["prefixes"][str(prefix)] = run_prefix(work, prefix, args, calibration, calibrated)
         (out / "results.json").write_text(json.dumps(result, indent=1))
     print_table(result)
     plot(result, out / "prefix_store.png")
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_prefix(work: Workload, prefix: int, args, calibration) -> dict:
+def run_prefix(work: Workload, prefix: int, args, calibration, calibrated: list[str]) -> dict:
     model = work.model
     ids = work.ids(prefix + SUFFIX, split="evaluation", offset=args.offset)
     head = ids[:, :prefix]
@@ -92,15 +97,14 @@ def run_prefix(work: Workload, prefix: int, args, calibration) -> dict:
             model(input_ids=head, cache=filled, use_cache=True)
         raw_bytes = filled.stats()["raw_bytes"]
         stores = {"store": {"predictor": "generic"}}
-        if calibration is not None:
-            stores["store (context)"] = {"predictor": "context", "calibration": calibration}
+        stores.update({f"store ({name})": {"predictor": name, "calibration": calibration} for name in calibrated})
         for name, kwargs in stores.items():
             folder = tmp / name.replace(" ", "_")
             PrefixStore(model, path=folder, **kwargs).put(head, filled)
             routes[name] = {"bytes": PrefixStore(model, path=folder, **kwargs).stats()["bytes"],
                             "make": lambda folder=folder, kwargs=kwargs: PrefixStore(model, path=folder, **kwargs)
                             .cache_for(ids)}
-        for predictor in ("generic", "context") if calibration is not None else ("generic",):
+        for predictor in ("generic", *calibrated):
             path = filled.save(tmp / f"{predictor}.kvc", predictor=predictor)
             routes[f"load ({predictor})"] = {
                 "bytes": path.stat().st_size,
@@ -168,12 +172,17 @@ def same(a, b) -> bool:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'prefix':>7} {'route':<18} {'TTFT s':>8} {'x recompute':>12} {'lookup/prefill':>15} {'bytes x raw':>12} exact")
+    """One line per route; ``lookup x generic``: its lookup (or load) over the generic route's of its kind."""
+    print(f"{'prefix':>7} {'route':<18} {'TTFT s':>8} {'x recompute':>12} {'lookup/prefill':>15} "
+          f"{'lookup x generic':>17} {'bytes x raw':>12} exact")
     for prefix, entry in result["prefixes"].items():
         print(f"{prefix:>7} {'recompute':<18} {entry['recompute_s']:8.3f} {1.0:12.3f}")
-        for name, row in entry["routes"].items():
+        routes = entry["routes"]
+        for name, row in routes.items():
+            base = routes["load (generic)" if name.startswith("load") else "store"]["lookup_s"]
             print(f"{prefix:>7} {name:<18} {row['ttft_s']:8.3f} {row['ttft_ratio']:12.3f} "
-                  f"{row['lookup_to_prefill_prefix']:15.3f} {row['bytes_ratio']:12.3f} {row['exact_tokens_and_logits']}")
+                  f"{row['lookup_to_prefill_prefix']:15.3f} {row['lookup_s'] / base:17.3f} {row['bytes_ratio']:12.3f} "
+                  f"{row['exact_tokens_and_logits']}")
 
 
 def plot(result: dict, path: Path) -> None:
