@@ -34,7 +34,7 @@ from .blockcoder import (
     one_thread,
     scale_factors,
 )
-from .codec import CodecConfig, Marginal, ParameterMismatchError
+from .codec import CodecConfig, Marginal, ParameterMismatchError, coder_of
 from .errors import PredictorMismatchError
 from .layer.storage import Block, owned
 from .predictors.base import KINDS, BlockInputs, ExtrasSource, LayerValues, Predictor, PredictorSession
@@ -111,9 +111,10 @@ class BlockCodec:
         #: the calibrated p_hat of a layer, or None for the codec's default: only a calibrated predictor codes
         #: with the calibration's marginals, in generation, files, the store and chunk payloads alike, so that a
         #: file of the blocks generation coded loads without decoding (the marginals gain 0.001 bit/scalar for
-        #: ``generic``: not worth holding)
+        #: ``generic``: not worth holding); and only where the coder reads them (`Coder.reads_marginal`: ``huff``
+        #: does not, so its streams are the same bytes without them and nothing holds them for it)
         self.marginals: Callable[[int], Marginal] | None = None
-        if calibration is not None and predictor.calibrated:
+        if calibration is not None and predictor.calibrated and coder_of(codec_config).reads_marginal:
             self.marginals = functools.lru_cache(maxsize=None)(calibration.marginal)
         self.find_block = find_block or (lambda layer, start: None)
         self.workers = workers if workers is not None else thread_plan().codec  # LosslessConfig.workers=None

@@ -267,12 +267,15 @@ class Coder(ABC):
             the batch gives them. False: each stream is coded on its own and fingerprints mean / std in the
             shapes it was handed, so callers that must keep such streams' bytes (saved files) code them one
             by one with those shapes (`encode` / `decode`).
+        reads_marginal: whether its streams depend on `CodecConfig.marginal` (the p_hat of escaped values). False:
+            a marginal changes none of its bytes, so callers need not hold one for it (`blockcodec.BlockCodec`).
     """
 
     name: str
     magic: tuple[bytes, ...]
     windows: tuple[str, ...] = ("fixed",)
     batched: bool = False
+    reads_marginal: bool = True
 
     def check_config(self, cfg: CodecConfig) -> None:
         """Raise ValueError if this coder cannot code with ``cfg`` (called by `CodecConfig` when constructed)."""

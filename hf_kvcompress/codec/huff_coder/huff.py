@@ -348,6 +348,7 @@ class HuffCoder(Coder):
     magic = (MAGIC,)
     windows = ("fixed",)
     batched = True
+    reads_marginal = False  # escapes do not exist: sign and exponent are Huffman-coded, the mantissa raw
 
     def check_config(self, cfg: CodecConfig) -> None:
         if cfg.window != "fixed":
