@@ -3,6 +3,7 @@ predictor capabilities declared at construction, blocks as plain data, and a bit
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from helpers import same_bits
 
 from hf_kvcompress import LosslessConfig
+from hf_kvcompress import codec as codec_api
 from hf_kvcompress.blockcodec import BlockCodec, CodedBlock
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.predictors import make_predictor
@@ -38,9 +40,20 @@ def test_capabilities_are_facts_of_construction(calibration):
 def test_only_a_calibrated_predictor_codes_with_the_marginals(calibration):
     assert codec("generic", calibration).codec_for(0) == LosslessConfig().codec_config()
     assert codec("context").codec_for(0).marginal is None  # no calibration: block statistics, default p_hat
-    calibrated = codec("context", calibration)
+    calibrated = codec("context", calibration, coder="lanes")
     assert calibrated.codec_for(1).marginal.sha256 == calibration.marginal(1).sha256
     assert calibrated.codec_for(1) is calibrated.codec_for(1)  # one object per layer (the coder groups by it)
+    huff = codec("context", calibration, coder="huff")  # huff reads no marginal: none held, none in its config
+    assert huff.marginals is None and huff.codec_for(1) == LosslessConfig(coder="huff").codec_config()
+
+
+def test_huff_streams_are_the_same_bytes_whatever_the_marginal(calibration):
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 16).bfloat16()
+    mean, std = torch.zeros(4, 64, 1), torch.ones(4, 64, 1)
+    plain = LosslessConfig(coder="huff").codec_config()
+    with_marginal = replace(plain, marginal=calibration.marginal(0))
+    assert codec_api.encode_batch(x, mean, std, plain) == codec_api.encode_batch(x, mean, std, with_marginal)
 
 
 def test_codes_like_is_the_adoption_rule(calibration):
