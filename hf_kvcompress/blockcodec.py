@@ -16,7 +16,6 @@ keeps those in a chain memo only as long as a layer above can need them (`cache.
 
 from __future__ import annotations
 
-import functools
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -115,7 +114,8 @@ class BlockCodec:
         #: does not, so its streams are the same bytes without them and nothing holds them for it)
         self.marginals: Callable[[int], Marginal] | None = None
         if calibration is not None and predictor.calibrated and coder_of(codec_config).reads_marginal:
-            self.marginals = functools.lru_cache(maxsize=None)(calibration.marginal)
+            self.marginals = self._marginal
+        self._marginals: dict[int, tuple[torch.Tensor, Marginal]] = {}  # the calibration's tensor and its view
         self.find_block = find_block or (lambda layer, start: None)
         self.workers = workers if workers is not None else thread_plan().codec  # LosslessConfig.workers=None
         self.extras_source: ExtrasSource | None = None
@@ -148,6 +148,17 @@ class BlockCodec:
         if self._codecs.get(layer, (None,))[0] is not marginal:
             self._codecs[layer] = (marginal, replace(self.codec_config, marginal=marginal))
         return self._codecs[layer][1]
+
+    def _marginal(self, layer: int) -> Marginal:
+        if layer not in self._marginals:
+            tensor = self.calibration.marginal_tensor(layer)
+            self._marginals[layer] = (tensor, Marginal.from_tensor(tensor))
+        return self._marginals[layer][1]
+
+    def marginal_tensors(self) -> list[torch.Tensor]:
+        """The calibration's marginal tensors this codec's marginals view: held while it holds them, whether or
+        not the calibration still does (`cache.report` counts them once)."""
+        return [tensor for tensor, _ in self._marginals.values()]
 
     def codes_like(self, other: BlockCodec) -> bool:
         """Whether blocks ``other`` coded are byte for byte what this codec codes, so that they are taken as they

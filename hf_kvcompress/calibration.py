@@ -121,13 +121,20 @@ class Calibration:
         return heads
 
     def marginal(self, layer: int) -> Marginal:
-        """The empirical bf16 marginal (p_hat) of layer ``layer``'s keys and values."""
-        return Marginal.from_tensor(self.tensors[f"marginal/L{layer}"])
+        """The empirical bf16 marginal (p_hat) of layer ``layer``'s keys and values (a view of `marginal_tensor`)."""
+        return Marginal.from_tensor(self.marginal_tensor(layer))
+
+    def marginal_tensor(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s marginal as stored: int32 weights of the 2^16 bf16 patterns."""
+        return self.tensors[f"marginal/L{layer}"]
 
     def loaded_bytes(self) -> int:
         """Bytes of this calibration's tensors held in memory now."""
-        held = self.tensors.loaded() if isinstance(self.tensors, _GroupFile) else self.tensors.values()
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in self.loaded_tensors())
+
+    def loaded_tensors(self) -> list[torch.Tensor]:
+        """This calibration's tensors held in memory now."""
+        return self.tensors.loaded() if isinstance(self.tensors, _GroupFile) else list(self.tensors.values())
 
     def loaded_groups(self) -> dict[str, int]:
         """Bytes held now per tensor group (``marginal``, a head set's name, ``rope``...): `loaded_bytes` split."""

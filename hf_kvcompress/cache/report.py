@@ -1,5 +1,6 @@
 """`CompressedCache.stats()`: what a cache holds against what a `DynamicCache` in the same dtype would hold, summed
-from its layers' own stats plus what no layer holds (decoded blocks, token ids, the calibration's tensors)."""
+from its layers' own stats plus what no layer holds (decoded blocks, token ids, the calibration's tensors and the
+marginals its codec reads)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def cache_stats(cache: Any, *, per_layer: bool = False) -> dict[str, Any]:
     decoded = (storage_bytes(cache.lossless.decoded_tensors()) + cache.lossless.ahead_bytes()
                if cache.lossless is not None else 0)
     ids = storage_bytes([cache.token_ids]) if cache.token_ids is not None else 0
-    calibration = cache.calibration.loaded_bytes() if cache.calibration is not None else 0
+    calibration = calibration_bytes(cache)
     dtypes = {str(layer.dtype).replace("torch.", "") for layer in cache.layers if getattr(layer, "dtype", None)}
     summary = {
         "mode": cache.config.mode,
@@ -53,6 +54,15 @@ def cache_stats(cache: Any, *, per_layer: bool = False) -> dict[str, Any]:
     if per_layer:
         summary["per_layer"] = layers
     return summary
+
+
+def calibration_bytes(cache: Any) -> int:
+    """The calibration's tensors in memory now, and the marginals the cache's codec views (the same storages while
+    the calibration holds them; alone once it released them): each storage once."""
+    tensors = cache.calibration.loaded_tensors() if cache.calibration is not None else []
+    if cache.lossless is not None:
+        tensors = tensors + cache.lossless.marginal_tensors()
+    return storage_bytes(tensors)
 
 
 def predictor_in_use(cache: Any) -> str | None:

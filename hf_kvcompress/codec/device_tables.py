@@ -37,7 +37,7 @@ class DeviceTables:
 def _host_tables(fmt_code: int, marginal: Marginal, escape: tuple[int, int, int]) -> DeviceTables:
     fmt: Format = FORMATS_BY_CODE[fmt_code]
     t = get_tables()
-    _, phat = marginal.coding(fmt)
+    phat = marginal.frequencies(fmt)
     flags = [np.array([TOTAL - (e << 8), e << 8], dtype=np.int64) for e in escape]
     groups = [*t.freqs, np.asarray(phat, dtype=np.int64), *flags]
     sizes = np.array([g.size for g in groups], dtype=np.int64)

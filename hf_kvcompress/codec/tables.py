@@ -299,10 +299,13 @@ class Marginal:
             raise ValueError(f"Marginal needs {N_PATTERNS} weights, got shape {tuple(w.shape)}")
         if not np.issubdtype(w.dtype, np.integer):
             raise TypeError(f"Marginal weights must be integers, got {w.dtype}")
-        w = w.astype(np.int64)
-        if (w < 0).any() or int(w.sum()) != BUDGET:
-            raise ValueError(f"Marginal weights must be >= 0 and sum to {BUDGET}, got sum {int(w.sum())}")
-        self._weights = w
+        total = int(w.sum(dtype=np.int64))
+        if (w < 0).any() or total != BUDGET:
+            raise ValueError(f"Marginal weights must be >= 0 and sum to {BUDGET}, got sum {total}")
+        # int32 (every weight is below BUDGET < 2^31): an int32 tensor's weights are a read-only view of it, not a
+        # copy (a calibration's marginal is held once, by the calibration; `frequencies` widens on use)
+        self._weights = w if w.dtype == np.int32 else w.astype(np.int32)
+        self._weights = self._weights.view()
         self._weights.setflags(write=False)
         self.sha256 = hashlib.sha256(b"hf_kvcompress.codec marginal v1\n" + w.astype("<i4").tobytes()).hexdigest()
         self._models: dict[int, tuple[object, np.ndarray]] = {}
@@ -349,15 +352,23 @@ class Marginal:
         return cls(t)
 
     def coding(self, fmt: Format) -> tuple[object, np.ndarray]:
-        """(constriction model, effective frequencies) over the format's coded patterns (2^16 or 2^13)."""
+        """(constriction model, effective frequencies) over the format's coded patterns (2^16 or 2^13), kept (the
+        ``ans`` coder's; coders that need only the frequencies call `frequencies`, which keeps nothing)."""
         if fmt.code not in self._models:
-            if fmt is FP16:
-                w = quantize_int(self._weights[_fp16_to_bf16_pattern()] + 1, TOTAL - (1 << 13))
-            else:
-                w = self._weights
+            w = self._coding_weights(fmt)
             model = constriction.stream.model.Categorical(w.astype(np.float64), perfect=False)
             self._models[fmt.code] = (model, w + 1)
         return self._models[fmt.code]
+
+    def frequencies(self, fmt: Format) -> np.ndarray:
+        """`coding`'s effective frequencies (int64), computed on each call and not kept."""
+        return self._coding_weights(fmt) + 1
+
+    def _coding_weights(self, fmt: Format) -> np.ndarray:
+        weights = self._weights.astype(np.int64)
+        if fmt is FP16:
+            return quantize_int(weights[_fp16_to_bf16_pattern()] + 1, TOTAL - (1 << 13))
+        return weights
 
 
 @functools.lru_cache(maxsize=1)

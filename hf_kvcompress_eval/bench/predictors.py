@@ -201,8 +201,9 @@ def held_ratios(work: Workload, names: list[str], calibration, tokens: int, args
 def held_parts(cache: CompressedCache, stats: dict) -> dict[str, int]:
     """``stats()['held_bytes']`` of a lossless cache split by what holds it: sealed blocks (streams, scale bytes,
     side data), residual buffers, the decoded pool, the chain memo (with a decode started ahead), the predictor's
-    state (its heads; its RoPE cos / sin tables apart), the calibration's tensors per group, the token ids; ``other``
-    is what the parts leave of ``held_bytes`` (0 when they cover it)."""
+    state (its heads; its RoPE cos / sin tables apart), the calibration's marginals the codec reads and the rest of the
+    calibration's tensors in memory, the token ids; ``other`` is what the parts leave of ``held_bytes`` (0 when they
+    cover it)."""
     coding = cache.lossless
     frame = getattr(coding.predictor, "frame", None)
     rope = storage_bytes(frame.tensors()) if frame is not None else 0
@@ -213,10 +214,10 @@ def held_parts(cache: CompressedCache, stats: dict) -> dict[str, int]:
         "chain memo": storage_bytes(coding.chain_tensors()) + coding.ahead_bytes(),
         "heads": storage_bytes(coding.predictor.state_tensors()) - rope,
         "rope tables": rope,
-        **{f"calibration {group}": size for group, size in
-           (cache.calibration.loaded_groups() if cache.calibration is not None else {}).items()},
+        "marginals": storage_bytes(coding.marginal_tensors()),
         "token ids": stats["token_ids_bytes"],
     }
+    parts["calibration, other"] = stats["calibration_bytes"] - parts["marginals"]
     parts["other"] = stats["held_bytes"] - sum(parts.values())
     return parts
 

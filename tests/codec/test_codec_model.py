@@ -11,6 +11,7 @@ import torch
 
 from hf_kvcompress.codec import tables as model
 from hf_kvcompress.codec.detmath import det_erfc_nonneg, det_exp
+from hf_kvcompress.codec.symbols import BF16, FP16
 from hf_kvcompress.codec.tables import Marginal, default_marginal_weights
 
 
@@ -102,3 +103,13 @@ def test_tables_are_close_to_the_gaussian_they_describe():
         x = torch.from_numpy(rng.standard_normal(1 << 15) * std + mean).to(torch.bfloat16)
         _, st = codec.encode_with_stats(x, mean, std, codec.CodecConfig(coder="ans"), decode=False, exact=True)
         assert abs(st.model_bits - st.exact_codec_bits) / st.n_elements < 0.015, (mean, std)
+
+
+def test_a_marginal_views_its_int32_tensor_and_keeps_no_model_for_its_frequencies():
+    tensor = Marginal.from_samples(torch.randn(5000).bfloat16()).to_tensor()
+    marginal = Marginal.from_tensor(tensor)
+    assert np.shares_memory(marginal.weights, tensor.numpy()) and not marginal.weights.flags.writeable
+    assert Marginal(tensor.numpy().astype(np.int64)).sha256 == marginal.sha256  # the same weights, however held
+    for fmt in (BF16, FP16):
+        assert np.array_equal(marginal.frequencies(fmt), Marginal.from_tensor(tensor).coding(fmt)[1])
+        assert marginal.frequencies(fmt).dtype == np.int64

@@ -155,6 +155,11 @@ def test_held_bytes_count_the_stacked_heads_and_release_the_calibrations_copy(tm
     stats = cache.stats()
     assert stats["held_bytes"] >= stats["stored_bytes"] + head_bytes
     assert walk_held_bytes(cache, skip=[cache.model_config]) <= stats["held_bytes"]
+    # the codec's marginals view the calibration's tensors: released by the calibration, they are still held (by
+    # the codec) and still counted, once
+    loaded.release()
+    assert cache.stats()["calibration_bytes"] == stats["calibration_bytes"]
+    assert len(cache.lossless.marginal_tensors()) == (LAYERS if coder == "lanes" else 0)
 
 
 def test_layers_that_drop_tokens_are_refused_at_construction():

@@ -106,7 +106,7 @@ def phat_tables(marginal: Marginal, fmt: Format) -> tuple[np.ndarray, np.ndarray
     with _phat_lock:
         hit = _phat_cache.get(key)
     if hit is None:
-        _, freq = marginal.coding(fmt)
+        freq = marginal.frequencies(fmt)  # not `coding`: its constriction model would be kept for nothing
         cum = np.concatenate([[0], np.cumsum(freq)])
         hit = (cum.astype(np.int32), _lut_of(cum).astype(np.int32))
         with _phat_lock:
