@@ -252,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     ours = [
         ("hf_kvcompress, model-free (no options)", {}),
         ("hf_kvcompress, model-free + model config", {"model_config": str(config_dir)}),
-        ("hf_kvcompress, calibrated (context)", {"calibration": str(cal_dir)}),
+        (f"hf_kvcompress, calibrated ({'below' if 'below' in calibration.predictors else 'context'})",
+         {"calibration": str(cal_dir)}),
     ]
     # compile the codec's kernels (numba, cached on disk after the first run) outside the timings
     for coder in (ChunkCoder(), ChunkCoder(calibration)):
