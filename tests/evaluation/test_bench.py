@@ -38,12 +38,17 @@ def check_results(name: str, results: dict) -> None:
     elif name == "prefix":
         routes = next(iter(results["prefixes"].values()))["routes"]
         assert all(r["exact_tokens_and_logits"] for r in routes.values())
+        assert {"store (below)", "load (below)"} <= set(routes)  # --calibrated's default: context and below
     elif name == "lmcache":
         rows = {r["method"]: r for r in results["table"]}
         assert all(r["exact"] for m, r in rows.items() if m.startswith("hf_kvcompress"))
     elif name == "predictors":
         assert set(results["rows"]) == {"generic", "none", "context", "below", "below:huff"}
         assert all(r["identical"] for r in results["rows"].values()) and set(results["held"]) == {"generic", "below"}
+        # the parts cover held_bytes; below holds heads, RoPE tables and (lanes) marginals, generic none of them
+        assert all(h["parts"]["other"] == 0 and h["parts"]["streams"] > 0 for h in results["held"].values())
+        assert min(results["held"]["below"]["parts"][p] for p in ("heads", "rope tables", "marginals")) > 0
+        assert results["held"]["generic"]["parts"]["heads"] == results["held"]["generic"]["parts"]["marginals"] == 0
     elif name == "chunked":
         rows = {r["key"]: r for r in results["rows"]}
         assert list(rows) == ["96 dynamic chunked", "96 summary chunked", "96 dynamic", "96 streaming"]
