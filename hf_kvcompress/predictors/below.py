@@ -57,6 +57,7 @@ class PhasedSession(LinearSession):
     may start only once every key head was observed."""
 
     kind_independent = True
+    stacks_kind = True
 
     def __init__(self, layer_heads: PhasedHeads, recipe: FeatureRecipe, frame: RopeFrame, inputs: BlockInputs,
                  portable: bool = False):
@@ -91,6 +92,30 @@ class PhasedSession(LinearSession):
             neutral = self.tracker.count == 0 and self.tracker.below is None
             self._last = (kind, head, self._framed(framed, head), std, neutral)
         return mean[:, head], std
+
+    def predict_kind(self, kind: str, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`predict` of every head of ``kind``: ``[heads, batch, tokens, dim]`` each (the std per element)."""
+        _, mean, std, surprise = self._phase.get(kind) or self._start(kind)
+        alphas = self.layer_heads.alpha[kind]
+        if heads != len(alphas):
+            raise ValueError(f"predict_kind({kind!r}, {heads}): this layer has {len(alphas)} heads")
+        # per head, as `predict` scales it (the same float32 operations, so the same bits)
+        return mean.transpose(0, 1), torch.stack([std[h] * surprise.pow(a).unsqueeze(-1) if a
+                                                  else std[h].expand(surprise.shape[0], -1, -1)
+                                                  for h, a in enumerate(alphas)])
+
+    def observe_kind(self, kind: str, values: torch.Tensor) -> None:
+        """`observe` of every head of ``kind`` (``[batch, heads, tokens, dim]``) in one pass over the heads."""
+        seen = self.builder.own_keys if kind == "k" else self.builder.own_values
+        if kind not in self._phase or seen:
+            raise RuntimeError(f"observe_kind({kind!r}) twice or without a predict() of its kind")
+        batch, heads, tokens, _ = values.shape
+        framed = self.builder.observe_heads(kind, values)
+        predicted = self._phase[kind][0].view(batch, tokens, heads, self.dim).transpose(1, 2)
+        sigma = self.layer_heads.sigma[kind].to(self.dtype)[:, None, :]
+        squares = ((framed - predicted) / sigma).square().mean(dim=-1)  # [batch, heads, tokens]
+        for h in range(heads):  # summed head after head, as `observe` adds them
+            self.tracker.add_squares(squares[:, h])
 
     def _framed(self, framed: torch.Tensor, head: int) -> torch.Tensor:
         return framed[..., head * self.dim : (head + 1) * self.dim]

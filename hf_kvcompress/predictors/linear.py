@@ -73,7 +73,10 @@ class Surprise:
 
     def add(self, z: torch.Tensor) -> None:
         """A stream's standardised errors ``(value - mean) / sigma``, ``[..., tokens, head_dim]``."""
-        z2 = z.square().mean(dim=-1)
+        self.add_squares(z.square().mean(dim=-1))
+
+    def add_squares(self, z2: torch.Tensor) -> None:
+        """A stream's mean squared standardised error per token (`add` of its errors, squared and averaged)."""
         self.z2_sum = z2 if self.z2_sum is None else self.z2_sum + z2
         self.count += 1
 
@@ -140,6 +143,16 @@ class FeatureBuilder:
         (self.own_keys if kind == "k" else self.own_values).append(framed)
         if self.dtype == torch.float64:  # only portable sessions ask for `magnitude`
             self.own_bounds.append(self.bound(kind, values))
+        return framed
+
+    def observe_heads(self, kind: str, values: torch.Tensor) -> torch.Tensor:
+        """`observe` of every head of ``kind`` at once (``values`` ``[batch, heads, tokens, head_dim]``, each head's
+        prediction frame computed in one pass); returns them framed, the same shape."""
+        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
+        # each head its own tensor, as `observe` records it: the matrix products that read it see the same layout
+        (self.own_keys if kind == "k" else self.own_values).extend(framed[:, h].clone() for h in range(values.shape[1]))
+        if self.dtype == torch.float64:
+            self.own_bounds.extend(self.bound(kind, values[:, h]) for h in range(values.shape[1]))
         return framed
 
     def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ between layers does not depend on the position, and rotate the predicted mean ba
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -68,8 +69,10 @@ class RopeFrame:
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # blocks are contiguous position ranges, asked for once per stream: remember the last few
-        key = (int(positions[0]), int(positions.shape[0])) if positions.numel() else (0, 0)
-        contiguous = positions.numel() < 2 or bool((positions[1:] - positions[:-1] == 1).all())
+        # checked on the host array: a handful of torch operations here measured ~3 % of a `below` decode step
+        steps = positions.numpy() if positions.device.type == "cpu" else positions.cpu().numpy()
+        key = (int(steps[0]), int(steps.shape[0])) if steps.size else (0, 0)
+        contiguous = steps.size < 2 or bool((np.diff(steps) == 1).all())
         if contiguous and key in self._memo:
             return self._memo[key]
         angles = positions.to(self.dtype)[:, None] * self.inv_freq.to(self.dtype)[None, :]

@@ -108,12 +108,53 @@ def test_generation_is_exact_and_decodes_a_kind_of_a_layer_in_one_call(monkeypat
     blocks = len(cache.layers[0].blocks)
     assert blocks >= 4
     calls = count_codec_calls(monkeypatch)
+    predicted = count_session_calls(monkeypatch)
     decodes = cache.lossless.decodes
     with torch.no_grad():
         model(got.sequences[:, -1:], cache=cache)
     # every block of every layer decoded (no budget), in two codec calls per layer: keys, then values
     assert cache.lossless.decodes - decodes == LAYERS * blocks
     assert len(calls) == 2 * LAYERS and set(calls) == {blocks * 2}  # blocks x kv heads (2) per call
+    # each block's kind predicted and observed in one session call, none head by head
+    assert predicted == {"predict_kind": 2 * LAYERS * blocks, "observe_kind": 2 * LAYERS * blocks}
+
+
+def count_session_calls(monkeypatch) -> dict[str, int]:
+    """How often the block coder calls each `PhasedSession` method that predicts or observes, from now on."""
+    calls: dict[str, int] = {}
+    for name in ("predict", "observe", "predict_kind", "observe_kind"):
+        original = getattr(PhasedSession, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(PhasedSession, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_kind_at_once_equals_head_after_head(portable):
+    """`predict_kind` / `observe_kind` (the decoder's stacked path) give the bits `predict` / `observe` give head by
+    head (the encoder's), surprise included: two rows and 13 tokens, so that no shape is a multiple of a vector."""
+    cal, layer, tokens, batch = calibration(), 3, 13, 2
+    g = torch.Generator().manual_seed(8)
+    heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
+    below_k, below_v, keys, values = (torch.randn(batch, heads, tokens, dim, generator=g).bfloat16() for _ in range(4))
+    inputs = BlockInputs(layer, batch, torch.arange(21, 21 + tokens),
+                         LayerValues(below_k, below_v, torch.rand(batch, tokens, generator=g) + 0.5))
+    predictor = BelowPredictor(cal, portable=portable)
+    one, together = predictor.session(inputs), predictor.session(inputs)
+    for kind, x in (("k", keys), ("v", values)):
+        mean, std = together.predict_kind(kind, heads)
+        for h in range(heads):
+            want_mean, want_std = one.predict(kind, h)
+            assert same_bits(mean[h], want_mean) and same_bits(std[h], want_std.expand_as(mean[h]))
+            one.observe(kind, h, x[:, h])
+        together.observe_kind(kind, x)
+    assert same_bits(one.finish(keys, values).surprise, together.finish(keys, values).surprise)
+    with pytest.raises(RuntimeError, match="twice"):
+        together.observe_kind("v", values)
 
 
 @pytest.mark.parametrize("coder", [None, "huff"])
