@@ -208,6 +208,12 @@ class Predictor(ABC):
     def session(self, inputs: BlockInputs) -> PredictorSession:
         """Start predicting one block of one layer."""
 
+    def sessions(self, inputs: list[BlockInputs]) -> list[PredictorSession]:
+        """Sessions of blocks of one layer that a decoder runs together (every `PredictorSession` call of a kind
+        made for each block before the next kind's); a predictor may share work between them (one session per
+        block by default)."""
+        return [self.session(block) for block in inputs]
+
     def below_depth(self) -> int:
         """How many layers below a block its session reads (`BlockInputs.below`); 0 lets a cache decode
         each layer on its own."""
