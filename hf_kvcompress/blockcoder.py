@@ -297,7 +297,7 @@ def decode_blocks(items: list[DecodeItem], threads: int = 1) -> list[tuple[torch
                 _decode(out, found, threads)
                 item.session.observe(kind, head, (keys if kind == "k" else values)[:, head])
     _decode(out, pending, threads)
-    stacked = [i for i in phased if items[i].session.stacks_kind and not items[i].session.portable]
+    stacked = [i for i in phased if items[i].session.stacks_kind]
     for kind in KINDS:
         _decode(out, [s for i in phased if i not in stacked for index, (k, head) in enumerate(stream_order(items[i].heads))
                       if k == kind for s in _expected(items[i], i, index, kind, head)], threads)
@@ -327,14 +327,17 @@ def _decode_kind(out: list[tuple[torch.Tensor, torch.Tensor]], items: list[Decod
             item, coded = items[i], items[i].streams
             rows, heads = len(coded.blobs), item.heads
             first = 0 if kind == "k" else heads  # the kind's first stream in `stream_order`
-            if coded.listed is not None and any(coded.listed[b][first + h].shape[0]
-                                                for b in range(rows) for h in range(heads)):
-                raise CorruptStreamError(f"a stream of kind {kind} lists elements though its statistics are exact")
             mean, std = item.session.predict_kind(kind, heads)  # [heads, rows, tokens, width]
             codes = np.array([[coded.codes[b][first + h] for b in range(rows)] for h in range(heads)], dtype=np.int64)
+            if item.session.portable and mean.dtype == torch.float64:
+                mean, std = _resettled_kind(item, kind, first, mean, std, codes)
+            else:
+                if coded.listed is not None and any(coded.listed[b][first + h].shape[0]
+                                                    for b in range(rows) for h in range(heads)):
+                    raise CorruptStreamError(f"a stream of kind {kind} lists elements though its statistics are exact")
+                std = std * scale_factors(codes)[..., None, None]
             means.append(mean.transpose(-1, -2).reshape(heads * rows, width, tokens))
-            stds.append((std.transpose(-1, -2) * scale_factors(codes)[..., None, None]).reshape(heads * rows, width,
-                                                                                               tokens))
+            stds.append(std.transpose(-1, -2).reshape(heads * rows, width, tokens))
             blobs += [coded.blobs[b][first + h] for h in range(heads) for b in range(rows)]
             verify += [item.verify] * (heads * rows)
         x = decode_streams(blobs, torch.cat(means), torch.cat(stds), items[group[0]].config,
@@ -345,6 +348,25 @@ def _decode_kind(out: list[tuple[torch.Tensor, torch.Tensor]], items: list[Decod
             target = out[i][0 if kind == "k" else 1]  # [rows, heads, tokens, width]
             target.copy_(x[at : at + heads * rows].view(heads, rows, width, tokens).permute(1, 0, 3, 2))
             at += heads * rows
+
+
+def _resettled_kind(item: DecodeItem, kind: str, first: int, mean: torch.Tensor, std: torch.Tensor,
+                    codes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_expected`'s settling of a `portable` session's float64 statistics ``[heads, rows, tokens, width]`` of every
+    stream of ``kind`` at once (`resettle_stream` is element-wise but for the listed elements it puts back, stream by
+    stream): float32, the std scaled, the same shape."""
+    heads, rows = codes.shape
+    coded = item.streams
+    listed = [coded.listed[b][first + h] if coded.listed is not None else _NOTHING
+              for h in range(heads) for b in range(rows)]
+    for index, entries in enumerate(listed):
+        problem = listed_problem(entries[:, 0].astype(np.int64), mean[0, 0].numel())
+        if problem is not None:
+            raise CorruptStreamError(f"the listed elements of stream {kind}{index // rows} are {problem}")
+    factors = [scale_factor(int(code)) for code in codes.reshape(-1)]
+    flat = mean.reshape(heads * rows, *mean.shape[2:]), std.reshape(heads * rows, *std.shape[2:])
+    mean, std = resettle_stream(*flat, factors, listed, item.dtype, item.config)
+    return mean.view(heads, rows, *mean.shape[1:]), std.view(heads, rows, *std.shape[1:])
 
 
 def _scaled(item: EncodeItem, coded: CodedStreams, i: int, index: int, kind: str, head: int,

@@ -137,8 +137,8 @@ class PhasedSession(LinearSession):
 
 
 class PhasedLayer:
-    """The `PhasedSession` work of several same-shaped blocks of one layer (generation's float32 statistics, a
-    decoder's), done on tensors stacked over the blocks: one pass per operation instead of one per block. Every
+    """The `PhasedSession` work of several same-shaped blocks of one layer (a decoder's: float32 statistics in
+    generation, float64 for files and chunks), done on tensors stacked over the blocks: one pass per operation instead of one per block. Every
     element gets the bits its block's own session gives it: the element-wise operations are the same, and the two
     whose result may depend on how long the tensor is (the matrix products, the ``pow`` of the surprise) still run
     block by block. `LayerBlockSession` is each block's face of it."""
@@ -246,6 +246,7 @@ class LayerBlockSession(PredictorSession):
 
     def __init__(self, layer: PhasedLayer, index: int):
         self.layer, self.index = layer, index
+        self.portable = layer.dtype == torch.float64  # a decoder's: its statistics are settled, never bounded
 
     def predict(self, kind: str, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("a block decoded with its layer is predicted a kind at a time (predict_kind)")
@@ -284,15 +285,23 @@ class BelowPredictor(CalibratedLinearPredictor):
         return PhasedSession(self.layer_heads(inputs.layer), self.recipe, self.frame, inputs, self.portable)
 
     def sessions(self, inputs: list[BlockInputs]) -> list[PredictorSession]:
-        """Same-shaped blocks of one layer in generation share one `PhasedLayer` (files and chunks, `portable`,
-        keep a session per block)."""
-        first = inputs[0]
-        shape = (first.layer, first.batch, first.positions.shape[0], first.below is None)
-        if (len(inputs) < 2 or not self.calibrated or self.portable
-                or any((b.layer, b.batch, b.positions.shape[0], b.below is None) != shape for b in inputs)):
+        """Same-shaped blocks of one layer share one `PhasedLayer` (in float64 for a `portable` predictor's, as its
+        sessions compute); a block of a shape of its own (a file's last, shorter block) gets its own session."""
+        if not self.calibrated:
             return super().sessions(inputs)
-        layer = PhasedLayer(self.layer_heads(first.layer), self.frame, inputs)
-        return [LayerBlockSession(layer, i) for i in range(len(inputs))]
+        shapes: dict[tuple, list[int]] = {}
+        for i, block in enumerate(inputs):
+            shapes.setdefault((block.layer, block.batch, block.positions.shape[0], block.below is None), []).append(i)
+        out: list[PredictorSession | None] = [None] * len(inputs)
+        frame = self.frame.in_float64() if self.portable else self.frame
+        for members in shapes.values():
+            if len(members) == 1:
+                out[members[0]] = self.session(inputs[members[0]])
+                continue
+            layer = PhasedLayer(self.layer_heads(inputs[members[0]].layer), frame, [inputs[i] for i in members])
+            for index, i in enumerate(members):
+                out[i] = LayerBlockSession(layer, index)
+        return out
 
     def layer_heads(self, layer: int) -> PhasedHeads:
         """``layer``'s stacked heads. Every layer's are read from the calibration at the first call and held

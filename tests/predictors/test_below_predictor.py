@@ -162,14 +162,18 @@ def test_a_kind_at_once_equals_head_after_head(portable):
 
 
 @pytest.mark.parametrize("coder", [None, "huff"])
-def test_save_load_continues_bit_for_bit(tmp_path, coder):
+def test_save_load_continues_bit_for_bit(tmp_path, coder, monkeypatch):
     model, ids = model6(), random_ids(1, 60, seed=2)
     reference, cache = DynamicCache(), CompressedCache(config(coder=coder), model=model, calibration=calibration())
     with torch.no_grad():
         model(ids[:, :50], cache=reference)
         model(ids[:, :50], cache=cache)
     path = cache.save(tmp_path / "below.kvc", predictor="below")
+    predicted = count_session_calls(monkeypatch)
     loaded = CompressedCache.load(path, model=model, calibration=calibration(), config=config(coder=coder))
+    # the file's full blocks (float64 statistics, settled) decoded a layer at a time, as generation decodes them (the
+    # shorter last block of a layer with a session of its own; the encoder codes generation's blocks head by head)
+    assert predicted["PhasedLayer.__init__"] >= LAYERS
     for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
         assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
     with torch.no_grad():
@@ -247,14 +251,15 @@ def test_prefix_store_round_trip_is_exact(tmp_path):
 
 
 
-def test_a_layer_decoded_together_gives_each_blocks_own_bits():
-    """`BelowPredictor.sessions` of three blocks of one layer (generation's: not portable) share one `PhasedLayer`;
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_layer_decoded_together_gives_each_blocks_own_bits(portable):
+    """`BelowPredictor.sessions` of three blocks of one layer (generation's, or a file's) share one `PhasedLayer`;
     every block's statistics and surprise are the bits of its own `PhasedSession` (two rows and 13 tokens per block,
     so that stacked tensors are not a multiple of a vector where a block's alone would be)."""
     cal, layer, tokens, batch, blocks = calibration(), 2, 13, 2, 3
     g = torch.Generator().manual_seed(11)
     heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
-    predictor = BelowPredictor(cal)
+    predictor = BelowPredictor(cal, portable=portable)
 
     def block(start: int) -> tuple[BlockInputs, torch.Tensor, torch.Tensor]:
         below = LayerValues(*(torch.randn(batch, heads, tokens, dim, generator=g).bfloat16() for _ in range(2)),
@@ -276,7 +281,6 @@ def test_a_layer_decoded_together_gives_each_blocks_own_bits():
             alone[i].observe_kind(kind, found[i][which])
     for i, (_, keys, values) in enumerate(found):
         assert same_bits(together[i].finish(keys, values).surprise, alone[i].finish(keys, values).surprise)
+    assert all(s.portable == portable for s in together)
     with pytest.raises(RuntimeError, match="a kind at a time"):
         together[0].predict("k", 0)
-    # files and chunks (portable) keep a session per block
-    assert {type(s) for s in BelowPredictor(cal, portable=True).sessions([b[0] for b in found])} == {PhasedSession}
