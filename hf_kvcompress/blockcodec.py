@@ -218,11 +218,11 @@ class BlockCodec:
     def decode_blocks(self, blocks: list[CodedBlock]) -> list[LayerValues]:
         """Decode ``blocks`` (of one layer when more than one, under `decoded_layer`'s rule; one codec call per
         kind and shape) through their sessions."""
-        items = []
+        items, inputs = [], []
         for block in blocks:
             side = {name: torch.stack([row.side[name] for row in block.rows]) for name in block.rows[0].side}
-            session = self.predictor.session(self._inputs(block.layer, block.start, block.tokens, len(block.rows),
-                                                          side))
+            inputs.append(self._inputs(block.layer, block.start, block.tokens, len(block.rows), side))
+        for block, session in zip(blocks, self.predictor.sessions(inputs)):
             listed = [[_listed_of(row, index) for index in range(2 * block.heads)] for row in block.rows] \
                 if session.portable else None
             coded = CodedStreams([row.scales for row in block.rows], [row.blobs for row in block.rows], listed)

@@ -297,13 +297,76 @@ def decode_blocks(items: list[DecodeItem], threads: int = 1) -> list[tuple[torch
                 _decode(out, found, threads)
                 item.session.observe(kind, head, (keys if kind == "k" else values)[:, head])
     _decode(out, pending, threads)
+    stacked = [i for i in phased if items[i].session.stacks_kind]
     for kind in KINDS:
-        _decode(out, [s for i in phased for index, (k, head) in enumerate(stream_order(items[i].heads)) if k == kind
-                      for s in _expected(items[i], i, index, kind, head)], threads)
+        _decode(out, [s for i in phased if i not in stacked for index, (k, head) in enumerate(stream_order(items[i].heads))
+                      if k == kind for s in _expected(items[i], i, index, kind, head)], threads)
+        _decode_kind(out, items, stacked, kind, threads)
         for i in phased:
-            for head in range(items[i].heads):
-                items[i].session.observe(kind, head, out[i][0 if kind == "k" else 1][:, head])
+            if i in stacked:
+                items[i].session.observe_kind(kind, out[i][0 if kind == "k" else 1])
+            else:
+                for head in range(items[i].heads):
+                    items[i].session.observe(kind, head, out[i][0 if kind == "k" else 1][:, head])
     return out
+
+
+def _decode_kind(out: list[tuple[torch.Tensor, torch.Tensor]], items: list[DecodeItem], members: list[int], kind: str,
+                 threads: int) -> None:
+    """The streams of ``kind`` of the `PredictorSession.stacks_kind` blocks ``members``, as `_expected` and `_decode`
+    give them (the same statistics, stream order and calls: one per codec setting and shape), from each block's
+    `PredictorSession.predict_kind` stacked, and written back a block at a time."""
+    groups: dict[tuple, list[int]] = {}
+    for i in members:
+        item = items[i]
+        groups.setdefault((id(item.config), item.tokens, item.dim if kind == "k" else item.value_dim, item.dtype),
+                          []).append(i)
+    for (_, tokens, width, dtype), group in groups.items():
+        means, stds, blobs, verify = [], [], [], []
+        for i in group:
+            item, coded = items[i], items[i].streams
+            rows, heads = len(coded.blobs), item.heads
+            first = 0 if kind == "k" else heads  # the kind's first stream in `stream_order`
+            mean, std = item.session.predict_kind(kind, heads)  # [heads, rows, tokens, width]
+            codes = np.array([[coded.codes[b][first + h] for b in range(rows)] for h in range(heads)], dtype=np.int64)
+            if item.session.portable and mean.dtype == torch.float64:
+                mean, std = _resettled_kind(item, kind, first, mean, std, codes)
+            else:
+                if coded.listed is not None and any(coded.listed[b][first + h].shape[0]
+                                                    for b in range(rows) for h in range(heads)):
+                    raise CorruptStreamError(f"a stream of kind {kind} lists elements though its statistics are exact")
+                std = std * scale_factors(codes)[..., None, None]
+            means.append(mean.transpose(-1, -2).reshape(heads * rows, width, tokens))
+            stds.append(std.transpose(-1, -2).reshape(heads * rows, width, tokens))
+            blobs += [coded.blobs[b][first + h] for h in range(heads) for b in range(rows)]
+            verify += [item.verify] * (heads * rows)
+        x = decode_streams(blobs, torch.cat(means), torch.cat(stds), items[group[0]].config,
+                           out=torch.empty((len(blobs), width, tokens), dtype=dtype), threads=threads, verify=verify)
+        at = 0
+        for i in group:
+            rows, heads = len(items[i].streams.blobs), items[i].heads
+            target = out[i][0 if kind == "k" else 1]  # [rows, heads, tokens, width]
+            target.copy_(x[at : at + heads * rows].view(heads, rows, width, tokens).permute(1, 0, 3, 2))
+            at += heads * rows
+
+
+def _resettled_kind(item: DecodeItem, kind: str, first: int, mean: torch.Tensor, std: torch.Tensor,
+                    codes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_expected`'s settling of a `portable` session's float64 statistics ``[heads, rows, tokens, width]`` of every
+    stream of ``kind`` at once (`resettle_stream` is element-wise but for the listed elements it puts back, stream by
+    stream): float32, the std scaled, the same shape."""
+    heads, rows = codes.shape
+    coded = item.streams
+    listed = [coded.listed[b][first + h] if coded.listed is not None else _NOTHING
+              for h in range(heads) for b in range(rows)]
+    for index, entries in enumerate(listed):
+        problem = listed_problem(entries[:, 0].astype(np.int64), mean[0, 0].numel())
+        if problem is not None:
+            raise CorruptStreamError(f"the listed elements of stream {kind}{index // rows} are {problem}")
+    factors = [scale_factor(int(code)) for code in codes.reshape(-1)]
+    flat = mean.reshape(heads * rows, *mean.shape[2:]), std.reshape(heads * rows, *std.shape[2:])
+    mean, std = resettle_stream(*flat, factors, listed, item.dtype, item.config)
+    return mean.view(heads, rows, *mean.shape[1:]), std.view(heads, rows, *std.shape[1:])
 
 
 def _scaled(item: EncodeItem, coded: CodedStreams, i: int, index: int, kind: str, head: int,

@@ -102,6 +102,11 @@ class PredictorSession(ABC):
     #: stream, code them in one batch and observe them, then do the same for the values (two phases per block)
     kind_independent: bool = False
 
+    #: True when `predict_kind` / `observe_kind` do every head of a kind in one pass, with dense statistics (a value
+    #: per element): the block coder then decodes a kind of many blocks from stacked tensors, without Python per
+    #: stream (`blockcoder.decode_blocks`)
+    stacks_kind: bool = False
+
     #: True when `predict` gives float64 statistics whose last bits depend on the CPU (matrix products, libm):
     #: the cache then codes canonical float32 values (`codec.params.settle`, within `bounds`) so that a file
     #: decodes on every machine; False: float32 statistics that every machine computes bit for bit
@@ -129,6 +134,18 @@ class PredictorSession(ABC):
     @abstractmethod
     def observe(self, kind: str, head: int, values: torch.Tensor) -> None:
         """The true values ``[batch, tokens, head_dim]`` of the stream just predicted."""
+
+    def predict_kind(self, kind: str, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std of every stream of ``kind`` of a `kind_independent` session, ``[heads, batch, tokens,
+        width]`` each, equal to its `predict` of each head (a session overrides it with one pass over the heads:
+        the per-head Python of a decode step)."""
+        pairs = [self.predict(kind, head) for head in range(heads)]
+        return torch.stack([m for m, _ in pairs]), torch.stack([s.expand_as(m) for m, s in pairs])
+
+    def observe_kind(self, kind: str, values: torch.Tensor) -> None:
+        """`observe` of every stream of ``kind`` after `predict_kind`: ``values`` ``[batch, heads, tokens, width]``."""
+        for head in range(values.shape[1]):
+            self.observe(kind, head, values[:, head])
 
     @abstractmethod
     def finish(self, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:
@@ -190,6 +207,12 @@ class Predictor(ABC):
     @abstractmethod
     def session(self, inputs: BlockInputs) -> PredictorSession:
         """Start predicting one block of one layer."""
+
+    def sessions(self, inputs: list[BlockInputs]) -> list[PredictorSession]:
+        """Sessions of blocks of one layer that a decoder runs together (every `PredictorSession` call of a kind
+        made for each block before the next kind's); a predictor may share work between them (one session per
+        block by default)."""
+        return [self.session(block) for block in inputs]
 
     def below_depth(self) -> int:
         """How many layers below a block its session reads (`BlockInputs.below`); 0 lets a cache decode

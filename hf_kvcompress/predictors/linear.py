@@ -73,7 +73,10 @@ class Surprise:
 
     def add(self, z: torch.Tensor) -> None:
         """A stream's standardised errors ``(value - mean) / sigma``, ``[..., tokens, head_dim]``."""
-        z2 = z.square().mean(dim=-1)
+        self.add_squares(z.square().mean(dim=-1))
+
+    def add_squares(self, z2: torch.Tensor) -> None:
+        """A stream's mean squared standardised error per token (`add` of its errors, squared and averaged)."""
         self.z2_sum = z2 if self.z2_sum is None else self.z2_sum + z2
         self.count += 1
 
@@ -142,6 +145,16 @@ class FeatureBuilder:
             self.own_bounds.append(self.bound(kind, values))
         return framed
 
+    def observe_heads(self, kind: str, values: torch.Tensor) -> torch.Tensor:
+        """`observe` of every head of ``kind`` at once (``values`` ``[batch, heads, tokens, head_dim]``, each head's
+        prediction frame computed in one pass); returns them framed, the same shape."""
+        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
+        # each head its own tensor, as `observe` records it: the matrix products that read it see the same layout
+        (self.own_keys if kind == "k" else self.own_values).extend(framed[:, h].clone() for h in range(values.shape[1]))
+        if self.dtype == torch.float64:
+            self.own_bounds.extend(self.bound(kind, values[:, h]) for h in range(values.shape[1]))
+        return framed
+
     def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """float32 bounds on the magnitude of the feature values of ``values`` and of what rounding touched: for
         keys, the un-rotated pair's magnitudes (the un-rotation's error is relative to them)."""
@@ -160,22 +173,8 @@ class FeatureBuilder:
     def apply(self, kind: str, head: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
         """``features(kind, head) @ weight`` (``[batch, tokens, dim]``), computed piecewise: the same sum
         without concatenating the features."""
-        own = self.own(kind, head)
-        width = 1 + (self.base_matrix.shape[-1] if self.base_matrix is not None else 0) + sum(p.shape[-1] for p in own)
-        if width != weight.shape[0]:
-            raise ValueError(
-                f"calibrated {kind}{head} head expects {weight.shape[0]} features, this predictor builds {width}: "
-                "the calibration was fitted with other predictor features; recalibrate (hf-kvcompress calibrate)"
-            )
-        out = weight[0].expand(batch, self.positions.shape[0], -1)
-        row = 1
-        if self.base_matrix is not None:
-            out = out + self.base_matrix @ weight[row : row + self.base_matrix.shape[-1]]
-            row += self.base_matrix.shape[-1]
-        for part in own:
-            out = out + part @ weight[row : row + part.shape[-1]]
-            row += part.shape[-1]
-        return out
+        pieces = ([self.base_matrix] if self.base_matrix is not None else []) + self.own(kind, head)
+        return linear_pieces(kind, head, weight, pieces, batch, self.positions.shape[0])
 
     def magnitude(self, kind: str, head: int, weight: torch.Tensor) -> torch.Tensor:
         """A bound on the sum of the absolute products of `apply` without the bias (``[batch, tokens, dim]``,
@@ -195,6 +194,24 @@ class FeatureBuilder:
             out = out + part @ size[row : row + part.shape[-1]]
             row += part.shape[-1]
         return out.to(torch.float64) * (1 + 2.0**-10)  # float32 sums of non-negative terms: rounding covered
+
+
+def linear_pieces(kind: str, head: int, weight: torch.Tensor, pieces: list[torch.Tensor], batch: int,
+                  tokens: int) -> torch.Tensor:
+    """``cat([1, *pieces], -1) @ weight`` (``[batch, tokens, dim]``) of stream (kind, head), summed piece by piece in
+    this order (every coder of a stream runs these operations, so that its means are the same bits)."""
+    width = 1 + sum(p.shape[-1] for p in pieces)
+    if width != weight.shape[0]:
+        raise ValueError(
+            f"calibrated {kind}{head} head expects {weight.shape[0]} features, this predictor builds {width}: "
+            "the calibration was fitted with other predictor features; recalibrate (hf-kvcompress calibrate)"
+        )
+    out = weight[0].expand(batch, tokens, -1)
+    row = 1
+    for part in pieces:
+        out = out + part @ weight[row : row + part.shape[-1]]
+        row += part.shape[-1]
+    return out
 
 
 class LinearSession(PredictorSession):

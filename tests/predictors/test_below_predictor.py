@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore, blockcoder
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.predictors.base import BlockInputs, LayerValues
-from hf_kvcompress.predictors.below import BelowPredictor, PhasedSession
+from hf_kvcompress.predictors.below import BelowPredictor, LayerBlockSession, PhasedLayer, PhasedSession
 from hf_kvcompress.predictors.linear import FeatureRecipe, flat_heads
 from hf_kvcompress_eval.env import walk_held_bytes
 
@@ -108,23 +108,72 @@ def test_generation_is_exact_and_decodes_a_kind_of_a_layer_in_one_call(monkeypat
     blocks = len(cache.layers[0].blocks)
     assert blocks >= 4
     calls = count_codec_calls(monkeypatch)
+    predicted = count_session_calls(monkeypatch)
     decodes = cache.lossless.decodes
     with torch.no_grad():
         model(got.sequences[:, -1:], cache=cache)
     # every block of every layer decoded (no budget), in two codec calls per layer: keys, then values
     assert cache.lossless.decodes - decodes == LAYERS * blocks
     assert len(calls) == 2 * LAYERS and set(calls) == {blocks * 2}  # blocks x kv heads (2) per call
+    # one stacked pass per layer; each block's kind predicted and observed in one session call, none head by head
+    assert predicted == {"PhasedLayer.__init__": LAYERS, "LayerBlockSession.predict_kind": 2 * LAYERS * blocks,
+                         "LayerBlockSession.observe_kind": 2 * LAYERS * blocks}
+
+
+def count_session_calls(monkeypatch) -> dict[str, int]:
+    """How often a decoder builds a `PhasedLayer` and calls each session method that predicts or observes, from now
+    on (``Class.method`` -> calls)."""
+    calls: dict[str, int] = {}
+    methods = [(PhasedLayer, "__init__")] + [(cls, name) for cls in (PhasedSession, LayerBlockSession)
+                                             for name in ("predict", "observe", "predict_kind", "observe_kind")]
+    for cls, name in methods:
+        original, key = getattr(cls, name), f"{cls.__name__}.{name}"
+
+        def counted(self, *args, _key=key, _original=original, **kwargs):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_kind_at_once_equals_head_after_head(portable):
+    """`predict_kind` / `observe_kind` (the decoder's stacked path) give the bits `predict` / `observe` give head by
+    head (the encoder's), surprise included: two rows and 13 tokens, so that no shape is a multiple of a vector."""
+    cal, layer, tokens, batch = calibration(), 3, 13, 2
+    g = torch.Generator().manual_seed(8)
+    heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
+    below_k, below_v, keys, values = (torch.randn(batch, heads, tokens, dim, generator=g).bfloat16() for _ in range(4))
+    inputs = BlockInputs(layer, batch, torch.arange(21, 21 + tokens),
+                         LayerValues(below_k, below_v, torch.rand(batch, tokens, generator=g) + 0.5))
+    predictor = BelowPredictor(cal, portable=portable)
+    one, together = predictor.session(inputs), predictor.session(inputs)
+    for kind, x in (("k", keys), ("v", values)):
+        mean, std = together.predict_kind(kind, heads)
+        for h in range(heads):
+            want_mean, want_std = one.predict(kind, h)
+            assert same_bits(mean[h], want_mean) and same_bits(std[h], want_std.expand_as(mean[h]))
+            one.observe(kind, h, x[:, h])
+        together.observe_kind(kind, x)
+    assert same_bits(one.finish(keys, values).surprise, together.finish(keys, values).surprise)
+    with pytest.raises(RuntimeError, match="twice"):
+        together.observe_kind("v", values)
 
 
 @pytest.mark.parametrize("coder", [None, "huff"])
-def test_save_load_continues_bit_for_bit(tmp_path, coder):
+def test_save_load_continues_bit_for_bit(tmp_path, coder, monkeypatch):
     model, ids = model6(), random_ids(1, 60, seed=2)
     reference, cache = DynamicCache(), CompressedCache(config(coder=coder), model=model, calibration=calibration())
     with torch.no_grad():
         model(ids[:, :50], cache=reference)
         model(ids[:, :50], cache=cache)
     path = cache.save(tmp_path / "below.kvc", predictor="below")
+    predicted = count_session_calls(monkeypatch)
     loaded = CompressedCache.load(path, model=model, calibration=calibration(), config=config(coder=coder))
+    # the file's full blocks (float64 statistics, settled) decoded a layer at a time, as generation decodes them (the
+    # shorter last block of a layer with a session of its own; the encoder codes generation's blocks head by head)
+    assert predicted["PhasedLayer.__init__"] >= LAYERS
     for a, b in zip(cache.kv_layers(), loaded.kv_layers()):
         assert same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
     with torch.no_grad():
@@ -211,3 +260,38 @@ def test_prefix_store_round_trip_is_exact(tmp_path):
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want.logits, got.logits))
 
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_layer_decoded_together_gives_each_blocks_own_bits(portable):
+    """`BelowPredictor.sessions` of three blocks of one layer (generation's, or a file's) share one `PhasedLayer`;
+    every block's statistics and surprise are the bits of its own `PhasedSession` (two rows and 13 tokens per block,
+    so that stacked tensors are not a multiple of a vector where a block's alone would be)."""
+    cal, layer, tokens, batch, blocks = calibration(), 2, 13, 2, 3
+    g = torch.Generator().manual_seed(11)
+    heads, dim = cal.meta["model"]["kv_heads"], cal.meta["model"]["head_dim"]
+    predictor = BelowPredictor(cal, portable=portable)
+
+    def block(start: int) -> tuple[BlockInputs, torch.Tensor, torch.Tensor]:
+        below = LayerValues(*(torch.randn(batch, heads, tokens, dim, generator=g).bfloat16() for _ in range(2)),
+                            torch.rand(batch, tokens, generator=g) + 0.5)
+        keys, values = (torch.randn(batch, heads, tokens, dim, generator=g).bfloat16() for _ in range(2))
+        return BlockInputs(layer, batch, torch.arange(start, start + tokens), below), keys, values
+
+    found = [block(start) for start in (0, 13, 26)]
+    together = predictor.sessions([inputs for inputs, _, _ in found])
+    assert {type(s) for s in together} == {LayerBlockSession}
+    alone = [predictor.session(inputs) for inputs, _, _ in found]
+    for kind, which in (("k", 1), ("v", 2)):
+        for i in range(blocks):
+            mean, std = together[i].predict_kind(kind, heads)
+            want_mean, want_std = alone[i].predict_kind(kind, heads)
+            assert same_bits(mean, want_mean) and same_bits(std, want_std)
+        for i in range(blocks):
+            together[i].observe_kind(kind, found[i][which])
+            alone[i].observe_kind(kind, found[i][which])
+    for i, (_, keys, values) in enumerate(found):
+        assert same_bits(together[i].finish(keys, values).surprise, alone[i].finish(keys, values).surprise)
+    assert all(s.portable == portable for s in together)
+    with pytest.raises(RuntimeError, match="a kind at a time"):
+        together[0].predict("k", 0)
