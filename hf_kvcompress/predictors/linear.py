@@ -45,6 +45,20 @@ from .rope import RopeFrame
 #: SmolLM2, and (1/16, 16) codes within 0.0004 bit of it (docs/lossless.md, "Constants of the linear
 #: predictors", experiments/linear_constants.py)
 SURPRISE_RANGE = (0.25, 8.0)
+#: the largest magnitude a K/V element has as a feature (`feature_values`): far above any model's K/V (SmolLM2's
+#: largest is below 2^10) and low enough that a head's sum of products and a surprise's squares stay finite in
+#: float32
+FEATURE_BOUND = 2.0**32
+
+
+def feature_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K/V as features, in ``dtype``: an element that is NaN, infinite or beyond +-`FEATURE_BOUND` reads as 0
+    (a missing feature), so that it (which the codec codes exactly like any other) turns no mean or surprise of the
+    streams, tokens and layers that read it into NaN or infinities, nor far off. Any value a model's K/V hold is
+    itself. (Clamped to the bound instead, one inf cost that token's streams in the two layers above 40-56 bytes:
+    tests/cache/test_extreme_values.py's K/V, 2026-12-04.)"""
+    x = x.to(dtype)
+    return torch.where(x.abs() <= FEATURE_BOUND, x, torch.zeros((), dtype=dtype))
 
 
 class Surprise:
@@ -124,8 +138,8 @@ class FeatureBuilder:
         parts = [e.to(self.dtype) for e in extras]
         if inputs.below is not None:
             for layer in inputs.below.chain(recipe.below):
-                parts.append(flat_heads(frame.unrotate(layer.keys, self.positions), self.dtype))
-                parts.append(flat_heads(layer.values, self.dtype))
+                parts.append(flat_heads(frame.unrotate(feature_values(layer.keys, self.dtype), self.positions), self.dtype))
+                parts.append(flat_heads(feature_values(layer.values, self.dtype), self.dtype))
         self.base = parts
         # one tensor for the shared part: each stream multiplies it once, without re-concatenating
         self.base_matrix = torch.cat(parts, dim=-1) if parts else None
@@ -136,7 +150,8 @@ class FeatureBuilder:
 
     def observe(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """Record a stream's true values; returns them in the prediction frame (pre-RoPE for keys)."""
-        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
+        features = feature_values(values, self.dtype)
+        framed = self.frame.unrotate(features, self.positions) if kind == "k" else features
         (self.own_keys if kind == "k" else self.own_values).append(framed)
         if self.dtype == torch.float64:  # only portable sessions ask for `magnitude`
             self.own_bounds.append(self.bound(kind, values))
@@ -145,7 +160,7 @@ class FeatureBuilder:
     def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """float32 bounds on the magnitude of the feature values of ``values`` and of what rounding touched: for
         keys, the un-rotated pair's magnitudes (the un-rotation's error is relative to them)."""
-        size = values.abs().to(torch.float32)
+        size = feature_values(values, torch.float32).abs()
         return self.frame.rotate_bound(size) if kind == "k" else size
 
     def own(self, kind: str, head: int) -> list[torch.Tensor]:
