@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import BlockInputs, PredictorSession, register
-from .linear import CalibratedLinearPredictor, FeatureRecipe, LinearSession, StreamHead
+from .linear import F32_MAX, CalibratedLinearPredictor, FeatureRecipe, LinearSession, StreamHead
 from .rope import RopeFrame
 
 
@@ -76,8 +76,8 @@ class PhasedSession(LinearSession):
         framed = self.builder.apply(kind, 0, self.layer_heads.weight[kind].to(self.dtype), batch)
         mean = framed.view(batch, tokens, heads, self.dim).transpose(1, 2)
         variance = self.layer_heads.sigma[kind].to(self.dtype).square()[:, None, :].expand(-1, tokens, -1)
-        if kind == "k":
-            mean = self.frame.rotate(mean, positions)
+        if kind == "k":  # a pair of means near float32's limit may rotate past it (linear.finite_means)
+            mean = self.frame.rotate(mean, positions).clamp(-F32_MAX, F32_MAX)
             variance = self.frame.rotate_variance(variance, positions)
         found = (framed, mean, variance.sqrt(), self.tracker.current((batch, tokens)))
         self._phase[kind] = found

@@ -45,20 +45,26 @@ from .rope import RopeFrame
 #: SmolLM2, and (1/16, 16) codes within 0.0004 bit of it (docs/lossless.md, "Constants of the linear
 #: predictors", experiments/linear_constants.py)
 SURPRISE_RANGE = (0.25, 8.0)
-#: the largest magnitude a K/V element has as a feature (`feature_values`): far above any model's K/V (SmolLM2's
-#: largest is below 2^10) and low enough that a head's sum of products and a surprise's squares stay finite in
-#: float32
-FEATURE_BOUND = 2.0**32
+F32_MAX = torch.finfo(torch.float32).max
 
 
-def feature_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cached K/V as features, in ``dtype``: an element that is NaN, infinite or beyond +-`FEATURE_BOUND` reads as 0
-    (a missing feature), so that it (which the codec codes exactly like any other) turns no mean or surprise of the
-    streams, tokens and layers that read it into NaN or infinities, nor far off. Any value a model's K/V hold is
-    itself. (Clamped to the bound instead, one inf cost that token's streams in the two layers above 40-56 bytes:
-    tests/cache/test_extreme_values.py's K/V, 2026-12-04.)"""
-    x = x.to(dtype)
-    return torch.where(x.abs() <= FEATURE_BOUND, x, torch.zeros((), dtype=dtype))
+# K/V may hold NaN and infinities (lossless codes any bits). A mean or spread that reads them would be NaN or
+# infinite, which the codec refuses, so: a non-finite element is a 0 feature, a non-finite or float32-overflowing
+# mean is the head's bias, and the surprise reads a NaN element as 0. Each replaces only what was NaN or infinite
+# before, so every block that coded before codes the same bytes (and old files decode), and one such element costs
+# only its own token's streams (tests/cache/test_extreme_values.py).
+
+
+def finite_features(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every NaN or infinite element 0 (``x`` itself when all are finite)."""
+    finite = torch.isfinite(x)
+    return x if bool(finite.all()) else torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+
+
+def finite_means(means: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``means`` with every element that is NaN or beyond float32's range replaced by ``bias`` (broadcast)."""
+    within = means.abs() <= F32_MAX
+    return means if bool(within.all()) else torch.where(within, means, bias.to(means.dtype))
 
 
 class Surprise:
@@ -138,8 +144,8 @@ class FeatureBuilder:
         parts = [e.to(self.dtype) for e in extras]
         if inputs.below is not None:
             for layer in inputs.below.chain(recipe.below):
-                parts.append(flat_heads(frame.unrotate(feature_values(layer.keys, self.dtype), self.positions), self.dtype))
-                parts.append(flat_heads(feature_values(layer.values, self.dtype), self.dtype))
+                parts.append(flat_heads(finite_features(frame.unrotate(layer.keys, self.positions)), self.dtype))
+                parts.append(flat_heads(finite_features(layer.values.to(self.dtype)), self.dtype))
         self.base = parts
         # one tensor for the shared part: each stream multiplies it once, without re-concatenating
         self.base_matrix = torch.cat(parts, dim=-1) if parts else None
@@ -149,18 +155,19 @@ class FeatureBuilder:
         self.own_bounds: list[torch.Tensor] = []  # `bound` of each own stream, in the order observed
 
     def observe(self, kind: str, values: torch.Tensor) -> torch.Tensor:
-        """Record a stream's true values; returns them in the prediction frame (pre-RoPE for keys)."""
-        features = feature_values(values, self.dtype)
-        framed = self.frame.unrotate(features, self.positions) if kind == "k" else features
-        (self.own_keys if kind == "k" else self.own_values).append(framed)
+        """Record a stream's true values as features; returns them in the prediction frame (pre-RoPE for keys) for
+        the surprise: NaN as 0, infinities kept (an infinite error saturates the surprise, as it always did)."""
+        framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
+        features = finite_features(framed)
+        (self.own_keys if kind == "k" else self.own_values).append(features)
         if self.dtype == torch.float64:  # only portable sessions ask for `magnitude`
             self.own_bounds.append(self.bound(kind, values))
-        return framed
+        return framed if features is framed else torch.where(framed.isnan(), torch.zeros((), dtype=self.dtype), framed)
 
     def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """float32 bounds on the magnitude of the feature values of ``values`` and of what rounding touched: for
         keys, the un-rotated pair's magnitudes (the un-rotation's error is relative to them)."""
-        size = feature_values(values, torch.float32).abs()
+        size = finite_features(values.to(torch.float32)).abs()
         return self.frame.rotate_bound(size) if kind == "k" else size
 
     def own(self, kind: str, head: int) -> list[torch.Tensor]:
@@ -190,7 +197,7 @@ class FeatureBuilder:
         for part in own:
             out = out + part @ weight[row : row + part.shape[-1]]
             row += part.shape[-1]
-        return out
+        return finite_means(out, weight[0])
 
     def magnitude(self, kind: str, head: int, weight: torch.Tensor) -> torch.Tensor:
         """A bound on the sum of the absolute products of `apply` without the bias (``[batch, tokens, dim]``,
@@ -257,8 +264,8 @@ class LinearSession(PredictorSession):
         mean, surprise = self.framed_prediction(kind, head)
         scale = surprise.pow(params.alpha).unsqueeze(-1)
         variance = params.sigma.to(self.dtype).square().expand(mean.shape[1], -1)
-        if kind == "k":
-            mean = self.frame.rotate(mean, self.inputs.positions)
+        if kind == "k":  # a pair of means near float32's limit may rotate past it
+            mean = self.frame.rotate(mean, self.inputs.positions).clamp(-F32_MAX, F32_MAX)
             variance = self.frame.rotate_variance(variance, self.inputs.positions)
         std = variance.sqrt() * scale
         if not self.portable:

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
 from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.predictors import below, linear
 
 LAYERS, HEADS, DIM, TOKENS = 6, 2, 16, 40
 CALIBRATED = ("none", "context", "below")
@@ -153,3 +154,40 @@ def test_calibrated_predictors_generate_with_special_values(predictor):
     assert len(last.blocks) >= 2 and bool(last.keys.isnan().any()) and bool(last.values.isinf().any())
     for layer, ref in zip(cache.kv_layers(), expected.layers, strict=True):
         assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
+
+
+def blobs(cache: CompressedCache) -> list[bytes]:
+    return [bytes(blob) for layer in cache.kv_layers() for block in layer.blocks for row in block.rows
+            for blob in row.blobs]
+
+
+@pytest.mark.parametrize("predictor", CALIBRATED)
+def test_what_coded_before_codes_the_same_bytes(predictor, tmp_path, monkeypatch):
+    """K/V the predictors coded before they read non-finite elements as 0 (an infinity in values, huge finite
+    values, the largest finite one, a NaN in the last stream): generation blocks and saved files are the bytes the
+    predictors write with those guards switched off, so files written before load (written by 072c9fa, they did)."""
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(1, HEADS, 24, DIM, generator=g).bfloat16(), torch.randn(1, HEADS, 24, DIM, generator=g).bfloat16())
+          for _ in range(LAYERS)]
+    kv[2][0][0, 0, 3, 4] = 1e20
+    kv[3][1][0, 1, 3, 4] = 1e30
+    kv[4][1][0, 1, 5, 4] = torch.finfo(torch.bfloat16).max
+    kv[5][1][0, 1, 3, 15] = float("nan")  # the last stream of the last layer: nothing reads it
+    if predictor == "none":  # no features: only the surprise reads an infinity (it saturates, as before)
+        kv[1][1][0, 1, 3, 4] = float("inf")
+
+    def written(name: str) -> tuple[list[bytes], bytes]:
+        config = CompressionConfig(block_tokens=16, residual_tokens=8, lossless=LosslessConfig(predictor=predictor))
+        cache = CompressedCache(config, calibration=calibration6())
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        path = cache.save(tmp_path / f"{name}.kvc", predictor=predictor)
+        assert_holds(CompressedCache.load(path, calibration=calibration6()), kv)
+        return blobs(cache), path.read_bytes()
+
+    guarded = written("guarded")
+    monkeypatch.setattr(linear, "finite_features", lambda x: x)
+    monkeypatch.setattr(linear, "finite_means", lambda means, bias: means)
+    monkeypatch.setattr(linear, "F32_MAX", float("inf"))
+    monkeypatch.setattr(below, "F32_MAX", float("inf"))
+    assert written("unguarded") == guarded
