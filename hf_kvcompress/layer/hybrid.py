@@ -49,6 +49,12 @@ class RecurrentStateMixin(LinearAttentionLayer):
         elif not args:
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
+    def get_seq_length(self) -> int:
+        # the attention half's tokens, as transformers' hybrid layers count them: the states' counter
+        # (``cumulative_length_linear``) has already counted a forward's tokens when its attention asks for the query
+        # offset (Inkling's convolutions update before its attention reads `Cache.get_query_offset`)
+        return self._attention().get_seq_length()
+
     def reset(self) -> None:
         if hasattr(self, "number_of_states"):  # the attention half's __init__ resets before the states exist
             LinearAttentionLayer.reset(self)

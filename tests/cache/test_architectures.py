@@ -341,6 +341,9 @@ def check_save(arch: str, dtype: str, batch: int, mode: str) -> Outcome:
         return not_applicable(err)
     try:
         cache = compressed(model, mode)
+    except Exception as err:
+        return from_error(err, "construction")
+    try:
         _prefill(model, cache, ids, mask)
     except Exception as err:
         return from_error(err, "prefill")
