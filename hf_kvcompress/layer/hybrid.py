@@ -76,8 +76,10 @@ class RecurrentStateMixin(LinearAttentionLayer):
         LinearAttentionLayer.prefetch(self)
         self._attention().prefetch()
 
-    def activate_past_recording(self) -> None:
-        self.record_past = True  # one flag for both halves, as on transformers' hybrid layers
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        # one flag for both halves, as on transformers' hybrid layers; the states' history as transformers keeps it
+        # (5.25+: without it a recorded prefill of zamba / zaya failed on a missing `recurrent_states_history`)
+        LinearAttentionCacheLayerMixin.activate_past_recording(self, recurrent_states_to_keep)
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
