@@ -199,7 +199,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     streams()
     caches_and_files(model, calibration, kv, folder, "specials")
-    # the calibrated predictors refuse NaN in generation (their mean is NaN there): their blocks from clean K/V
+    # the calibrated predictors' blocks from clean K/V too (until 2026-12-04 they refused the special values)
     caches_and_files(model, calibration, kv_with_specials(model, ids, specials=False), folder, "clean")
     storage_only_files(model, calibration, ids, folder)
     store(model, calibration, ids, folder)

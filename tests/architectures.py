@@ -131,6 +131,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen4_exp_text": {"indexer_budget": 32, "indexer_compress_ratio": 4, "indexer_head_dim": 16, "indexer_n_heads": 2,
                        "indexer_kv_heads": 1},
     "dory": {"n_input_layers": 2, "n_output_layers": 2, "n_recurrent_loops": 2},
+    # its indexer's heads share a key head: at most 4 / 2 query heads per key head
+    "kolibri1_1": {"index_num_heads": 2},
     "inkling2_text": {"unpadded_vocab_size": VOCAB, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
                       "swa_head_dim": 16, "d_rel": 4, "rel_extent": 32, "n_layers_per_attn_res_block": 3},
     # KV sharing: the last 2 of 6 layers read the cache of the last earlier layer of their type

@@ -499,7 +499,9 @@ def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any],
             layer.recurrent_states[i].copy_(recurrent)
         layer.has_previous_state[i] = previous
     counter = getattr(layer, "cumulative_length_linear", None)
-    if isinstance(counter, torch.Tensor):
+    # transformers counts tokens in its first conv state's updates only: a layer the model never updated (one whose
+    # model keeps its states in its own modules, RecurrentGemma) counts 0, and its cache's length reads 0 from it
+    if isinstance(counter, torch.Tensor) and state["previous"] and state["previous"][0]:
         counter.fill_(tokens)
 
 

@@ -49,6 +49,12 @@ class RecurrentStateMixin(LinearAttentionLayer):
         elif not args:
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
+    def get_seq_length(self) -> int:
+        # the attention half's tokens, as transformers' hybrid layers count them: the states' counter
+        # (``cumulative_length_linear``) has already counted a forward's tokens when its attention asks for the query
+        # offset (Inkling's convolutions update before its attention reads `Cache.get_query_offset`)
+        return self._attention().get_seq_length()
+
     def reset(self) -> None:
         if hasattr(self, "number_of_states"):  # the attention half's __init__ resets before the states exist
             LinearAttentionLayer.reset(self)
@@ -70,8 +76,10 @@ class RecurrentStateMixin(LinearAttentionLayer):
         LinearAttentionLayer.prefetch(self)
         self._attention().prefetch()
 
-    def activate_past_recording(self) -> None:
-        self.record_past = True  # one flag for both halves, as on transformers' hybrid layers
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        # one flag for both halves, as on transformers' hybrid layers; the states' history as transformers keeps it
+        # (5.25+: without it a recorded prefill of zamba / zaya failed on a missing `recurrent_states_history`)
+        LinearAttentionCacheLayerMixin.activate_past_recording(self, recurrent_states_to_keep)
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]

@@ -18,12 +18,15 @@ import torch
 
 from .base import BlockInputs, LayerValues, PredictorSession, register
 from .linear import (
+    F32_MAX,
     CalibratedLinearPredictor,
     FeatureRecipe,
     LinearSession,
     StreamHead,
     Surprise,
+    finite_features,
     linear_pieces,
+    nan_as_zero,
 )
 from .rope import RopeFrame
 
@@ -84,8 +87,8 @@ class PhasedSession(LinearSession):
         framed = self.builder.apply(kind, 0, self.layer_heads.weight[kind].to(self.dtype), batch)
         mean = framed.view(batch, tokens, heads, self.dim).transpose(1, 2)
         variance = self.layer_heads.sigma[kind].to(self.dtype).square()[:, None, :].expand(-1, tokens, -1)
-        if kind == "k":
-            mean = self.frame.rotate(mean, positions)
+        if kind == "k":  # a pair of means near float32's limit may rotate past it (linear.finite_means)
+            mean = self.frame.rotate(mean, positions).clamp(-F32_MAX, F32_MAX)
             variance = self.frame.rotate_variance(variance, positions)
         found = (framed, mean, variance.sqrt(), self.tracker.current((batch, tokens)))
         self._phase[kind] = found
@@ -154,8 +157,8 @@ class PhasedLayer:
         below = [block.below for block in inputs]
         self.base: list[torch.Tensor] = []  # each block's shared features, as `FeatureBuilder.base_matrix`
         if below[0] is not None:
-            keys = self._unrotate(torch.stack([b.keys for b in below]).to(self.dtype), 2)
-            values = torch.stack([b.values for b in below]).to(self.dtype)
+            keys = finite_features(self._unrotate(torch.stack([b.keys for b in below]).to(self.dtype), 2))
+            values = finite_features(torch.stack([b.values for b in below]).to(self.dtype))
             flat = torch.cat([self._flat(keys), self._flat(values)], dim=-1)  # [blocks, batch, tokens, features]
             self.base = [flat[i].clone() for i in range(self.blocks)]  # each its own tensor, as a session's
         self.tracker = Surprise(None if below[0] is None else torch.stack([b.surprise for b in below]), self.dtype)
@@ -197,7 +200,7 @@ class PhasedLayer:
         mean = framed.view(blocks, batch, tokens, heads, dim).transpose(2, 3)
         variance = self.heads.sigma[kind].to(self.dtype).square()[:, None, :].expand(-1, tokens, -1)
         if kind == "k" and self.tables is not None:
-            mean = self.frame.rotate_by(mean, *self._tables(2))
+            mean = self.frame.rotate_by(mean, *self._tables(2)).clamp(-F32_MAX, F32_MAX)  # as PhasedSession's
             variance = self.frame.rotate_variance_by(variance, *self._tables(1))  # [blocks, heads, tokens, dim]
         std = variance.sqrt()
         surprise = self.tracker.current((blocks, batch, tokens))
@@ -222,8 +225,10 @@ class PhasedLayer:
         stacked = torch.stack([seen[i] for i in range(self.blocks)]).to(self.dtype)  # [blocks, batch, heads, ...]
         framed = self._unrotate(stacked, 2) if kind == "k" else stacked
         if kind == "k":
+            features = finite_features(framed)
             for i in range(self.blocks):
-                self.own_keys[i] = [framed[i, :, h].clone() for h in range(heads)]
+                self.own_keys[i] = [features[i, :, h].clone() for h in range(heads)]
+        framed = nan_as_zero(framed)
         predicted = self._phase[kind][0].view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
         sigma = self.heads.sigma[kind].to(self.dtype)[:, None, :]
         squares = ((framed - predicted) / sigma).square().mean(dim=-1)  # [blocks, batch, heads, tokens]

@@ -52,6 +52,18 @@ def framed_stats(keys: torch.Tensor, values: torch.Tensor, start: int) -> dict[s
     return stats
 
 
+def _pair_spread(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``sqrt((first^2 + second^2) / 2)`` (float32 stds): a pair's spread for both its channels. Where the squares
+    overflow float32 (stds near bf16's largest value, which the codec refused before) the same formula in float64,
+    whose result fits float32; every other element is the float32 formula's, so other blocks code as before."""
+    pair = (first.square() + second.square()).mul(0.5).sqrt()
+    overflow = ~torch.isfinite(pair)
+    if overflow.any():
+        wide = (first.double().square() + second.double().square()).mul(0.5).sqrt().to(torch.float32)
+        pair = torch.where(overflow, wide, pair)
+    return pair
+
+
 class FramedStatsSession(BlockStatsSession):
     """Block statistics, key means rotated back from each row's frame (see module docstring)."""
 
@@ -65,7 +77,7 @@ class FramedStatsSession(BlockStatsSession):
         key_std = self.stds["k"]  # [rows, heads, dim]
         half = key_std.shape[-1] // 2
         if key_std.shape[-1] % 2 == 0:  # a pair's spread for both its channels: rotation-free, per channel
-            pair = (key_std[..., :half].square() + key_std[..., half:].square()).mul(0.5).sqrt()
+            pair = _pair_spread(key_std[..., :half], key_std[..., half:])
             self.stds = {"k": torch.cat([pair, pair], dim=-1), "v": self.stds["v"]}
             if not self.split:
                 self.std = torch.stack([self.stds["k"], self.stds["v"]], dim=1)
@@ -83,6 +95,10 @@ class FramedStatsSession(BlockStatsSession):
                 candidates[int(self.frame[r])].rotate(self.means["k"][r].unsqueeze(1).expand(-1, tokens, -1), positions)
                 for r in range(rows)
             ])
+            # a pair of means near float32's largest values rotates past it: the largest finite mean instead
+            # (a no-op on every finite mean, so other blocks code as before)
+            top = torch.finfo(torch.float32).max
+            self._keys = self._keys.clamp(-top, top)
         return self._keys
 
     def predict_all(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

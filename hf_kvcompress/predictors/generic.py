@@ -100,11 +100,22 @@ def block_stats(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Ten
 
 def _channel_stats(x: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and std (floored at 1e-6; 1 for a single token) over dim ``tokens`` of float32 ``x``, non-finite
-    elements taken as 0, rounded to bf16."""
+    elements taken as 0, rounded to bf16. A channel of values near the largest finite ones overflows float32's sums
+    (or bf16's range): its statistics come from float64 instead, bounded to bf16's largest finite value; only those
+    channels, which the codec refused before, differ from the float32 statistics."""
     finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     mean = finite.mean(dim=tokens)
     std = finite.std(dim=tokens, correction=0) if x.shape[tokens] > 1 else torch.ones_like(mean)
-    return mean.to(torch.bfloat16), std.clamp_min(1e-6).to(torch.bfloat16)
+    mean, std = mean.to(torch.bfloat16), std.clamp_min(1e-6).to(torch.bfloat16)
+    overflow = ~(torch.isfinite(mean) & torch.isfinite(std))
+    if overflow.any():
+        wide = finite.to(torch.float64)
+        top = torch.finfo(torch.bfloat16).max
+        wide_mean = wide.mean(dim=tokens).clamp(-top, top).to(torch.bfloat16)
+        wide_std = (wide.std(dim=tokens, correction=0) if x.shape[tokens] > 1 else torch.ones_like(wide_mean))
+        wide_std = wide_std.clamp(1e-6, top).to(torch.bfloat16)
+        mean, std = torch.where(overflow, wide_mean, mean), torch.where(overflow, wide_std, std)
+    return mean, std
 
 
 @register

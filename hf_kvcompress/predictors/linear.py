@@ -45,6 +45,32 @@ from .rope import RopeFrame
 #: SmolLM2, and (1/16, 16) codes within 0.0004 bit of it (docs/lossless.md, "Constants of the linear
 #: predictors", experiments/linear_constants.py)
 SURPRISE_RANGE = (0.25, 8.0)
+F32_MAX = torch.finfo(torch.float32).max
+
+
+# K/V may hold NaN and infinities (lossless codes any bits). A mean or spread that reads them would be NaN or
+# infinite, which the codec refuses, so: a non-finite element is a 0 feature, a non-finite or float32-overflowing
+# mean is the head's bias, and the surprise reads a NaN element as 0. Each replaces only what was NaN or infinite
+# before, so every block that coded before codes the same bytes (and old files decode), and one such element costs
+# only its own token's streams (tests/cache/test_extreme_values.py).
+
+
+def finite_features(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every NaN or infinite element 0 (``x`` itself when all are finite)."""
+    finite = torch.isfinite(x)
+    return x if bool(finite.all()) else torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+
+
+def nan_as_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every NaN element 0 and infinities kept: what the surprise reads of an observed stream (an
+    infinite error saturates it, as it always did)."""
+    return torch.where(x.isnan(), torch.zeros((), dtype=x.dtype), x) if bool(x.isnan().any()) else x
+
+
+def finite_means(means: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``means`` with every element that is NaN or beyond float32's range replaced by ``bias`` (broadcast)."""
+    within = means.abs() <= F32_MAX
+    return means if bool(within.all()) else torch.where(within, means, bias.to(means.dtype))
 
 
 class Surprise:
@@ -127,8 +153,8 @@ class FeatureBuilder:
         parts = [e.to(self.dtype) for e in extras]
         if inputs.below is not None:
             for layer in inputs.below.chain(recipe.below):
-                parts.append(flat_heads(frame.unrotate(layer.keys, self.positions), self.dtype))
-                parts.append(flat_heads(layer.values, self.dtype))
+                parts.append(flat_heads(finite_features(frame.unrotate(layer.keys, self.positions)), self.dtype))
+                parts.append(flat_heads(finite_features(layer.values.to(self.dtype)), self.dtype))
         self.base = parts
         # one tensor for the shared part: each stream multiplies it once, without re-concatenating
         self.base_matrix = torch.cat(parts, dim=-1) if parts else None
@@ -138,27 +164,31 @@ class FeatureBuilder:
         self.own_bounds: list[torch.Tensor] = []  # `bound` of each own stream, in the order observed
 
     def observe(self, kind: str, values: torch.Tensor) -> torch.Tensor:
-        """Record a stream's true values; returns them in the prediction frame (pre-RoPE for keys)."""
+        """Record a stream's true values as features; returns them in the prediction frame (pre-RoPE for keys) for
+        the surprise: NaN as 0, infinities kept (an infinite error saturates the surprise, as it always did)."""
         framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
-        (self.own_keys if kind == "k" else self.own_values).append(framed)
+        features = finite_features(framed)
+        (self.own_keys if kind == "k" else self.own_values).append(features)
         if self.dtype == torch.float64:  # only portable sessions ask for `magnitude`
             self.own_bounds.append(self.bound(kind, values))
-        return framed
+        return framed if features is framed else nan_as_zero(framed)
 
     def observe_heads(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """`observe` of every head of ``kind`` at once (``values`` ``[batch, heads, tokens, head_dim]``, each head's
         prediction frame computed in one pass); returns them framed, the same shape."""
         framed = self.frame.unrotate(values, self.positions) if kind == "k" else values.to(self.dtype)
+        features = finite_features(framed)
         # each head its own tensor, as `observe` records it: the matrix products that read it see the same layout
-        (self.own_keys if kind == "k" else self.own_values).extend(framed[:, h].clone() for h in range(values.shape[1]))
+        (self.own_keys if kind == "k" else self.own_values).extend(features[:, h].clone()
+                                                                   for h in range(values.shape[1]))
         if self.dtype == torch.float64:
             self.own_bounds.extend(self.bound(kind, values[:, h]) for h in range(values.shape[1]))
-        return framed
+        return framed if features is framed else nan_as_zero(framed)
 
     def bound(self, kind: str, values: torch.Tensor) -> torch.Tensor:
         """float32 bounds on the magnitude of the feature values of ``values`` and of what rounding touched: for
         keys, the un-rotated pair's magnitudes (the un-rotation's error is relative to them)."""
-        size = values.abs().to(torch.float32)
+        size = finite_features(values.to(torch.float32)).abs()
         return self.frame.rotate_bound(size) if kind == "k" else size
 
     def own(self, kind: str, head: int) -> list[torch.Tensor]:
@@ -211,7 +241,7 @@ def linear_pieces(kind: str, head: int, weight: torch.Tensor, pieces: list[torch
     for part in pieces:
         out = out + part @ weight[row : row + part.shape[-1]]
         row += part.shape[-1]
-    return out
+    return finite_means(out, weight[0])
 
 
 class LinearSession(PredictorSession):
@@ -259,8 +289,8 @@ class LinearSession(PredictorSession):
         mean, surprise = self.framed_prediction(kind, head)
         scale = surprise.pow(params.alpha).unsqueeze(-1)
         variance = params.sigma.to(self.dtype).square().expand(mean.shape[1], -1)
-        if kind == "k":
-            mean = self.frame.rotate(mean, self.inputs.positions)
+        if kind == "k":  # a pair of means near float32's limit may rotate past it
+            mean = self.frame.rotate(mean, self.inputs.positions).clamp(-F32_MAX, F32_MAX)
             variance = self.frame.rotate_variance(variance, self.inputs.positions)
         std = variance.sqrt() * scale
         if not self.portable:

@@ -71,10 +71,9 @@ def test_round_trip_is_bit_exact_with_special_values(name, calibration):
     layers, heads, dim, tokens = 2, model["kv_heads"], model["head_dim"], 16
     kv = [(torch.randn(1, heads, tokens, dim).bfloat16(), torch.randn(1, heads, tokens, dim).bfloat16())
           for _ in range(layers)]
-    if name == "generic":  # the calibrated predictors refuse NaN statistics; generic codes any bits
-        bits = [0x7FC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F]  # NaN payload, +-inf, -0.0, subnormals
-        specials = torch.tensor([b - 65536 if b >= 32768 else b for b in bits], dtype=torch.int16).view(torch.bfloat16)
-        kv[1][0].view(-1)[3:9] = specials
+    bits = [0x7FC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F]  # NaN payload, +-inf, -0.0, subnormals
+    specials = torch.tensor([b - 65536 if b >= 32768 else b for b in bits], dtype=torch.int16).view(torch.bfloat16)
+    kv[1][0].view(-1)[3:9] = specials  # every predictor codes them (docs/lossless.md, "Special values")
     blocks: dict = {}
     writer = BlockCodec.over(LosslessConfig(), make_predictor(name, calibration=calibration, portable=True),
                              calibration, lambda layer, start: blocks.get((layer, start)))

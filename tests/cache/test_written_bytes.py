@@ -64,8 +64,8 @@ def write_files(folder: Path) -> dict[str, tuple[Path, dict]]:
         tag = str(dtype).replace("torch.", "")
         for coder in ("huff", "lanes"):
             cache, kv = _filled(_config(coder), dtype)
-            # 'framed' rotates the largest finite bf16 / fp32 values into an infinite std (a ValueError of the
-            # codec in save, at 5325df7 as now): pinned with float16 only
+            # 'framed' pinned with float16 only: at 5325df7 it refused the largest finite bf16 / fp32 values (an
+            # infinite std); it codes them since 2026-12-04 (tests/cache/test_extreme_values.py), the pins stay
             for predictor in ("generic", "none", "self") + (("framed",) if dtype == torch.float16 else ()):
                 name = f"v3-{tag}-{coder}-{predictor}"
                 out[name] = (cache.save(folder / f"{name}.kvc", predictor=predictor), {"kind": "kvc", "kv": kv})
