@@ -26,10 +26,14 @@ def state_tensors(layer: LinearAttentionCacheLayerMixin) -> list[torch.Tensor]:
 
 
 def state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
-    """Bytes behind those tensors (whole buffers: a recorded past may hold a grown conv state), and behind the
-    layer's token counter where transformers keeps one as a tensor (``cumulative_length_linear``, 5.25+)."""
+    """Bytes behind those tensors (whole buffers: a recorded past may hold a grown conv state), behind the
+    layer's token counter where transformers keeps one as a tensor (``cumulative_length_linear``, 5.25+), and
+    behind the recurrent states' history a recorded past keeps (``recurrent_states_history``, 5.25+; its lists
+    may be one shared list, each storage is counted once)."""
     counter = getattr(layer, "cumulative_length_linear", None)
-    return storage_bytes(state_tensors(layer) + ([counter] if isinstance(counter, torch.Tensor) else []))
+    history = getattr(layer, "recurrent_states_history", None) or {}
+    kept = [t for states in history.values() for t in states if isinstance(t, torch.Tensor)]
+    return storage_bytes(state_tensors(layer) + ([counter] if isinstance(counter, torch.Tensor) else []) + kept)
 
 
 class RecurrentStateMixin(LinearAttentionLayer):

@@ -69,3 +69,18 @@ def test_without_a_model_a_state_update_says_to_pass_the_model():
     model = hybrid_model("lfm2")
     with pytest.raises(ValueError, match=r"layer 0 of this model keeps a recurrent or convolution state.*model=model"):
         run(model, random_ids(1, 10), CompressedCache(CompressionConfig(mode="none")))
+
+
+def test_a_recorded_past_counts_the_recurrent_states_history():
+    """`activate_past_recording` keeps transformers' recurrent-state history (5.25+): held bytes count it."""
+    model = hybrid_model("falcon_h1")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model,
+                            calibration=None)
+    for layer in cache.layers:
+        layer.activate_past_recording(recurrent_states_to_keep=4)
+    run(model, random_ids(1, 24, seed=3), cache)
+    history = [t for layer in cache.layers for states in getattr(layer, "recurrent_states_history", {}).values()
+               for t in states]
+    assert history, "the model kept no recurrent-state history: the test checks nothing"
+    skip = [cache.model_config, cache.lossless.predictor]
+    assert cache.stats()["held_bytes"] == walk_held_bytes(cache, skip=skip)
