@@ -86,7 +86,7 @@ def test_the_replay_keeps_the_needle_the_prompt_queries_drop():
 def test_mass_selection_and_the_fallback_without_a_replay():
     """``selection="mass"``: the replay queries' mean weight; without a replay's scores (generate, chunked prefill)
     ``"max"`` is the largest weight of the queries at hand."""
-    region, (ck, cv), prompt, replay = _needle_case()
+    region, (ck, cv), _, replay = _needle_case()
     keep = 2  # the needle and entry 17 by mass, the needle and entry 18 by the largest weight
     budget = keep * entry_bytes(1, D, 4, with_bias=True)
     weights = torch.softmax(replay @ torch.cat([ck, region.keys], -2).transpose(-1, -2), dim=-1)[..., 2:]
@@ -99,7 +99,7 @@ def test_mass_selection_and_the_fallback_without_a_replay():
     largest = weights.amax(-2)[0, 0].topk(keep).indices.sort().values
     assert torch.equal(no_replay[0, 0], region.keys[0, 0, largest])
     assert expected.tolist() == [NEEDLE, 17] and largest.tolist() == [NEEDLE, 18]
-    with pytest.raises(ValueError, match="LossyConfig.selection"):
+    with pytest.raises(ValueError, match=r"LossyConfig\.selection"):
         LossyConfig(method="summary_replay", selection="entropy")
     # the selection is the method's own setting, kept through the config's dict
     assert LossyConfig.from_dict(config.to_dict()).settings.selection == "mass"
