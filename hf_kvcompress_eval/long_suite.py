@@ -7,8 +7,8 @@ Per batch of samples (one task and length; every context exactly ``length`` toke
   filled from the captured states (`capture.replay`, which runs the layer's summary on the prefill's own queries as a
   one-shot prefill does; ``tests/evaluation/test_long_suite.py`` checks it against a real prefill bit for bit);
   methods named in ``own_prefill`` get a real prefill instead;
-- KVzip's replay (the context re-fed after its repeat prompt, `methods.kvzip.replay_scores`) runs once per batch and
-  its scores prune a fresh copy of the context for every budget (`methods.kvzip.prune`);
+- KVzip's replay (the context re-fed after its repeat prompt, `methods.kvzip.replay`) runs once per batch and method
+  (KVzip's, `summary_replay`'s) and what it found prunes a fresh copy of the context for every budget (`methods.kvzip.prune`);
 - answers are generated greedily (`generation.greedy_generate`), stopping at the end of the answer's line.
 
 Rows go to ``results.jsonl`` as soon as a batch's method is done (one JSON object per sample and method: task,
@@ -261,18 +261,19 @@ class Engine:
         return setting.make()
 
     def cache_for(self, method: str, budget: float | None, captured: Captured, ids: torch.Tensor,
-                  scores: dict[str, list[torch.Tensor]]):
+                  scores: dict[str, kvzip.Replay]):
         """A cache holding the context ``ids`` (``[b, t]``, captured as ``captured``) for one configuration; ``scores``
-        keeps KVzip's replay scores for the batch (computed at its first budget, reused for the others)."""
+        keeps, per method with KVzip's replay (``context_replay``), what the batch's replay found (computed at its
+        first budget, reused for the others)."""
         if method == FULL:
             return replay(DynamicCache(), captured)
         if method in self.own:
             return self.prefilled(method, budget, ids)
-        if method == "kvzip":
+        if METHODS[method].context_replay is not None:
             cache = self.shared(method, budget, captured, ids, hold=True)
-            if "kvzip" not in scores:  # the replay forward once per batch; every budget prunes by its scores
-                scores["kvzip"] = kvzip.replay_scores(self.model, cache, ids, self.repeat)
-            kvzip.prune(cache, scores["kvzip"])
+            if method not in scores:  # the replay forward once per batch; every budget prunes by what it found
+                scores[method] = kvzip.replay(self.model, cache, ids, self.repeat)
+            kvzip.prune(cache, scores[method].scores, scores[method].queries)
             return cache
         return self.shared(method, budget, captured, ids)
 
@@ -320,7 +321,7 @@ class Engine:
         """A cache at ``budget`` after a real prefill of ``ids`` (KVzip's: `methods.kvzip.compress_context`)."""
         cache = self.fresh(method, budget)
         with torch.inference_mode():
-            if method == "kvzip":
+            if METHODS[method].context_replay is not None:
                 kvzip.compress_context(self.model, cache, ids, self.repeat)
             else:
                 self.model(ids, cache=cache, logits_to_keep=1)
@@ -334,9 +335,10 @@ class Engine:
         out = {}
         for method in methods:
             real = self.prefilled(method, budget, ids)
-            if method == "kvzip":
+            if METHODS[method].context_replay is not None:
                 mine = self.shared(method, budget, captured, ids, hold=True)
-                kvzip.prune(mine, kvzip.replay_scores(self.model, mine, ids, self.repeat))
+                found = kvzip.replay(self.model, mine, ids, self.repeat)
+                kvzip.prune(mine, found.scores, found.queries)
             else:
                 mine = self.shared(method, budget, captured, ids)
             out[method] = same_state(real, mine)

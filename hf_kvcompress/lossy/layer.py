@@ -89,6 +89,11 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         self.replay_phase: str | None = None
         #: ``[b, h, held]`` float32: the most attention any replay query gave each entry held before the replay
         self.replay_scores: torch.Tensor | None = None
+        #: ``[r]`` physical positions of the replay queries to keep (a method registered with ``context_replay=
+        #: "queries"``, set by `methods.kvzip.replay`); ``replay_queries``: ``[b, q_heads, m, head_dim]`` float32, those
+        #: kept so far, then the reference queries of the prune's summary (`SummaryMixin.summarize`)
+        self.replay_picks: torch.Tensor | None = None
+        self.replay_queries: torch.Tensor | None = None
         #: the share of what the uniform budget leaves beyond sinks, window and queries this layer keeps (set by a
         #: prune across layers, KVzip's); None: the method's `layer_share`, or the uniform budget
         self.budget_share: float | None = None
@@ -271,10 +276,11 @@ class LossyLayer(SummaryMixin, CompressedLayer):
 
     def total_held_bytes(self) -> int:
         """Every byte this layer holds: blocks with their side data, residual and its padding mask, the kept
-        queries, a KVzip replay's running scores (between its replay and its pruning)."""
+        queries, a KVzip replay's running scores and kept queries (between its replay and its pruning)."""
         total = sum(block.nbytes() for block in self.blocks)
         total += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
         total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes() + tensor_nbytes(self.replay_scores)
+        total += tensor_nbytes(self.replay_picks) + tensor_nbytes(self.replay_queries)
         return total
 
     def query_reserve(self) -> int:
@@ -299,6 +305,7 @@ class LossyLayer(SummaryMixin, CompressedLayer):
     def reset(self) -> None:
         super().reset()
         self.replay_phase = self.replay_scores = self.budget_share = None
+        self.replay_picks = self.replay_queries = None
         self.residual_valid = None
         self.sink_block = None
         self.pending = False

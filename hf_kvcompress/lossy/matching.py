@@ -65,6 +65,11 @@ class Kernel:
         per_query = (self.query_weight / self.full_z)[..., None, :]  # [1, h, 1, m]
         return (per_query @ self.region_exp)[..., 0, :] / self.query_weight.sum(-1, keepdim=True).clamp_min(1e-12)
 
+    def peak(self) -> torch.Tensor:
+        """``[b, h, n]`` the largest attention weight any valid query gives each region entry (KVzip's max rule)."""
+        weights = self.region_exp / self.full_z[..., None].clamp_min(1e-30)
+        return weights.masked_fill(~(self.query_weight > 0)[..., None], 0.0).amax(dim=-2)
+
     def entropy(self) -> torch.Tensor:
         """``[1, h, n]`` entropy (nats) of each entry's attention over the queries (column-normalised)."""
         weights = self.region_exp / self.full_z[..., None] * self.query_weight[..., None]

@@ -48,7 +48,10 @@ class LossyMethod:
     papers of SnapKV, TOVA and Expected Attention score with the prompt's own queries). ``layer_share``: ``(layer,
     layers, settings) -> share`` of the uniform per-layer budget this layer gets (PyramidKV's layer budgets); the shares
     of a model's layers sum to its layer count, so the whole cache keeps the same bytes. None: every layer gets the
-    uniform budget. ``settings``: the method's `MethodSettings` class (its defaults: ``settings()``)."""
+    uniform budget. ``context_replay``: the method runs under KVzip's context replay (`methods.kvzip.compress_context`:
+    the context held whole, re-read after a repeat prompt, pruned across layers): ``"scores"`` (it reads the replay's
+    scores, `region.FitContext.scores`) or ``"queries"`` (also a sample of the replay's queries, its reference
+    queries); None: not. ``settings``: the method's `MethodSettings` class (its defaults: ``settings()``)."""
 
     name: str
     compress: Compress
@@ -57,7 +60,11 @@ class LossyMethod:
     own_positions: bool = False
     layer_share: Callable[[int, int, Any], float] | None = None
     settings: type[MethodSettings] = MethodSettings
+    context_replay: str | None = None
 
+
+#: `LossyMethod.context_replay` values
+REPLAYS: tuple[str | None, ...] = (None, "scores", "queries")
 
 #: name -> method, in the order ``methods/__init__.py`` imports them
 METHODS: dict[str, LossyMethod] = {}
@@ -66,6 +73,7 @@ METHODS: dict[str, LossyMethod] = {}
 def register(
     name: str, *, needs_queries: bool, settings: type[MethodSettings] = MethodSettings, paper: str | None = None,
     own_positions: bool = False, layer_share: Callable[[int, int, Any], float] | None = None,
+    context_replay: str | None = None,
 ) -> Callable[[Compress], Compress]:
     """Decorator: register ``compress`` as lossy method ``name`` with its ``settings`` class (``paper``: its
     ``PAPER`` unless given; traits: `LossyMethod`)."""
@@ -73,8 +81,11 @@ def register(
     def add(compress: Compress) -> Compress:
         if name in METHODS:
             raise ValueError(f"lossy method {name!r} is registered twice")
+        if context_replay not in REPLAYS:
+            raise ValueError(f"lossy method {name!r}: context_replay must be one of {list(REPLAYS)}, got {context_replay!r}")
         source = paper if paper is not None else settings.PAPER
-        METHODS[name] = LossyMethod(name, compress, source, needs_queries, own_positions, layer_share, settings)
+        METHODS[name] = LossyMethod(name, compress, source, needs_queries, own_positions, layer_share, settings,
+                                    context_replay)
         return compress
 
     return add

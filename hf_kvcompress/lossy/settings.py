@@ -59,8 +59,8 @@ class LossyConfig(JsonConfig):
         settings: the method's own settings (``METHODS[method].settings``, e.g. `methods.summary.SummarySettings`,
             `methods.snapkv.SnapKVSettings`); None (the default): the method's defaults.
         entropy_threshold, error_tolerance, selection, fit_bias, ridge: the summary's settings
-            (`methods.summary.SummarySettings`), accepted here as before; with another method they are checked and
-            not kept (that method never read them).
+            (`methods.summary.SummarySettings`), accepted here as before (and for a method whose settings extend
+            the summary's); with another method they are checked and not kept (that method never read them).
     """
 
     method: str = checked("summary", check_choice, choices=registry.METHODS)
@@ -149,9 +149,12 @@ def _method_settings(method: str, settings: Any, legacy: dict[str, Any]) -> regi
     if legacy:
         legacy_cls = LossyConfig.METHODS[LEGACY_METHOD].settings
         try:
-            built = dataclasses.replace(settings, **legacy) if cls is legacy_cls else legacy_cls(**legacy)
+            # a method whose settings extend the summary's (`methods.summary_replay`) takes them as its own
+            own = issubclass(cls, legacy_cls)
+            built = dataclasses.replace(settings, **legacy) if own else legacy_cls(**legacy)
         except ValueError as err:  # ConfigTypeError too: name the fields as the keyword arguments were given
-            raise type(err)(str(err).replace(f"{legacy_cls.__name__}.", f"{owner}.")) from err
-        if cls is legacy_cls:
+            raise type(err)(str(err).replace(f"{cls.__name__}.", f"{owner}.").replace(
+                f"{legacy_cls.__name__}.", f"{owner}.")) from err
+        if own:
             settings = built
     return settings

@@ -35,8 +35,8 @@ class SummaryMixin:
         self.since_summary = 0
         budget = max(0, self.budget_bytes() - self.query_reserve())
         per_token = self.token_bytes
-        scores = self.replay_scores
-        self.replay_scores = None
+        scores, replayed = self.replay_scores, self.replay_queries
+        self.replay_scores = self.replay_queries = None
         if self.sink_block is None:
             prior = sum(block.entries for block in self.blocks)
             rest = self._make_sink_block(budget // per_token)
@@ -54,7 +54,12 @@ class SummaryMixin:
         region = self._region(window)
         context_keys, context_values, context_bias = self._context(window)
         positions = None
-        if self.method.needs_queries:
+        if replayed is not None:
+            # the replay's queries (`methods.kvzip.replay`): unpadded rows, at their own positions, which lie after
+            # the context like those of the queries that will read the summary
+            queries = group_by_kv_head(replayed, self.residual_keys.shape[1])
+            weight = torch.ones(queries.shape[:-1], device=queries.device)
+        elif self.method.needs_queries:
             queries, weight, positions = self._reference_queries(current)
         else:  # streaming and plain SVD never look at queries
             queries = weight = torch.zeros(self.rows, self.residual_keys.shape[1], 0, device=self.residual_keys.device)
@@ -140,6 +145,11 @@ class SummaryMixin:
             weights = torch.softmax(logits, dim=-1)[..., :held]
             best = torch.maximum(best, weights.amax(dim=(2, 3)))
         self.replay_scores = best if self.replay_scores is None else torch.maximum(self.replay_scores, best)
+        if self.replay_picks is not None:  # the replay queries this layer's method fits on
+            first = self.seen_tokens - count
+            picks = self.replay_picks[(self.replay_picks >= first) & (self.replay_picks < first + count)] - first
+            kept = query[..., picks.to(query.device), :].float()
+            self.replay_queries = kept if self.replay_queries is None else torch.cat([self.replay_queries, kept], -2)
 
     def _region(self, window: int) -> Region:
         """Everything between the sinks and the last ``window`` residual tokens."""

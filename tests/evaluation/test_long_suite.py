@@ -87,8 +87,8 @@ def test_one_prefill_and_one_kvzip_replay_per_batch(engine, tokenizer, tmp_path,
     handle = engine.model.register_forward_pre_hook(
         lambda module, args, kwargs: forwards.append(kwargs.get("input_ids", args[0] if args else None).shape[-1]),
         with_kwargs=True)
-    scores = kvzip.replay_scores
-    monkeypatch.setattr(kvzip, "replay_scores", lambda *a, **k: replays.append(1) or scores(*a, **k))
+    found = kvzip.replay
+    monkeypatch.setattr(kvzip, "replay", lambda *a, **k: replays.append(1) or found(*a, **k))
     results = Results(tmp_path / "r.jsonl")
     try:
         assert task_batch(engine, group, configs, results, Clock(None), _Bar())

@@ -7,6 +7,18 @@ between the sinks and the recent window) and returns the blocks that replace it 
 from ..registry import METHODS
 
 # importing a method module registers it
-from . import adakv, expected_attention, kvzip, pyramidkv, snapkv, streaming, summary, svd, topk, tova  # noqa: F401
+from . import (  # noqa: F401
+    adakv,
+    expected_attention,
+    kvzip,
+    pyramidkv,
+    snapkv,
+    streaming,
+    summary,
+    summary_replay,
+    svd,
+    topk,
+    tova,
+)
 
 __all__ = ["METHODS"]

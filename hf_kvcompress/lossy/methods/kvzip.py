@@ -34,7 +34,7 @@ from ..blocks import RaggedBlock
 from ..budget import entry_bytes
 from ..matching import Kernel
 from ..region import FitContext, Region
-from ..registry import MethodSettings, register
+from ..registry import METHODS, MethodSettings, register
 from .adakv import adaptive_keep
 
 #: the repeat prompt of the paper (fed before the context's second pass; tokenize it with the model's tokenizer)
@@ -44,9 +44,7 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 def max_attention(region: Region, ctx: FitContext) -> torch.Tensor:
     """``[b, h, n]``: the largest attention weight (softmax over everything the layer holds) any valid reference
     query of the KV head's group gives each region entry."""
-    kernel = Kernel(region, ctx)
-    weights = kernel.region_exp / kernel.full_z[..., None].clamp_min(1e-30)
-    return weights.masked_fill(~(ctx.query_weight > 0)[..., None], 0.0).amax(dim=-2)
+    return Kernel(region, ctx).peak()
 
 
 def _per_entry(region: Region, fmt: str) -> int:
@@ -62,7 +60,7 @@ class KVzipSettings(MethodSettings):
     PAPER: ClassVar[str] = "https://arxiv.org/abs/2505.23416"
 
 
-@register("kvzip", settings=KVzipSettings, needs_queries=True, own_positions=True)
+@register("kvzip", settings=KVzipSettings, needs_queries=True, own_positions=True, context_replay="scores")
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Keep the best-scored entries of all heads of ``region`` together within ``budget`` bytes per batch row: the
     replay's scores when a replay ran (`compress_context`), else the reference queries' largest weights."""
@@ -83,22 +81,25 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
     """Prefill ``context_ids`` (``[b, t]``, no padding) into ``cache`` (a lossy `CompressedCache` with method
     ``kvzip`` built with ``model``), replay ``repeat_ids`` (``[b, r]`` or ``[r]``: the tokenized `REPEAT_PROMPT`) and
     the context to score every entry, and prune the whole cache to its budget at once (see the module docstring).
-    The same as `hold_context` around the prefill, then `replay_scores` and `prune` (which an evaluation calls
-    apart, to score a context once and prune copies of it to several budgets)."""
+    The same as `hold_context` around the prefill, then `replay` and `prune` (which an evaluation calls apart, to
+    score a context once and prune copies of it to several budgets). Any method registered with ``context_replay``
+    runs this way (`registry.LossyMethod`; the summary on the replay's queries, `methods.summary_replay`)."""
     if context_ids.dim() != 2 or context_ids.shape[-1] < 1:
         raise ValueError(f"compress_context: context_ids must be [batch, tokens] with tokens >= 1, got {list(context_ids.shape)}")
     with hold_context(cache):
         _forward(model, cache, context_ids, chunk_size or context_ids.shape[-1])
-    prune(cache, replay_scores(model, cache, context_ids, repeat_ids, chunk_size=chunk_size))
+    found = replay(model, cache, context_ids, repeat_ids, chunk_size=chunk_size)
+    prune(cache, found.scores, found.queries)
 
 
 def kvzip_layers(cache) -> list[Any]:
-    """The lossy layers of ``cache`` that run KVzip; refuses a cache with none, or with layers a replay would change
-    in a way cropping cannot undo."""
+    """The lossy layers of ``cache`` that run KVzip's replay (a method registered with ``context_replay``); refuses
+    a cache with none, or with layers a replay would change in a way cropping cannot undo."""
     layers = [layer for layer in cache.layers if getattr(layer, "replay_phase", False) is None
-              and getattr(getattr(layer, "method", None), "name", None) == "kvzip"]
+              and getattr(getattr(layer, "method", None), "context_replay", None) is not None]
     if not layers:
-        raise ValueError("compress_context: the cache has no lossy layer with method 'kvzip' "
+        names = " or ".join(repr(name) for name, method in METHODS.items() if method.context_replay is not None)
+        raise ValueError(f"compress_context: the cache has no lossy layer with method {names} "
                          "(CompressedCache(CompressionConfig(mode='lossy', lossy=LossyConfig(method='kvzip')), model=model))")
     # the replay's tokens are cropped off afterwards: a sliding window would have let context entries go for them,
     # a recurrent state would keep them
@@ -125,46 +126,76 @@ def hold_context(cache) -> Iterator[list[Any]]:
             layer.replay_phase = None
 
 
+@dataclass
+class Replay:
+    """What a context replay found, per replay layer of the cache (`kvzip_layers`): ``scores`` ``[b, h, held]``
+    float32 (the most attention any replay query gives each held entry); ``queries`` ``[b, q_heads, m, head_dim]``
+    float32, the replay queries a layer whose method keeps them (``context_replay="queries"``) sampled, evenly spaced
+    over the replay, ``m = min(reference_queries, replay length)``; None for the other layers."""
+
+    scores: list[torch.Tensor]
+    queries: list[torch.Tensor | None]
+
+
 @torch.no_grad()
-def replay_scores(model, cache, context_ids: torch.Tensor, repeat_ids: torch.Tensor, *,
-                  chunk_size: int | None = None) -> list[torch.Tensor]:
-    """Per KVzip layer of ``cache`` (which holds ``context_ids`` whole, `hold_context`): ``[b, h, held]`` float32, the
-    most attention any query of a replay of ``repeat_ids`` and the context gives each held entry. The replay's own
-    entries are cropped off again: the cache is left as it was."""
+def replay(model, cache, context_ids: torch.Tensor, repeat_ids: torch.Tensor, *,
+           chunk_size: int | None = None) -> Replay:
+    """Replay ``repeat_ids`` and the context over ``cache`` (which holds ``context_ids`` whole, `hold_context`) and
+    return what the replay layers found (`Replay`). The replay's own entries are cropped off again: the cache is
+    left as it was."""
     layers = kvzip_layers(cache)
     if context_ids.dim() != 2 or context_ids.shape[-1] < 1:
         raise ValueError(f"compress_context: context_ids must be [batch, tokens] with tokens >= 1, got {list(context_ids.shape)}")
     repeat_ids = repeat_ids.expand(context_ids.shape[0], -1) if repeat_ids.dim() == 1 else repeat_ids
-    step = chunk_size or context_ids.shape[-1] + repeat_ids.shape[-1]
+    length = context_ids.shape[-1] + repeat_ids.shape[-1]
+    step = chunk_size or length
     end = cache.get_seq_length()
     try:
         for layer in layers:
             layer.replay_phase, layer.replay_scores = "score", None
+            layer.replay_picks = layer.replay_queries = None
+            if layer.method.context_replay == "queries":
+                picks = torch.linspace(0, length - 1, min(layer.lossy.reference_queries, length), dtype=torch.float64)
+                layer.replay_picks = end + picks.round().long().unique()
         _forward(model, cache, torch.cat([repeat_ids.to(context_ids.device), context_ids], dim=-1), step)
         cache.crop(end - cache.get_seq_length())  # the replay's own entries (exact, in the residual) go
-        scores = [layer.replay_scores for layer in layers]
+        found = Replay([layer.replay_scores for layer in layers], [layer.replay_queries for layer in layers])
     finally:
         for layer in layers:
             layer.replay_phase, layer.replay_scores = None, None
-    return scores
+            layer.replay_picks = layer.replay_queries = None
+    return found
 
 
-def prune(cache, scores: list[torch.Tensor]) -> None:
+def replay_scores(model, cache, context_ids: torch.Tensor, repeat_ids: torch.Tensor, *,
+                  chunk_size: int | None = None) -> list[torch.Tensor]:
+    """`replay`'s scores: per KVzip layer of ``cache`` ``[b, h, held]`` float32."""
+    return replay(model, cache, context_ids, repeat_ids, chunk_size=chunk_size).scores
+
+
+def prune(cache, scores: list[torch.Tensor], queries: list[torch.Tensor | None] | None = None) -> None:
     """Prune ``cache``'s KVzip layers (holding the context whole) to their budget across layers by ``scores``
-    (`replay_scores` of the same context; read, not changed, so one scoring serves several budgets)."""
+    (`Replay.scores` of the same context; read, not changed, so one scoring serves several budgets); ``queries``
+    (`Replay.queries`): the reference queries of the layers whose method keeps them."""
     layers = kvzip_layers(cache)
-    if len(scores) != len(layers):
-        raise ValueError(f"prune: {len(scores)} score tensors for {len(layers)} KVzip layers")
-    for layer, score in zip(layers, scores):
+    queries = [None] * len(layers) if queries is None else queries
+    if len(scores) != len(layers) or len(queries) != len(layers):
+        raise ValueError(f"prune: {len(scores)} score tensors and {len(queries)} query tensors for {len(layers)} "
+                         "KVzip layers")
+    for layer, score, query in zip(layers, scores, queries):
         if score.shape[-1] != layer.residual_length + sum(block.entries for block in layer.blocks):
             raise ValueError(f"prune: layer {layer.layer_idx} holds other entries than its scores cover "
                              f"({score.shape[-1]} scores)")
+        if (query is None) != (layer.method.context_replay != "queries"):
+            raise ValueError(f"prune: layer {layer.layer_idx} (method {layer.method.name!r}) needs "
+                             f"{'the replay queries' if query is None else 'no replay queries'}")
         layer.replay_scores = score.clone()
+        layer.replay_queries = query
     _share_budget(layers)
     for layer in layers:
         if layer.compresses and layer.held_bytes() > layer.budget_bytes():
             layer.summarize()
-        layer.replay_scores = None
+        layer.replay_scores = layer.replay_queries = None
 
 
 def _forward(model, cache, ids: torch.Tensor, step: int) -> None:

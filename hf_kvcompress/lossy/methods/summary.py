@@ -20,6 +20,7 @@ are Attention Matching's (Zweiger et al. 2026, https://arxiv.org/abs/2602.16284)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,23 +64,33 @@ class SummarySettings(MethodSettings):
     ridge: float = checked(1e-3, check_number, low=0.0, high=1e6)
 
 
+#: stage 1's scores of one batch row (``(kernel, region, ctx, settings) -> [1, h, n]``, higher = keep): `selection_score`
+#: here, the replay's scores in `methods.summary_replay`
+Selection = Callable[[Kernel, Region, FitContext, SummarySettings], torch.Tensor]
+
+
 @register("summary", settings=SummarySettings, needs_queries=True)
 def compress(region: Region, budget: int, ctx: FitContext) -> list[Block]:
     """Summarise ``region`` into at most ``budget`` bytes per batch row."""
-    cfg = ctx.config
+    return summarise(region, budget, ctx, ctx.config.settings, lambda kernel, sub, _, cfg: selection_score(kernel, sub, cfg))
+
+
+def summarise(region: Region, budget: int, ctx: FitContext, cfg: SummarySettings, select: Selection) -> list[Block]:
+    """The three stages on ``region`` within ``budget`` bytes per batch row, fitted on ``ctx``'s reference queries
+    with ``cfg``, selecting by ``select``."""
     b, h, n, d = region.keys.shape
     dv = region.values.shape[-1]  # the values' width (the keys' unless the model's differ)
     elem = region.keys.element_size()
     use_bias = ctx.attached and cfg.fit_bias
     store_bias = use_bias or not bool(region.live.all())
-    fmt = cfg.entry_format
+    fmt = ctx.config.entry_format
     count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias, fmt=fmt, value_dim=dv))
     if count <= 0:
         return []
     # the kernel and the selection scores of each row are computed once and shared by every fit below
     rows = [(row(region, r), row_context(ctx, r)) for r in range(b)]
     kernels = [Kernel(sub, sub_ctx) for sub, sub_ctx in rows]
-    scores = [selection_score(kernel, sub, cfg) for kernel, (sub, _) in zip(kernels, rows)]
+    scores = [select(kernel, sub, sub_ctx, cfg) for kernel, (sub, sub_ctx) in zip(kernels, rows)]
     if count >= n:
         # nothing is dropped, so nothing needs compensating: the entries stay as they are (only their format
         # changes), as a quantized cache would hold them
