@@ -50,9 +50,9 @@ class CacheFiles:
         generation's blocks as they are and `load` adopts them; ``"context"`` files are smaller, with a
         calibration; ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
         resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use).
-        Raises ``ValueError`` for a cache that cannot be saved (empty, lossy) and ``OSError`` for a path that
-        cannot be written (``FileNotFoundError``: no such folder; ``IsADirectoryError``: a folder), both before
-        any coding."""
+        Raises ``ValueError`` for a cache that cannot be saved (empty, lossy, or of a model that keeps recurrent
+        states in its own modules, as RecurrentGemma) and ``OSError`` for a path that cannot be written
+        (``FileNotFoundError``: no such folder; ``IsADirectoryError``: a folder), both before any coding."""
         name = predictor or self.config.lossless.save_predictor
         if self.calibration_pending and reads_calibration(name):
             self.resolve_calibration(predictor=name)
@@ -115,6 +115,21 @@ def _writable(path: str | Path) -> Path:
     return target
 
 
+def _check_states_held(cache: CompressedCache, layers: list) -> None:
+    """Refuse a cache whose model keeps a linear-attention layer's state in its own modules (RecurrentGemma): the
+    layer's states were never updated although the attention layers hold tokens, so a file could not hold that state,
+    and a load continued in another process would start from a wrong one without a word."""
+    if max((layer.seen_tokens for layer in layers), default=0) == 0:
+        return
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not state_tensors(layer):
+            raise ValueError(
+                f"save: layer {index} is a linear-attention layer whose state the model keeps in its own modules, "
+                f"not in the cache ({type(cache.model).__name__ if cache.model is not None else 'this model'}): a "
+                "file cannot hold it, so a loaded cache would continue from a wrong state"
+            )
+
+
 def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None) -> _Plan:
     """Check that ``cache`` can be saved with ``predictor``; the predictor and coding the file is written with."""
     layers = cache.kv_layers()
@@ -122,6 +137,7 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
               and bool(state_tensors(layer))]
     if max((layer.seen_tokens for layer in layers), default=0) == 0 and not states:
         raise ValueError("save: the cache is empty")
+    _check_states_held(cache, layers)
     if any(not block.exact for layer in layers for block in layer.blocks):
         raise ValueError("save: only caches that hold their tokens exactly (no lossy summary)")
     settings = cache.config.lossless
