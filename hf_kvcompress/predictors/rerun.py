@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from .base import ExtrasSource
 
@@ -18,9 +18,18 @@ class _StopForward(Exception):
     pass
 
 
+def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of ``model`` (``model.model`` for Llama-style models): `get_decoder`, unless what it finds
+    is not a model (ModernBERT-decoder's LM head is an attribute named ``decoder``), then `base_model`."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if not isinstance(decoder, PreTrainedModel):
+        decoder = getattr(model, "base_model", model)
+    return decoder
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder's list of layers (``model.model.layers`` for Llama-style models)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_stack(model)
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected `.model.layers`)")
@@ -79,7 +88,7 @@ def run_decoder(
 def _forward(model: torch.nn.Module, token_ids: torch.Tensor, cache: DynamicCache) -> None:
     """One forward of the decoder over ``token_ids`` into ``cache``, which a hook or the cache may end early
     (`_StopForward`)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_stack(model)
     try:
         with torch.no_grad():
             decoder(input_ids=token_ids.to(model.device), cache=cache, use_cache=True)
