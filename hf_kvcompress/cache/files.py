@@ -115,12 +115,10 @@ def _writable(path: str | Path) -> Path:
     return target
 
 
-def _check_states_held(cache: CompressedCache, layers: list) -> None:
+def _check_states_held(cache: CompressedCache) -> None:
     """Refuse a cache whose model keeps a linear-attention layer's state in its own modules (RecurrentGemma): the
     layer's states were never updated although the attention layers hold tokens, so a file could not hold that state,
     and a load continued in another process would start from a wrong one without a word."""
-    if max((layer.seen_tokens for layer in layers), default=0) == 0:
-        return
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not state_tensors(layer):
             raise ValueError(
@@ -135,9 +133,11 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
     layers = cache.kv_layers()
     states = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
               and bool(state_tensors(layer))]
-    if max((layer.seen_tokens for layer in layers), default=0) == 0 and not states:
+    seen = max((layer.seen_tokens for layer in layers), default=0)
+    if seen == 0 and not states:
         raise ValueError("save: the cache is empty")
-    _check_states_held(cache, layers)
+    if seen:  # attention layers hold tokens: every linear-attention layer must then hold its state
+        _check_states_held(cache)
     if any(not block.exact for layer in layers for block in layer.blocks):
         raise ValueError("save: only caches that hold their tokens exactly (no lossy summary)")
     settings = cache.config.lossless

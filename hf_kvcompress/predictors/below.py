@@ -224,11 +224,11 @@ class PhasedLayer:
         heads, dim = self.heads.count, self.dim
         stacked = torch.stack([seen[i] for i in range(self.blocks)]).to(self.dtype)  # [blocks, batch, heads, ...]
         framed = self._unrotate(stacked, 2) if kind == "k" else stacked
+        features = finite_features(framed)  # one finiteness check serves the features and the surprise
         if kind == "k":
-            features = finite_features(framed)
             for i in range(self.blocks):
                 self.own_keys[i] = [features[i, :, h].clone() for h in range(heads)]
-        framed = nan_as_zero(framed)
+        framed = framed if features is framed else nan_as_zero(framed)
         predicted = self._phase[kind][0].view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
         sigma = self.heads.sigma[kind].to(self.dtype)[:, None, :]
         squares = ((framed - predicted) / sigma).square().mean(dim=-1)  # [blocks, batch, heads, tokens]

@@ -64,7 +64,8 @@ def finite_features(x: torch.Tensor) -> torch.Tensor:
 def nan_as_zero(x: torch.Tensor) -> torch.Tensor:
     """``x`` with every NaN element 0 and infinities kept: what the surprise reads of an observed stream (an
     infinite error saturates it, as it always did)."""
-    return torch.where(x.isnan(), torch.zeros((), dtype=x.dtype), x) if bool(x.isnan().any()) else x
+    nan = x.isnan()
+    return torch.where(nan, torch.zeros((), dtype=x.dtype), x) if bool(nan.any()) else x
 
 
 def finite_means(means: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
