@@ -7,8 +7,9 @@ Per batch of samples (one task and length; every context exactly ``length`` toke
   filled from the captured states (`capture.replay`, which runs the layer's summary on the prefill's own queries as a
   one-shot prefill does; ``tests/evaluation/test_long_suite.py`` checks it against a real prefill bit for bit);
   methods named in ``own_prefill`` get a real prefill instead;
-- KVzip's replay (the context re-fed after its repeat prompt, `methods.kvzip.replay`) runs once per batch and method
-  (KVzip's, `summary_replay`'s) and what it found prunes a fresh copy of the context for every budget (`methods.kvzip.prune`);
+- KVzip's replay (the context re-fed after its repeat prompt, `methods.kvzip.replay`) runs once per batch, shared by
+  the methods that use it (KVzip's scores, `summary_replay`'s scores and queries), and what it found prunes a fresh
+  copy of the context for every method and budget (`methods.kvzip.prune`);
 - answers are generated greedily (`generation.greedy_generate`), stopping at the end of the answer's line.
 
 Rows go to ``results.jsonl`` as soon as a batch's method is done (one JSON object per sample and method: task,
@@ -45,6 +46,8 @@ from .lossy import captured_bytes, continuation_nll, lossy_setting, physical_byt
 FULL = "none"
 FULL_CONFIG = (FULL, None)
 NLL = "nll"
+#: the key of a batch's context replay in `Engine.cache_for`'s ``scores``
+REPLAY = "replay"
 RESULTS = "results.jsonl"
 #: new tokens per task: a 7-digit number after the answer prefix, its full stop and the line break are 10 SmolLM2
 #: tokens, five variable names 26 (docs/results/long_context.md, "Full-cache scores (CPU)")
@@ -241,6 +244,11 @@ class Engine:
         self.text: str | None = None
         self.repeat = torch.tensor(_ids_counter(self.tokenizer)(kvzip.REPEAT_PROMPT), device=self.device)
         self.stops = self.stops or stop_ids(self.tokenizer)
+        #: the method whose cache runs the batch's context replay: one that keeps the replay's queries if the run has
+        #: one (its replay serves the methods that read only the scores too)
+        self.replay_donor = next((m for m in self.run.methods if m != FULL and METHODS[m].context_replay == "queries"),
+                                 None) or next((m for m in self.run.methods if m != FULL
+                                                and METHODS[m].context_replay is not None), None)
         self._encoded: dict[tuple[str, int, int], Encoded] = {}
         #: (method, budget) -> why it failed (`attempt`); methods run with the torch kernels; what happened
         self.errors: dict[tuple[str, str, float | None], str] = {}
@@ -263,17 +271,24 @@ class Engine:
     def cache_for(self, method: str, budget: float | None, captured: Captured, ids: torch.Tensor,
                   scores: dict[str, kvzip.Replay]):
         """A cache holding the context ``ids`` (``[b, t]``, captured as ``captured``) for one configuration; ``scores``
-        keeps, per method with KVzip's replay (``context_replay``), what the batch's replay found (computed at its
-        first budget, reused for the others)."""
+        keeps what the batch's KVzip replay found (``scores[REPLAY]``, computed for the first configuration with
+        ``context_replay``, reused by the others)."""
         if method == FULL:
             return replay(DynamicCache(), captured)
         if method in self.own:
             return self.prefilled(method, budget, ids)
         if METHODS[method].context_replay is not None:
             cache = self.shared(method, budget, captured, ids, hold=True)
-            if method not in scores:  # the replay forward once per batch; every budget prunes by what it found
-                scores[method] = kvzip.replay(self.model, cache, ids, self.repeat)
-            kvzip.prune(cache, scores[method].scores, scores[method].queries)
+            found = scores.get(REPLAY)
+            wants_queries = METHODS[method].context_replay == "queries"
+            if found is None or (wants_queries and found.queries[0] is None):
+                # the replay forward once per batch, shared by every budget and every replay method: its scores do not
+                # depend on the method (the context is held whole, `test_long_suite`); the reference queries are
+                # sampled when a method of the run fits on them
+                donor = self.shared(self.replay_donor, budget, captured, ids, hold=True) if (
+                    not wants_queries and self.replay_donor != method) else cache
+                found = scores[REPLAY] = kvzip.replay(self.model, donor, ids, self.repeat)
+            kvzip.prune(cache, found.scores, found.queries if wants_queries else None)
             return cache
         return self.shared(method, budget, captured, ids)
 

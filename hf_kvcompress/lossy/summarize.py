@@ -17,8 +17,11 @@ from .queries import group_by_kv_head, proxy_queries, reposition
 from .region import FitContext, Region, gather_entries
 
 NEG_INF = float("-inf")
-#: replay queries scored at once (`SummaryMixin._score_replay`): bounds the ``[rows, entries]`` weights per head
-REPLAY_ROWS = 256
+#: logits one scoring step of a replay (`SummaryMixin._score_replay`) holds: one batch row and KV head, as many
+#: replay rows as fit. On CPU 2**20 float32 (4 MiB) stays in cache: a layer's scoring at 2,048 tokens, batch 10, went
+#: from 7.6 s (256 rows of every batch row and head at once, broadcast matmul) to 2.2 s (docs/results/long_context.md,
+#: "Replay scoring"); a GPU takes larger steps to keep its launches few
+REPLAY_LOGITS = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 
 class SummaryMixin:
@@ -123,27 +126,40 @@ class SummaryMixin:
 
     def _score_replay(self, query: torch.Tensor, count: int) -> None:
         """A replay forward (KVzip): keep, per entry held before the replay, the most attention any replay query (of
-        any head of its group) gives it, softmax over everything the query sees (held entries, the replay so far)."""
+        any head of its group) gives it, softmax over everything the query sees (held entries, the replay so far).
+
+        One batch row and KV head at a time, in steps of replay rows: each step's logits stay in cache (a batched
+        step was memory-bound), a query's weights come as ``exp(logit - logsumexp)`` (no softmax tensor is
+        written), and a step reads only the keys its rows can see (the replay is causal)."""
         keys = self.keys  # every held entry, then the replay's tokens (all still exact in the residual)
         held = self.replay_scores.shape[-1] if self.replay_scores is not None else keys.shape[-2] - count
         total = keys.shape[-2]
-        bias = self._held_bias(total - count)
-        heads = keys.shape[1]
-        grouped = group_by_kv_head(query.float(), heads)  # [b, h, g * q, d]
-        groups = grouped.shape[-2] // count
+        before = total - count  # the entries held before this forward
+        bias = self._held_bias(before)
+        b, heads = keys.shape[:2]
         scale = self.scaling or keys.shape[-1] ** -0.5
-        best = torch.zeros(keys.shape[0], heads, held, device=keys.device)
-        # the query at replay position i sees every earlier entry and itself: causal over the last `count` columns
-        causal = torch.ones(count, count, dtype=torch.bool, device=keys.device).tril()
-        for start in range(0, count, REPLAY_ROWS):
-            rows = torch.arange(start, min(count, start + REPLAY_ROWS), device=keys.device)
-            q = grouped.view(*grouped.shape[:2], groups, count, -1)[..., rows, :]
-            logits = (q * scale) @ keys.float().transpose(-1, -2)[:, :, None]  # [b, h, g, r, total]
-            if bias is not None:
-                logits[..., : total - count] += bias[:, :, None, None, :]
-            logits[..., total - count :].masked_fill_(~causal[rows], float("-inf"))
-            weights = torch.softmax(logits, dim=-1)[..., :held]
-            best = torch.maximum(best, weights.amax(dim=(2, 3)))
+        grouped = group_by_kv_head(query.float() * scale, heads)  # [b, h, g * q, d]
+        groups = grouped.shape[-2] // count
+        grouped = grouped.view(b, heads, groups, count, -1)
+        keys_t = keys.float().transpose(-1, -2)  # [b, h, d, total]
+        limit = REPLAY_LOGITS["cuda" if keys.is_cuda else "cpu"]
+        step = max(1, min(count, limit // max(1, groups * total)))
+        # the query at replay position i sees every earlier entry and itself: causal within the step's own rows
+        future = torch.ones(step, step, dtype=torch.bool, device=keys.device).triu(1)
+        best = torch.full((b, heads, held), NEG_INF, device=keys.device)
+        for row in range(b):
+            for head in range(heads):
+                top = best[row, head]
+                for start in range(0, count, step):
+                    end = min(count, start + step)
+                    seen = before + end
+                    logits = grouped[row, head, :, start:end] @ keys_t[row, head, :, :seen]  # [g, r, seen]
+                    if bias is not None:
+                        logits[..., :before] += bias[row, head]
+                    logits[..., before + start :].masked_fill_(future[: end - start, : end - start], NEG_INF)
+                    logits = logits[..., :held].sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+                    torch.maximum(top, logits.amax(dim=(0, 1)), out=top)
+        best = best.exp_()
         self.replay_scores = best if self.replay_scores is None else torch.maximum(self.replay_scores, best)
         if self.replay_picks is not None:  # the replay queries this layer's method fits on
             first = self.seen_tokens - count

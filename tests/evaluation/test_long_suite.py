@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from hf_kvcompress.cli import main
 from hf_kvcompress.lossy.methods import METHODS, kvzip
 from hf_kvcompress_eval import long_suite
+from hf_kvcompress_eval.capture import capture
 from hf_kvcompress_eval.long_context import TASKS
 from hf_kvcompress_eval.long_report import kept_tasks, markdown, mean_se, summarise
 from hf_kvcompress_eval.long_suite import (
@@ -106,6 +107,27 @@ def test_one_prefill_and_one_kvzip_replay_per_batch(engine, tokenizer, tmp_path,
         real = engine.prefilled("kvzip", budget, torch.tensor([e.context for e in group]))
         kept = {r["held_bytes"] for r in rows if r["method"] == "kvzip" and r["budget"] == budget}
         assert kept == {long_suite.physical_bytes(real) / 2}
+
+
+def test_one_replay_serves_kvzip_and_summary_replay_bit_for_bit(engine, monkeypatch):
+    # the batch's replay runs once for both methods and both budgets (in either order); every pruned copy is what
+    # the method's own compress_context leaves
+    ids = torch.randint(3, 100, (2, 90), generator=torch.Generator().manual_seed(4))
+    captured = capture(engine.model, ids)
+    replays = []
+    found = kvzip.replay
+    monkeypatch.setattr(kvzip, "replay", lambda *a, **k: replays.append(1) or found(*a, **k))
+    for order in (("kvzip", "summary_replay"), ("summary_replay", "kvzip")):
+        replays.clear()
+        scores = {}
+        for method in order:
+            for budget in (0.5, 0.25):
+                mine = engine.cache_for(method, budget, captured, ids, scores)
+                monkeypatch.setattr(kvzip, "replay", found)
+                real = engine.prefilled(method, budget, ids)
+                monkeypatch.setattr(kvzip, "replay", lambda *a, **k: replays.append(1) or found(*a, **k))
+                assert same_state(mine, real), (method, budget)
+        assert len(replays) == 1, order
 
 
 def test_a_crop_frees_the_cropped_token_ids(engine):
