@@ -116,8 +116,12 @@ def fit_row(
     iters: int = NNLS_ITERS,
     prefix: Fit | None = None,
     weights: bool = True,
+    refit: bool = True,
 ) -> Fit:
     """Fit the entries ``index`` (``[1, h, t]``) of one row's ``region``.
+
+    ``refit``: False keeps the entries as they are (their values and biases; ``use_bias`` must be False): only the
+    weights the later stages read are computed.
 
     ``prefix``: an earlier fit of the same kernel whose entries are the first ``index`` entries of every head: its
     Gram is that block of this one, so only the new entries' rows of the Gram are computed (the value-rank refit
@@ -150,6 +154,10 @@ def fit_row(
     # one product per head (a batched [m, t] x [t, 1] matmul took 7x longer)
     summary_z = kernel.context_z + linear(base, weight[..., None, :])[..., 0]
     prior = kept.values.float()
+    if not refit:
+        if use_bias:
+            raise ValueError("fit_row: refit=False keeps the biases, use_bias must be False")
+        return Fit(prior, bias, gram=gram) if not weights else Fit(prior, bias, base, weight, summary_z, gram)
     try:
         if ridge == 0:
             # the proposal's plain OLS, as written: rows weighted by sqrt(query weight) / Z^

@@ -24,9 +24,11 @@ CONTEXT, REPEAT = 48, 5
 
 
 def _ctx(method: str, queries: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
-         scores: torch.Tensor | None = None) -> FitContext:
+         scores: torch.Tensor | None = None, **settings) -> FitContext:
     return FitContext(queries, torch.ones(queries.shape[:-1]), context_keys, context_values,
-                      torch.zeros(context_keys.shape[:-1]), 1.0, True, LossyConfig(method=method), scores=scores)
+                      torch.zeros(context_keys.shape[:-1]), 1.0, True,
+                      LossyConfig.from_dict({"method": method, **settings}),
+                      scores=scores)
 
 
 def _output(queries, keys, values, bias) -> torch.Tensor:
@@ -73,8 +75,15 @@ def test_the_replay_keeps_the_needle_the_prompt_queries_drop():
     assert (held["replay"] == needle).all(-1).any()
     index = scores[0, 0].topk(KEEP).indices.sort().values
     assert torch.equal(held["replay"], region.keys[0, 0, index])  # KVzip's choice, in position order
-    # the kept entries are refitted: the replay queries' output is nearer the full layer's than the entries as they are
-    keys, values, bias = _kept(replayed)
+    # by default (refit=False) the kept entries stay exact: values as they were, no biases
+    _, values, bias = _kept(replayed)
+    assert torch.equal(values[0, 0], region.values[0, 0, index]) and not bias.any()
+    # with refit=True they are refitted: the replay queries' output is nearer the full layer's than the entries as
+    # they are
+    refitted = METHODS["summary_replay"].compress(region, budget, _ctx("summary_replay", replay, ck, cv, scores,
+                                                                       refit=True))
+    keys, values, bias = _kept(refitted)
+    assert torch.equal(keys[0, 0], region.keys[0, 0, index]) and bias.any()
     full = _output(replay, torch.cat([ck, region.keys], -2), torch.cat([cv, region.values], -2), torch.zeros(1, 1, 2 + N))
     plain = _output(replay, torch.cat([ck, region.keys[..., index, :]], -2),
                     torch.cat([cv, region.values[..., index, :]], -2), torch.zeros(1, 1, 2 + KEEP))
@@ -106,7 +115,8 @@ def test_mass_selection_and_the_fallback_without_a_replay():
 
 
 def _cache(model, budget=0.3, **kwargs):
-    lossy = LossyConfig(method="summary_replay", budget=budget, sinks=2, reference_queries=16, interval=8, **kwargs)
+    lossy = LossyConfig.from_dict({"method": "summary_replay", "budget": budget, "sinks": 2, "reference_queries": 16,
+                                   "interval": 8, **kwargs})
     return CompressedCache(CompressionConfig(mode="lossy", residual_tokens=4, lossy=lossy), model=model)
 
 
@@ -117,7 +127,7 @@ def model():
 
 def test_compress_context_keeps_kvzips_layer_budgets_and_fits_on_sampled_replay_queries(model):
     context, repeat = random_ids(1, CONTEXT, seed=22), random_ids(1, REPEAT, seed=23)
-    cache, reference = _cache(model), CompressedCache(CompressionConfig(
+    cache, reference = _cache(model, refit=True), CompressedCache(CompressionConfig(
         mode="lossy", residual_tokens=4,
         lossy=LossyConfig(method="kvzip", budget=0.3, sinks=2, reference_queries=16, interval=8)), model=model)
     found = {}

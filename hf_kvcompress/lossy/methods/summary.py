@@ -81,7 +81,10 @@ def summarise(region: Region, budget: int, ctx: FitContext, cfg: SummarySettings
     b, h, n, d = region.keys.shape
     dv = region.values.shape[-1]  # the values' width (the keys' unless the model's differ)
     elem = region.keys.element_size()
-    use_bias = ctx.attached and cfg.fit_bias
+    # stage 2 can be switched off only in `methods.summary_replay`'s settings: a field here would change the default
+    # lossy config that every lossless file's header holds
+    refit = getattr(cfg, "refit", True)
+    use_bias = ctx.attached and cfg.fit_bias and refit
     store_bias = use_bias or not bool(region.live.all())
     fmt = ctx.config.entry_format
     count = min(n, budget // entry_bytes(h, d, elem, with_bias=store_bias, fmt=fmt, value_dim=dv))
@@ -98,7 +101,7 @@ def summarise(region: Region, budget: int, ctx: FitContext, cfg: SummarySettings
     fits, worst = [], torch.zeros(min(count, dv) + 1)
     for kernel, score, (sub, _) in zip(kernels, scores, rows):
         index = top_entries(score, count)
-        fit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge)
+        fit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge, refit=refit)
         fits.append((index, fit))
         worst = torch.maximum(worst, truncation_errors(kernel, fit))
     rank = smallest_rank(worst, cfg.error_tolerance)
@@ -114,8 +117,9 @@ def summarise(region: Region, budget: int, ctx: FitContext, cfg: SummarySettings
                 taken = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, first, True)
                 added = top_entries(score.masked_fill(taken, float("-inf")), more - first.shape[-1])
                 index = torch.cat([first, added], dim=-1)
-                refit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge, prefix=fit, weights=False)
-                refits.append(_in_position_order(index, refit))
+                wider = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge, prefix=fit, weights=False,
+                                refit=refit)
+                refits.append(_in_position_order(index, wider))
             fits = refits
             keys, values, bias = _stack(region, fits)
             factors = truncated_svd(values, rank, region.values.dtype)

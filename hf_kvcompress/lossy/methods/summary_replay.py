@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from ...layer.storage import Block
-from ...validation import check_choice, checked
+from ...validation import check_bool, check_choice, checked
 from ..matching import Kernel
 from ..region import FitContext, Region
 from ..registry import register
@@ -39,12 +39,17 @@ class ReplaySummarySettings(SummarySettings):
     Attributes:
         selection: stage 1: ``"max"`` (KVzip's replay score: the largest weight any replay query gives the entry)
             or ``"mass"`` (the mean weight of the sampled replay queries).
+        refit: run stage 2 (biases and values refitted on the replay queries). Off by default: measured on SmolLM2
+            (docs/results/long_context.md, "The refit against the needles") it costs the needles the selection kept
+            (passkey 0.4 / 0.6 against 1.0 / 1.0 at budgets 0.25 / 0.125) and fits the continuation no better; the
+            kept entries then stay exact and stage 3 truncates their values where the replay queries allow.
     """
 
     PAPER: ClassVar[str] = "https://arxiv.org/abs/2505.23416"
     SELECTIONS: ClassVar[tuple[str, ...]] = ("max", "mass")
 
     selection: str = checked("max", check_choice, choices=SELECTIONS)
+    refit: bool = checked(False, check_bool)
 
 
 @register("summary_replay", settings=ReplaySummarySettings, needs_queries=True, context_replay="queries")
