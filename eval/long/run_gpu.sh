@@ -18,8 +18,8 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PIP_NO_INDEX=1  # fail at once, never wait
 common=(eval --suite long --device cuda --dtype bfloat16 --out "$out" --budgets 0.5,0.25,0.125
-        --methods none,snapkv,adakv,expected_attention,kvzip,pyramidkv,streaming,summary,svd,topk,tova
-        --verify-prefill summary,kvzip,snapkv --min-full-score 0.3)
+        --methods none,snapkv,adakv,expected_attention,kvzip,pyramidkv,streaming,summary,svd,topk,tova,summary_replay
+        --verify-prefill summary,kvzip,snapkv,summary_replay --min-full-score 0.3)
 case "$mode" in
   table)
     # every task's full-cache score at 2k and 4k first, then every method at every budget on the tasks it can do;
