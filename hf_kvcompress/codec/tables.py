@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import TypeVar
 
 import constriction
 import numpy as np
@@ -40,6 +41,8 @@ import torch
 
 from .detmath import det_erfc_nonneg, det_exp
 from .symbols import FP16, Format, format_of, tensor_bits
+
+T = TypeVar("T")
 
 PRECISION = 24  # constriction's default Categorical precision
 TOTAL = 1 << PRECISION
@@ -309,6 +312,8 @@ class Marginal:
         self._weights.setflags(write=False)
         self.sha256 = hashlib.sha256(b"hf_kvcompress.codec marginal v1\n" + w.astype("<i4").tobytes()).hexdigest()
         self._models: dict[int, tuple[object, np.ndarray]] = {}
+        #: tables other coders derive from this marginal (`memo`): kept as long as the marginal is, no longer
+        self._derived: dict[tuple[str, int], object] = {}
 
     @property
     def weights(self) -> np.ndarray:
@@ -359,6 +364,15 @@ class Marginal:
             model = constriction.stream.model.Categorical(w.astype(np.float64), perfect=False)
             self._models[fmt.code] = (model, w + 1)
         return self._models[fmt.code]
+
+    def memo(self, name: str, fmt: Format, make: Callable[[], T]) -> T:
+        """``make()`` once per ``(name, fmt)`` for this marginal's lifetime: a coder's tables derived from it (the
+        lanes coder's p_hat tables) are freed with it (a calibration's marginals go with the calibration), where a
+        module-level memo would keep every marginal's tables for the life of the process."""
+        key = (name, fmt.code)
+        if key not in self._derived:
+            self._derived[key] = make()  # a race computes the same tables twice; either is kept
+        return self._derived[key]
 
     def frequencies(self, fmt: Format) -> np.ndarray:
         """`coding`'s effective frequencies (int64), computed on each call and not kept."""

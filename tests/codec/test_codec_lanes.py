@@ -3,7 +3,9 @@ shape round-trips, the batch API equals the per-stream one byte for byte, bad in
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -281,6 +283,19 @@ def test_marginal_in_config():
     assert_bit_exact(codec.decode(blobs[1], config=LANES, marginal=m), x[1])
     with pytest.raises(CorruptStreamError, match="digest"):
         codec.decode(blobs[1], config=LANES)
+
+
+def test_a_marginals_tables_go_with_it():
+    # the lanes coder's p_hat tables are kept by the marginal they derive from: a calibration's marginals (one per
+    # head) must not stay in a process-wide memo after the calibration is gone
+    # (the configs that name a marginal sit in bounded LRU memos, which keep it while they hold the config)
+    m = Marginal.from_samples(torch.randn(3, 512).to(torch.bfloat16))
+    tables = L.phat_tables(m, BF16)
+    assert L.phat_tables(m, BF16) is tables  # built once
+    held = weakref.ref(tables[0])
+    del m, tables
+    gc.collect()
+    assert held() is None
 
 
 # ------------------------------------------------------------------ refusals

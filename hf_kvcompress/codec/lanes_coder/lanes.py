@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import struct
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -96,22 +95,16 @@ def lane_tables() -> LaneTables:
     return LaneTables(cum, coff, t.size.astype(np.int32), t.half.astype(np.int32), t.radius.astype(np.int64), lut)
 
 
-_phat_lock = threading.Lock()
-_phat_cache: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
-
-
 def phat_tables(marginal: Marginal, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    """(cumulative frequencies, bucket index) of p_hat over the format's coded patterns."""
-    key = (marginal.sha256, fmt.code)
-    with _phat_lock:
-        hit = _phat_cache.get(key)
-    if hit is None:
+    """(cumulative frequencies, bucket index) of p_hat over the format's coded patterns, kept by the marginal
+    (`Marginal.memo`)."""
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
         freq = marginal.frequencies(fmt)  # not `coding`: its constriction model would be kept for nothing
         cum = np.concatenate([[0], np.cumsum(freq)])
-        hit = (cum.astype(np.int32), _lut_of(cum).astype(np.int32))
-        with _phat_lock:
-            _phat_cache[key] = hit
-    return hit
+        return cum.astype(np.int32), _lut_of(cum).astype(np.int32)
+
+    return marginal.memo("lanes.phat", fmt, make)
 
 
 @functools.lru_cache(maxsize=64)
