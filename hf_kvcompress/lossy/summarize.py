@@ -20,7 +20,7 @@ NEG_INF = float("-inf")
 #: logits one scoring step of a replay (`SummaryMixin._score_replay`) holds: one batch row and KV head, as many
 #: replay rows as fit. On CPU 2**20 float32 (4 MiB) stays in cache: a layer's scoring at 2,048 tokens, batch 10, went
 #: from 7.6 s (256 rows of every batch row and head at once, broadcast matmul) to 2.2 s (docs/results/long_context.md,
-#: "Replay scoring"); a GPU takes larger steps to keep its launches few
+#: "The replay's cost"); a GPU takes larger steps to keep its launches few
 REPLAY_LOGITS = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 
