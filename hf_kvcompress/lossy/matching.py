@@ -128,6 +128,10 @@ def fit_row(
     with more entries). ``weights``: also return the kept entries' normalised attention weights."""
     kept = region.gather(index)
     live = kept.live
+    if not refit and use_bias:
+        raise ValueError("fit_row: refit=False keeps the biases, use_bias must be False")
+    if not refit and not weights:  # the entries as they are, their biases -inf where dead (as a fit leaves them)
+        return Fit(kept.values.float(), torch.where(live, kept.bias, torch.full_like(kept.bias, float("-inf"))))
     # the kept entries' kernel columns without their old bias (plain exp(logit - top)); 0 where dead
     base = torch.gather(kernel.region_exp, -1, index[..., None, :].expand(*kernel.region_exp.shape[:-1], -1))
     if bool(kept.bias.any()):  # plain tokens (bias 0) need no pass
@@ -155,9 +159,7 @@ def fit_row(
     summary_z = kernel.context_z + linear(base, weight[..., None, :])[..., 0]
     prior = kept.values.float()
     if not refit:
-        if use_bias:
-            raise ValueError("fit_row: refit=False keeps the biases, use_bias must be False")
-        return Fit(prior, bias, gram=gram) if not weights else Fit(prior, bias, base, weight, summary_z, gram)
+        return Fit(prior, bias, base, weight, summary_z, gram)
     try:
         if ridge == 0:
             # the proposal's plain OLS, as written: rows weighted by sqrt(query weight) / Z^

@@ -112,6 +112,13 @@ def test_mass_selection_and_the_fallback_without_a_replay():
         LossyConfig(method="summary_replay", selection="entropy")
     # the selection is the method's own setting, kept through the config's dict
     assert LossyConfig.from_dict(config.to_dict()).settings.selection == "mass"
+    # stages 2 and 3 are off unless asked for (the needles they cost: docs/results/long_context.md)
+    settings = LossyConfig(method="summary_replay").settings
+    assert (settings.refit, settings.truncate) == (False, False)
+    both = LossyConfig.from_dict({"method": "summary_replay", "refit": True, "truncate": True})
+    assert LossyConfig.from_dict(both.to_dict()).settings == both.settings
+    with pytest.raises(ValueError, match="truncate"):
+        LossyConfig.from_dict({"method": "summary_replay", "truncate": "yes"})
 
 
 def _cache(model, budget=0.3, **kwargs):

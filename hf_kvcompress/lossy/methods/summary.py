@@ -81,9 +81,9 @@ def summarise(region: Region, budget: int, ctx: FitContext, cfg: SummarySettings
     b, h, n, d = region.keys.shape
     dv = region.values.shape[-1]  # the values' width (the keys' unless the model's differ)
     elem = region.keys.element_size()
-    # stage 2 can be switched off only in `methods.summary_replay`'s settings: a field here would change the default
-    # lossy config that every lossless file's header holds
-    refit = getattr(cfg, "refit", True)
+    # stages 2 and 3 can be switched off only in `methods.summary_replay`'s settings: a field here would change the
+    # default lossy config that every lossless file's header holds
+    refit, truncate = getattr(cfg, "refit", True), getattr(cfg, "truncate", True)
     use_bias = ctx.attached and cfg.fit_bias and refit
     store_bias = use_bias or not bool(region.live.all())
     fmt = ctx.config.entry_format
@@ -101,10 +101,11 @@ def summarise(region: Region, budget: int, ctx: FitContext, cfg: SummarySettings
     fits, worst = [], torch.zeros(min(count, dv) + 1)
     for kernel, score, (sub, _) in zip(kernels, scores, rows):
         index = top_entries(score, count)
-        fit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge, refit=refit)
+        fit = fit_row(kernel, sub, index, use_bias=use_bias, ridge=cfg.ridge, refit=refit, weights=truncate)
         fits.append((index, fit))
-        worst = torch.maximum(worst, truncation_errors(kernel, fit))
-    rank = smallest_rank(worst, cfg.error_tolerance)
+        if truncate:
+            worst = torch.maximum(worst, truncation_errors(kernel, fit))
+    rank = smallest_rank(worst, cfg.error_tolerance) if truncate else dv
     # more entries than the plain count only where layers may differ in length (a model attached)
     if rank < dv and ctx.attached:
         per_entry = entry_bytes(h, d, elem, with_bias=store_bias, value_rank=rank, fmt=fmt)

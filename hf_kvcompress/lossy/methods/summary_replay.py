@@ -7,11 +7,11 @@ the question comes after compression); this method takes the replay's instead:
 - under `methods.kvzip.compress_context` (or an evaluation's `kvzip.replay` + `kvzip.prune`), the context is held
   whole, re-read after the repeat prompt, and every layer's budget is set by KVzip's one threshold across layers;
   each layer then keeps, per head, the entries with the highest replay score (``selection="max"``: KVzip's score, the
-  largest weight any replay query gives the entry; ``"mass"``: the mean weight of the sampled replay queries) and
-  refits their logit biases and values (stages 2 and 3 of the summary) against the attention outputs of
-  ``reference_queries`` replay queries per query head, evenly spaced over the replay, at their own positions.
-  Unlike KVzip, every head of a layer keeps as many entries (the summary's block layout); the layer's count is
-  KVzip's.
+  largest weight any replay query gives the entry; ``"mass"``: the mean weight of the sampled replay queries). With
+  ``refit`` / ``truncate`` (off by default: `ReplaySummarySettings`) the summary's stages 2 and 3 then refit their
+  logit biases and values and cut the values' rank against the attention outputs of ``reference_queries`` replay
+  queries per query head, evenly spaced over the replay, at their own positions. Unlike KVzip, every head of a layer
+  keeps as many entries (the summary's block layout); the layer's count is KVzip's.
 - without a replay (`generate`, a chunked prefill, the summaries after `compress_context`): the replay needs the
   whole context, which a chunked prefill never holds, so this is the summary on the prompt's own queries
   (``"max"``: selected by their largest weight, KVzip's rule without a replay; ``"mass"``: the summary exactly).
@@ -39,10 +39,15 @@ class ReplaySummarySettings(SummarySettings):
     Attributes:
         selection: stage 1: ``"max"`` (KVzip's replay score: the largest weight any replay query gives the entry)
             or ``"mass"`` (the mean weight of the sampled replay queries).
-        refit: run stage 2 (biases and values refitted on the replay queries). Off by default: measured on SmolLM2
-            (docs/results/long_context.md, "The refit against the needles") it costs the needles the selection kept
-            (passkey 0.4 / 0.6 against 1.0 / 1.0 at budgets 0.25 / 0.125) and fits the continuation no better; the
-            kept entries then stay exact and stage 3 truncates their values where the replay queries allow.
+        refit: run stage 2 (biases and values refitted on the replay queries).
+        truncate: run stage 3 (the values cut to the rank the replay queries allow, the bytes freed spent on more
+            entries).
+
+    Both are off by default, measured on SmolLM2 (docs/results/long_context.md, "The refit against the needles"):
+    each fits a sample of replay queries, few of which read a needle, and each cost needles the selection kept (the
+    refit: passkey 0.4 / 0.6 against 1.0 / 1.0 at budgets 0.25 / 0.125; the truncation: niah_text 0.1 / 0.1
+    against KVzip's 1.0 / 0.8 at 0.25 / 0.125). The kept entries then stay exact: KVzip's selection in the
+    summary's layout.
     """
 
     PAPER: ClassVar[str] = "https://arxiv.org/abs/2505.23416"
@@ -50,6 +55,7 @@ class ReplaySummarySettings(SummarySettings):
 
     selection: str = checked("max", check_choice, choices=SELECTIONS)
     refit: bool = checked(False, check_bool)
+    truncate: bool = checked(False, check_bool)
 
 
 @register("summary_replay", settings=ReplaySummarySettings, needs_queries=True, context_replay="queries")
