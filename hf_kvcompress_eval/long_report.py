@@ -93,7 +93,7 @@ def markdown(rows: list[dict[str, Any]], png: str | None = None) -> str:
                                              f"{budget:g}", f"{sum(held) / len(held):.3f}", str(count), *cells,
                                              _cell(pooled)]) + " |")
         parts.append("")
-        parts += verdicts({(m, b): _pooled(rows, length, m, b, kept[length]) for m in lossy for b in budgets},
+        parts += verdicts({(m, b): _samples(rows, length, m, b, kept[length]) for m in lossy for b in budgets},
                           budgets, higher=True)
     nll_lengths = sorted({key[1] for key in stats if key[0] == NLL})
     if nll_lengths:
@@ -112,38 +112,56 @@ def markdown(rows: list[dict[str, Any]], png: str | None = None) -> str:
                                              f"{budget:g}", f"{first['held']:.3f}", str(count), *cells]) + " |")
         parts.append("")
         for n in nll_lengths:
-            parts += verdicts({(m, b): stats.get((NLL, n, m, b)) for m in lossy for b in budgets}, budgets,
+            parts += verdicts({(m, b): _samples(rows, n, m, b, None) for m in lossy for b in budgets}, budgets,
                               higher=False, what=f"NLL at {n} tokens")
     if png:
         parts += [f"![long-context scores]({png})", ""]
     return "\n".join(parts)
 
 
-def verdicts(means: dict[tuple[str, float], dict[str, Any] | None], budgets: list[float], *, higher: bool,
+def verdicts(values: dict[tuple[str, float], dict[tuple, float]], budgets: list[float], *, higher: bool,
              what: str = "kept mean") -> list[str]:
-    """Issue 36's goal per budget: the best of `SUMMARY_METHODS` against the best method, the gap in standard errors
-    of the difference (``sqrt(se_best^2 + se_summary^2)``); ``means``: ``(method, budget) -> {"mean", "se"}``."""
+    """Issue 36's goal per budget: the best of `SUMMARY_METHODS` against the best method. ``values``: ``(method,
+    budget) -> {sample key: score or NLL}``. The gap is judged on the samples both have, paired (the standard error of
+    the per-sample differences: every method sees the same contexts, so the samples' own spread cancels), or, with
+    fewer than two shared samples, against ``sqrt(se_best^2 + se_summary^2)``."""
     lines = []
     for budget in budgets:
-        mine = {m: s for (m, b), s in means.items() if b == budget and s is not None}
-        ours = {m: s for m, s in mine.items() if m in SUMMARY_METHODS}
+        mine = {m: v for (m, b), v in values.items() if b == budget and v}
+        ours = [m for m in mine if m in SUMMARY_METHODS]
         if not ours or len(mine) < 2:
             continue
-        pick = max if higher else min
-        best = pick(mine, key=lambda m: mine[m]["mean"])
-        summary = pick(ours, key=lambda m: ours[m]["mean"])
-        gap = (mine[best]["mean"] - ours[summary]["mean"]) * (1 if higher else -1)
-        se = math.hypot(mine[best]["se"], ours[summary]["se"])
+        sign = 1.0 if higher else -1.0
+        mean = {m: sum(v.values()) / len(v) for m, v in mine.items()}
+        best = max(mine, key=lambda m: sign * mean[m])
+        summary = max(ours, key=lambda m: sign * mean[m])
+        shared = sorted(set(mine[best]) & set(mine[summary]), key=str)
+        if len(shared) >= 2:
+            gap, se = mean_se([sign * (mine[best][k] - mine[summary][k]) for k in shared])
+            how = f"paired over {len(shared)} samples"
+        else:
+            gap = sign * (mean[best] - mean[summary])
+            se = math.hypot(mean_se(list(mine[best].values()))[1], mean_se(list(mine[summary].values()))[1])
+            how = "unpaired"
         if best == summary:
             verdict = "the summary is best"
         elif gap <= se:
-            verdict = f"within one standard error of the best ({best})"
+            verdict = f"within one standard error of the best ({best}; gap {gap:.3f} ± {se:.3f}, {how})"
         else:
-            verdict = f"**{best} wins by {gap / se:.1f} standard errors**" if se > 0 else f"**{best} wins**"
-        lines.append(f"- {what}, budget {budget:g}: {summary} {ours[summary]['mean']:.3f}, best {best} "
-                     f"{mine[best]['mean']:.3f}: {verdict}")
-    return ["Goal (issue 36: the summary best, or within one standard error of the best; the gap in standard errors "
-            "of the difference):", "", *lines, ""] if lines else []
+            size = f"{gap / se:.1f} standard errors" if se > 0 else "every sample"
+            verdict = f"**{best} wins by {size}** (gap {gap:.3f} ± {se:.3f}, {how})"
+        lines.append(f"- {what}, budget {budget:g}: {summary} {mean[summary]:.3f}, best {best} {mean[best]:.3f}: "
+                     f"{verdict}")
+    return ["Goal (issue 36: the summary best, or within one standard error of the best):", "", *lines, ""] if lines else []
+
+
+def _samples(rows, length: int, method: str, budget, tasks: list[str] | None) -> dict[tuple, float]:
+    """``{(task, seed): score}`` over ``tasks`` (None: the NLL rows, ``{(nll, seed): nll}``)."""
+    if tasks is None:
+        return {(r["task"], r["seed"]): r["nll"] for r in rows if r["task"] == NLL and r["length"] == length
+                and r["method"] == method and r["budget"] == budget}
+    return {(r["task"], r["seed"]): r["score"] for r in rows if r["length"] == length and r["method"] == method
+            and r["budget"] == budget and r["task"] in tasks}
 
 
 def _pooled(rows, length: int, method: str, budget, tasks: list[str]) -> dict[str, Any] | None:

@@ -198,7 +198,7 @@ def test_report_statistics_on_hand_made_rows():
     assert "Left out of the ranking (full-cache score below the bar): variable_tracking (0.20)" in text
     assert "| snapkv | 0.5 | 0.480 | 4 | 0.250 ± 0.250 | - | 0.250 ± 0.250 |" in text
     assert "| snapkv | 0.5 | 0.500 | 1 | 2.500 ± 0.000 |" in text
-    # the goal's verdict per budget: the best summary method against the best method
+    # the goal's verdict per budget: the best summary method against the best method, paired over shared samples
     more = [dict(r, method="summary", score=1.0 - (r["seed"] == 2)) for r in rows if r["method"] == "snapkv"
             and r["task"] == "passkey"]
     more.append({"task": NLL, "length": 96, "seed": 0, "method": "summary", "budget": 0.5, "score": None,
@@ -206,11 +206,15 @@ def test_report_statistics_on_hand_made_rows():
     text = markdown(rows + more)
     assert "- kept mean, budget 0.5: summary 0.750, best summary 0.750: the summary is best" in text
     assert "- NLL at 96 tokens, budget 0.5: summary 2.400, best summary 2.400: the summary is best" in text
-    worse = [dict(r, score=0.0) for r in more if r["task"] == "passkey"]
-    worse += [dict(r, seed=s, score=1.0) for s in range(4) for r in rows if r["method"] == "snapkv"
-              and r["task"] == "passkey" and r["seed"] == 0]
-    text = markdown([r for r in rows if r["method"] != "snapkv" or r["task"] != "passkey"] + worse)
-    assert "- kept mean, budget 0.5: summary 0.000, best snapkv 1.000: **snapkv wins**" in text
+    # snapkv [1, 0, 0, 0] against the summary [0, 0, 0, 1]: a tie in mean and within its paired error
+    tie = [dict(r, score=float(r["seed"] == 3)) for r in more if r["task"] == "passkey"]
+    text = markdown(rows + tie)
+    assert ("- kept mean, budget 0.5: summary 0.250, best snapkv 0.250: within one standard error of the best "
+            "(snapkv; gap 0.000 ± 0.408, paired over 4 samples)") in text
+    # every sample one better: the paired error is 0 however spread the samples are
+    low = [dict(r, score=r["score"] - 1.0) for r in rows if r["method"] == "snapkv" and r["task"] == "passkey"]
+    text = markdown(rows + [dict(r, method="summary") for r in low])
+    assert "best snapkv 0.250: **snapkv wins by every sample** (gap 1.000 ± 0.000, paired over 4 samples)" in text
 
 
 def test_cli_smoke_resumes_and_stops_on_time(tiny_assets, tmp_path, capsys):
