@@ -148,7 +148,7 @@ def fit_row(
     # [h, t, m]: the products below read the kept entries' columns as rows (`products.linear` takes x @ w.T)
     columns = None if wide else scaled[0].transpose(-1, -2).contiguous()
     gram = None
-    if (ridge > 0 or use_bias) and not wide:
+    if refit and (ridge > 0 or use_bias) and not wide:  # no refit: nothing solves with a Gram
         known = None if prefix is None else prefix.gram
         gram = symmetric_gram(columns) if known is None else _extend_gram(known, columns)
     if use_bias and bool((kernel.query_weight > 0).any()):
