@@ -109,6 +109,14 @@ def random_ids(batch: int, length: int, seed: int = 0) -> torch.LongTensor:
     return torch.randint(3, 128, (batch, length), generator=generator)
 
 
+def tiny_calibration(model, tokens: int, **fit):
+    """A calibration fitted on ``tokens`` random ids (seed 9, chunks of 128): the tests' calibrated predictors."""
+    from hf_kvcompress.calibration import Calibration
+
+    return Calibration.fit(model, None, ids=random_ids(1, tokens, seed=9), tokens=tokens, chunk=128, progress=False,
+                           **fit)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality of two tensors (dtype and shape too; NaN payloads, infinities, -0.0 and subnormals)."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids, same_bits
+from helpers import fresh_tiny_model, random_ids, same_bits, tiny_calibration
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, LosslessConfig
@@ -27,8 +27,7 @@ def model6():
 
 @functools.cache
 def calibration6() -> Calibration:
-    return Calibration.fit(model6(), None, ids=random_ids(1, 256, seed=9), tokens=256, chunk=128,
-                           predictors=CALIBRATED, progress=False)
+    return tiny_calibration(model6(), 256, predictors=CALIBRATED)
 
 
 def specials(dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from helpers import assert_continues_identically, fresh_tiny_model, random_ids, same_bits
+from helpers import assert_continues_identically, fresh_tiny_model, random_ids, same_bits, tiny_calibration
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -28,8 +28,7 @@ def model6(kind: str = "llama-gqa"):
 
 @functools.cache
 def calibration6() -> Calibration:
-    return Calibration.fit(model6(), None, ids=random_ids(1, 256, seed=9), tokens=256, chunk=128, probe_layers=(1,),
-                           progress=False)
+    return tiny_calibration(model6(), 256, probe_layers=(1,))
 
 
 def lossless(budget: float = 0.0, predictor: str = "context") -> CompressionConfig:

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids, same_bits, sliding_model
+from helpers import fresh_tiny_model, random_ids, same_bits, sliding_model, tiny_calibration
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore, blockcoder
@@ -27,8 +27,7 @@ def model6():
 
 @functools.cache
 def calibration() -> Calibration:
-    return Calibration.fit(model6(), None, ids=random_ids(1, 512, seed=9), tokens=512, chunk=128,
-                           predictors=("below",), progress=False)
+    return tiny_calibration(model6(), 512, predictors=("below",))
 
 
 def config(predictor: str = "below", coder: str | None = None) -> CompressionConfig:
