@@ -192,8 +192,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     panels = [("score", n) for n in lengths] + [(NLL, n) for n in nll_lengths]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.8, 4.2), squeeze=False)
     lossy = [m for m in dict.fromkeys(r["method"] for r in rows) if m != FULL]
+    # one look per method across panels; tab10 has 10 colours, so the marker and line style tell more methods apart
+    look = {m: {"color": plt.get_cmap("tab10")(i % 10), "marker": "os^DvPX*<>"[i % 10],
+                "linestyle": "-" if i < 10 else "--"} for i, m in enumerate(lossy)}
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     for ax, (kind, length) in zip(axes[0], panels):
         for method in [FULL, *lossy]:
@@ -210,15 +213,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             if method == FULL:
                 ax.axhline(points[0][1], color="black", linestyle=":", label="full cache")
             else:
-                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
-                            capsize=2, label=method)
+                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
+                            capsize=2, label=method, **look[method])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (fraction of the full cache)")
         title = "continuation NLL" if kind == NLL else "kept-task score" if kept[length] else "score (no task kept)"
         ax.set_title(f"{title}, {length} tokens")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")  # beside the panels: inside, it hid the low lines
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
