@@ -192,7 +192,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     panels = [("score", n) for n in lengths] + [(NLL, n) for n in nll_lengths]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1.8, 4.2), squeeze=False)
+    legend_in = 1.8  # inches to the right of the panels for the legend
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + legend_in, 4.2), squeeze=False)
     lossy = [m for m in dict.fromkeys(r["method"] for r in rows) if m != FULL]
     # one look per method across panels; tab10 has 10 colours, so the marker and line style tell more methods apart
     look = {m: {"color": plt.get_cmap("tab10")(i % 10), "marker": "os^DvPX*<>"[i % 10],
@@ -222,7 +223,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="center right")  # beside the panels: inside, it hid the low lines
-    fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
+    fig.tight_layout(rect=(0, 0, 1 - legend_in / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
