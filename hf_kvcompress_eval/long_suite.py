@@ -390,8 +390,10 @@ def task_batch(engine: Engine, group: list[Encoded], configs, results: Results, 
     def answer(method: str, budget: float | None) -> tuple[float, list[str]]:
         cache = engine.cache_for(method, budget, captured, context, scores)
         held = physical_bytes(cache) / len(group)
+        # the rows are equal-length (no padding): said outright, as generate cannot infer it when pad == eos
         run = greedy_generate(engine.model, prompt, cache, NEW_TOKENS[task], min_new_tokens=0,
-                              eos_token_id=engine.stops, pad_token_id=engine.stops[0])
+                              attention_mask=torch.ones_like(prompt), eos_token_id=engine.stops,
+                              pad_token_id=engine.stops[0])
         return held, engine.tokenizer.batch_decode(run.sequences[:, prompt.shape[1] :].cpu(), skip_special_tokens=True)
 
     for method, budget in configs:

@@ -109,6 +109,20 @@ def test_one_prefill_and_one_kvzip_replay_per_batch(engine, tokenizer, tmp_path,
         assert kept == {long_suite.physical_bytes(real) / 2}
 
 
+def test_generation_is_told_the_rows_are_unpadded(engine, tokenizer, tmp_path, monkeypatch):
+    # pad == eos for these models: without a mask generate warns that it cannot tell padding apart and guesses
+    group = [encode(tokenizer, "passkey", 200, seed) for seed in range(2)]
+    masks, found = [], long_suite.greedy_generate
+    monkeypatch.setattr(long_suite, "greedy_generate",
+                        lambda model, ids, *a, **k: masks.append((ids.shape, k.get("attention_mask")))
+                        or found(model, ids, *a, **k))
+    assert task_batch(engine, group, [(FULL, None), ("kvzip", 0.5)], Results(tmp_path / "r.jsonl"), Clock(None),
+                      _Bar())
+    assert len(masks) == 2
+    for shape, mask in masks:
+        assert mask is not None and mask.shape == shape and bool(mask.all())
+
+
 def test_one_replay_serves_kvzip_and_summary_replay_bit_for_bit(engine, monkeypatch):
     # the batch's replay runs once for both methods and both budgets (in either order); every pruned copy is what
     # the method's own compress_context leaves
