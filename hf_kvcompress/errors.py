@@ -55,3 +55,11 @@ class ChunkPayloadError(ValueError):
 
 class UnknownModelError(ValueError):
     """No local folder and no loadable hub model of that name (raised before any download or model load)."""
+
+
+class LayerKindError(ValueError, AttributeError, IndexError):
+    """The model asked its cache for a layer kind this cache does not hold: a cache layer it reads directly before
+    any update made it (``cache.layers[i]``), or a method of a cache layer class of the model's own (DeepSeek-V4's
+    ``store_compression_weights``). Typically a `CompressedCache` built without ``model=``, whose layers are made
+    lazily as attention layers. Also an ``AttributeError`` / ``IndexError``, so ``hasattr``, ``getattr(..., default)``
+    and index probes behave as on any object and list."""

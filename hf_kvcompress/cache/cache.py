@@ -19,6 +19,7 @@ from transformers.cache_utils import (
 
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
+from ..errors import LayerKindError
 from ..identity import layer_types
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
 from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
@@ -103,6 +104,24 @@ LAYER_FACTORIES: dict[str, Callable[[CompressedCache, int, dict], Any]] = {
 SUPPORTED_LAYER_TYPES = tuple(LAYER_FACTORIES)
 
 
+
+class LazyLayers(list):
+    """The layers of a cache built without a model: made as attention first updates them. A model whose own code
+    reads a cache layer before that (``cache.layers[i]``: one with cache layers of its own kinds) gets a reason."""
+
+    def __getitem__(self, index):
+        try:
+            return super().__getitem__(index)
+        except IndexError:
+            raise LayerKindError(
+                f"CompressedCache: the model read cache layer {index} before any update made it: a CompressedCache "
+                "built without model= (or model_config=) makes its layers lazily, as attention layers, so it cannot "
+                "serve a model that reads its cache layers first (one with cache layers of its own kinds). Build it "
+                "with CompressedCache(config, model=model), which holds the model's layer types or refuses them, "
+                "saying why."
+            ) from None
+
+
 class CompressedCache(CacheFiles, Cache):
     """A KV cache that seals old tokens into compressed blocks.
 
@@ -168,7 +187,7 @@ class CompressedCache(CacheFiles, Cache):
             self._layer_count = len(layers)
             if self.lossless is not None:  # the codec's chain memo keeps nothing of the top layer
                 self.lossless.layer_count = len(layers)
-        super().__init__(layers=layers)
+        super().__init__(layers=layers if model_config is not None else LazyLayers())
         #: ``[batch, tokens]`` ids of every cached position, recorded when a model is attached (probe/twin
         #: saves rerun the model on them); None when unknown.
         self.token_ids: torch.Tensor | None = None

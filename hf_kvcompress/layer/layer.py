@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..errors import LayerKindError
 from .storage import Block, Storage, owned, row_index, storage_bytes, tensor_nbytes
 
 
@@ -43,6 +44,19 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     #: whether updates seal blocks (a sliding window too small to be worth coding does not)
     seals = True
+
+    def __getattr__(self, name: str):
+        # only reached for an attribute the layer lacks: a model calling a method of its own cache layer class
+        # (DeepSeek-V4's compressor) gets a reason instead of a bare AttributeError from inside its forward
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise LayerKindError(
+            f"CompressedCache: the model asked cache layer {self.__dict__.get('layer_idx')} ({type(self).__name__}, "
+            f"attention K/V) for {name!r}, which it does not have: the model expects a cache layer of a kind of its "
+            "own there. A CompressedCache built without model= (or model_config=) makes every layer an attention "
+            "layer; build it with CompressedCache(config, model=model), which holds the model's layer types or "
+            "refuses them, saying why."
+        )
 
     def __init__(self, storage: Storage, *, block_tokens: int, residual_tokens: int, layer_idx: int | None = None):
         self.storage = storage

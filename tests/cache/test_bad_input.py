@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import random_ids, tiny_model
 
 from hf_kvcompress import CompressedCache, CompressionConfig
+from hf_kvcompress.errors import LayerKindError
 
 NONE = CompressionConfig(mode="none", block_tokens=4, residual_tokens=2)
 
@@ -90,6 +93,32 @@ def test_bad_crop_and_batch_indices():
         cache.crop(-11)
     with pytest.raises(IndexError, match="out of range for a batch of 1"):
         cache.batch_select_indices(torch.tensor([1]))
+
+
+def test_a_layer_the_model_reads_or_asks_for_that_a_lazy_cache_cannot_know_is_a_clear_error():
+    # models with cache layers of their own kinds read cache.layers[i] first (Qwen4-exp's indexer layer) or call
+    # their layer class's methods (DeepSeek-V4's store_compression_weights): without model= the cache cannot know
+    cache = CompressedCache(NONE)
+    with pytest.raises(LayerKindError, match=r"read cache layer 3 before any update.*model=model") as raised:
+        cache.layers[3]
+    assert isinstance(raised.value, (IndexError, ValueError))
+    k, v = kv()
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    with pytest.raises(LayerKindError, match=r"asked cache layer 0 .* for 'store_compression_weights'.*model=model"):
+        layer.store_compression_weights("compressor", k, v)
+    # an attribute probe still reads as on any object, and a copy is unaffected
+    assert not hasattr(layer, "update_indexer") and getattr(layer, "record_past_x", 7) == 7
+    with pytest.raises(AttributeError) as private:
+        _ = layer._no_such_thing
+    assert type(private.value) is AttributeError
+    twin = copy.deepcopy(cache)
+    assert torch.equal(twin.layers[0].keys, layer.keys) and isinstance(twin.layers, type(cache.layers))
+    # with a model the layers exist from the start, and an index past them is transformers' plain IndexError
+    built = CompressedCache(NONE, model=tiny_model("llama-gqa"))
+    with pytest.raises(IndexError) as past:
+        built.layers[5]
+    assert not isinstance(past.value, LayerKindError)
 
 
 def test_unsupported_layer_type_is_a_clear_error_at_construction():
