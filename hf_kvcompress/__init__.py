@@ -13,7 +13,8 @@ from .version import __version__
 
 #: the documented exception types (`errors`: a leaf module, no torch), importable from here
 ERRORS = ("CacheFileError", "CalibrationError", "ChunkError", "ChunkPayloadError", "ConfigTypeError",
-          "CorruptStreamError", "ParameterMismatchError", "PredictorMismatchError", "UnknownModelError")
+          "CorruptStreamError", "LayerKindError", "ParameterMismatchError", "PredictorMismatchError",
+          "UnknownModelError")
 
 #: public name -> the module that defines it (a module name alone: the module itself)
 _PUBLIC = {
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from .errors import ChunkPayloadError as ChunkPayloadError
     from .errors import ConfigTypeError as ConfigTypeError
     from .errors import CorruptStreamError as CorruptStreamError
+    from .errors import LayerKindError as LayerKindError
     from .errors import ParameterMismatchError as ParameterMismatchError
     from .errors import PredictorMismatchError as PredictorMismatchError
     from .errors import UnknownModelError as UnknownModelError
