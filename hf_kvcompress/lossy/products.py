@@ -25,6 +25,8 @@ import torch
 _ONEDNN: bool | None = None
 #: per product path, how many 2-D products ran (tests count work, never time)
 COUNTS = {"onednn": 0, "matmul": 0}
+#: the shapes ``(m, k, n)`` oneDNN's products ran at, after `shape_bucket` (tests count them; a few hundred at most)
+SHAPES: set[tuple[int, int, int]] = set()
 
 
 def _onednn_ok() -> bool:
@@ -81,8 +83,44 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x @ w.transpose(-1, -2)
 
 
+def shape_bucket(size: int) -> int:
+    """``size`` rounded up to its bucket: as it is below 16, a multiple of 16 up to 64, then a multiple of an eighth
+    of its power-of-two octave (at most 12.5 % more: 2,048 stays, 2,049 becomes 2,304).
+
+    oneDNN builds a primitive per product shape and keeps it in its primitive cache (1,024 by default), with the
+    allocations it made; a chunked prefill's summaries meet new region sizes at every chunk, and the process grew
+    by ~48 MB per chunk of 512 tokens that no tensor held (docs/results/lossy.md, "Chunked prefill (issue 36)").
+    Below 16 rows a product may take another kernel (one row: a matrix-vector product) whose bits differ, so small
+    sizes keep their own shapes; above, padding with zeros left every bit of 400 random products unchanged here."""
+    if size <= 16:
+        return size
+    if size <= 64:
+        return -(-size // 16) * 16
+    step = 1 << (size.bit_length() - 4)
+    return -(-size // step) * step
+
+
 def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.contiguous(), None, "none", [], "")
+    """``x @ w.T`` by oneDNN at the bucket's shape (`shape_bucket`: zero-padded copies where a size is not its
+    bucket's), so that a few primitives serve every size; a padded result is copied out (no view pins it)."""
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+    x = x.reshape(-1, k)  # leading dimensions folded into the rows
+    m = x.shape[0]
+    rows, inner, cols = shape_bucket(m), shape_bucket(k), shape_bucket(n)
+    SHAPES.add((rows, inner, cols))
+    out = torch.ops.mkldnn._linear_pointwise(_padded(x, rows, inner), _padded(w, cols, inner), None, "none", [], "")
+    if (rows, cols) != (m, n):
+        out = out[:m, :n].clone()
+    return out.reshape(*lead, n)
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x`` (2-D) in a zero ``[rows, cols]`` tensor, or itself (contiguous) where it has that shape already."""
+    if x.shape == (rows, cols):
+        return x.contiguous()
+    out = x.new_zeros(rows, cols)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -109,3 +109,32 @@ def test_exp_logits_one_head_at_a_time_equals_the_whole_computation():
     assert bool((got[0, 1, :, 7] == 0).all())
     dead, dead_top = ctx.exp_logits(keys, torch.full_like(bias, float("-inf")), None)
     assert bool((dead == 0).all()) and bool((dead_top == 0).all())
+
+
+def test_shape_buckets_are_few_and_waste_at_most_an_eighth():
+    sizes = range(1, 5000)
+    buckets = [products.shape_bucket(n) for n in sizes]
+    assert all(n <= b <= (n * 9 // 8 if n > 64 else -(-n // 16) * 16) for n, b in zip(sizes, buckets))
+    assert [products.shape_bucket(n) for n in (1, 15, 16, 17, 64, 65, 2048, 2049)] == [1, 15, 16, 32, 64, 72, 2048, 2304]
+    assert len(set(buckets)) <= 16 + 3 + 8 * 7  # sizes below 16 as they are, 32 / 48 / 64, eight per octave up to 8,192
+    assert all(products.shape_bucket(b) == b for b in set(buckets))
+
+
+@pytest.mark.skipif(not products._onednn_ok(), reason="this torch has no oneDNN float32 product")
+def test_a_growing_region_meets_few_product_shapes_with_the_same_results():
+    """The sizes a chunked prefill's summaries meet (the region grows by a few entries per chunk) reach oneDNN in a few
+    padded shapes (`products.SHAPES`), each product equal to ``torch.matmul``'s and to its own unpadded oneDNN
+    product."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(96, 16, generator=gen)
+    products.SHAPES.clear()
+    for n in range(200, 400, 7):  # 29 region sizes
+        keys = torch.randn(n, 16, generator=gen)
+        got = linear(q, keys)
+        assert got.shape == (96, n) and got.is_contiguous() and got.untyped_storage().nbytes() == 96 * n * 4
+        torch.testing.assert_close(got, q @ keys.T, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(q, keys, None, "none", [], ""))
+        out = matmul(got, keys)  # the inner size grows too
+        torch.testing.assert_close(out, got @ keys, atol=1e-3, rtol=1e-5)
+    # 29 sizes in [200, 400) fall in 10 buckets (eight per octave), two products each: 58 shapes unpadded
+    assert len(products.SHAPES) <= 2 * 10
