@@ -104,7 +104,6 @@ LAYER_FACTORIES: dict[str, Callable[[CompressedCache, int, dict], Any]] = {
 SUPPORTED_LAYER_TYPES = tuple(LAYER_FACTORIES)
 
 
-
 class LazyLayers(list):
     """The layers of a cache built without a model: made as attention first updates them. A model whose own code
     reads a cache layer before that (``cache.layers[i]``: one with cache layers of its own kinds) gets a reason."""
