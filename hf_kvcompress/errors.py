@@ -57,6 +57,11 @@ class UnknownModelError(ValueError):
     """No local folder and no loadable hub model of that name (raised before any download or model load)."""
 
 
+#: how a `LayerKindError` ends: what to do instead
+BUILD_WITH_MODEL = ("Build it with CompressedCache(config, model=model), which holds the model's layer types or refuses "
+                    "them, saying why.")
+
+
 class LayerKindError(ValueError, AttributeError, IndexError):
     """The model asked its cache for a layer kind this cache does not hold: a cache layer it reads directly before
     any update made it (``cache.layers[i]``), or a method of a cache layer class of the model's own (DeepSeek-V4's

@@ -19,7 +19,7 @@ from transformers.cache_utils import (
 
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
-from ..errors import LayerKindError
+from ..errors import BUILD_WITH_MODEL, LayerKindError
 from ..identity import layer_types
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
 from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
@@ -115,9 +115,8 @@ class LazyLayers(list):
             raise LayerKindError(
                 f"CompressedCache: the model read cache layer {index} before any update made it: a CompressedCache "
                 "built without model= (or model_config=) makes its layers lazily, as attention layers, so it cannot "
-                "serve a model that reads its cache layers first (one with cache layers of its own kinds). Build it "
-                "with CompressedCache(config, model=model), which holds the model's layer types or refuses them, "
-                "saying why."
+                "serve a model that reads its cache layers first (one with cache layers of its own kinds). "
+                + BUILD_WITH_MODEL
             ) from None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..errors import LayerKindError
+from ..errors import BUILD_WITH_MODEL, LayerKindError
 from .storage import Block, Storage, owned, row_index, storage_bytes, tensor_nbytes
 
 
@@ -54,8 +54,7 @@ class CompressedLayer(CacheLayerMixin):
             f"CompressedCache: the model asked cache layer {self.__dict__.get('layer_idx')} ({type(self).__name__}, "
             f"attention K/V) for {name!r}, which it does not have: the model expects a cache layer of a kind of its "
             "own there. A CompressedCache built without model= (or model_config=) makes every layer an attention "
-            "layer; build it with CompressedCache(config, model=model), which holds the model's layer types or "
-            "refuses them, saying why."
+            "layer. " + BUILD_WITH_MODEL
         )
 
     def __init__(self, storage: Storage, *, block_tokens: int, residual_tokens: int, layer_idx: int | None = None):
