@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CliError
+from .validation import int_arg, int_list_arg
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -35,6 +36,34 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--dataset", default=None, help="hub dataset, local text/JSON files (default: Shakespeare)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+
+#: argparse types of the commands' numeric options (`validation.int_arg`): a bad value is a usage error at parse time
+POSITIVE = int_arg(minimum=1)
+COUNT = int_arg(minimum=0)
+
+
+def _fitted_predictors(text: str) -> tuple[str, ...]:
+    """``--predictors``: comma-separated names among those a calibration fits, or ``all`` (argparse converts the
+    default too, after --help has answered: the registry, which imports torch, loads only for a real run)."""
+    from .predictors.registry import FITTED
+
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if names == ("all",):
+        return FITTED
+    unknown = [n for n in names if n not in FITTED]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names among {', '.join(FITTED)} (or all), "
+                                         f"got {text!r}")
+    return names
+
+
+def _check_positions(model, tokens: int, what: str) -> None:
+    """One forward of ``tokens`` positions must fit the model's position table (``max_position_embeddings``):
+    past it RoPE models extrapolate silently and learned-position models fail deep in torch."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        raise CliError(f"{what} makes {tokens} positions, more than the model's max_position_embeddings ({limit})")
 
 
 def _load(args: argparse.Namespace, split: str = "evaluation"):
@@ -76,16 +105,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit sigma tables, predictor heads and marginals on calibration text; save them."""
     from .calibration import META_FILE, Calibration, calibration_dir
 
-    predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
-    probe_layers = [int(k) for k in args.probe_layers.split(",") if k.strip()]
+    if args.tokens < args.chunk:
+        raise CliError(f"--tokens ({args.tokens}) must be >= --chunk ({args.chunk})")
     if args.out:  # before the model loads: a folder that cannot be written fails at once
         _writable(Path(args.out), "calibration folder")
     model, tokenizer = _load(args, split=args.split)
+    _check_positions(model, args.chunk, f"--chunk {args.chunk}")
+    probe = {}  # the library's default layers (those the model has) unless given
+    if args.probe_layers is not None:
+        # Calibration.fit keeps the layers in 1..n_layers - 1 (the probe reruns layers 0..k-1 and predicts the
+        # deeper ones): a layer given outside them would be dropped without a word
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        outside = [k for k in args.probe_layers if not 1 <= k < n_layers]
+        if outside and "probe" in args.predictors:
+            raise CliError(f"--probe-layers {outside}: this model's probe layers are 1..{n_layers - 1} "
+                           f"(it has {n_layers} layers)")
+        probe["probe_layers"] = args.probe_layers
     out = Path(args.out) if args.out else _writable(calibration_dir(model), "calibration folder")
     try:
         calibration = Calibration.fit(
             model, tokenizer, source=args.dataset, split=args.split, tokens=args.tokens, chunk=args.chunk,
-            predictors=predictors, probe_layers=probe_layers,
+            predictors=args.predictors, **probe,
         )
     except ValueError as err:
         raise CliError(str(err)) from err
@@ -123,6 +163,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not (calibration / META_FILE).is_file():
             raise CliError(f"--calibration {args.calibration!r}: no calibration there (expected {META_FILE})")
     model, tokenizer = _load(args)
+    _check_positions(model, args.prompt_tokens + args.new_tokens,
+                     f"--prompt-tokens {args.prompt_tokens} with --new-tokens {args.new_tokens}")
     ids = _prompt_ids(tokenizer, args, args.prompt_tokens)
     try:
         cache = CompressedCache(config, model=model, calibration=calibration)
@@ -251,17 +293,16 @@ def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole parser: every command's options (imports the predictor registry and the harness)."""
-    from .predictors.registry import FITTED
-
+    """The whole parser: every command's options. Building it imports neither torch nor transformers (nor the
+    harness's heavy modules), so every ``<command> --help`` answers at once."""
     parser, sub = _top_parser()
     demo = sub.add_parser("demo", help=COMMANDS["demo"])
     _add_model_args(demo)
     demo.add_argument("--mode", default="lossless", choices=["none", "lossless", "lossy"])
-    demo.add_argument("--prompt-tokens", type=int, default=300)
-    demo.add_argument("--new-tokens", type=int, default=48)
-    demo.add_argument("--block-tokens", type=int, default=64)
-    demo.add_argument("--residual-tokens", type=int, default=32)
+    demo.add_argument("--prompt-tokens", type=POSITIVE, default=300)
+    demo.add_argument("--new-tokens", type=POSITIVE, default=48)
+    demo.add_argument("--block-tokens", type=POSITIVE, default=64)
+    demo.add_argument("--residual-tokens", type=COUNT, default=32)
     demo.add_argument("--no-check", dest="check", action="store_false", help="skip the DynamicCache comparison")
     demo.add_argument("--json", action="store_true", help="also print the stats as one JSON line")
     demo.add_argument("--calibration", default=None,
@@ -271,11 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help=COMMANDS["calibrate"])
     _add_model_args(cal)
     cal.add_argument("--split", default="calibration", help="text split (default: calibration)")
-    cal.add_argument("--tokens", type=int, default=16384, help="calibration tokens")
-    cal.add_argument("--chunk", type=int, default=1024, help="tokens per independent forward pass")
-    cal.add_argument("--predictors", default=",".join(FITTED),
-                     help=f"comma-separated, of {', '.join(FITTED)} (default: all)")
-    cal.add_argument("--probe-layers", default="8,15,22", help="k values of the probe predictor")
+    cal.add_argument("--tokens", type=POSITIVE, default=16384, help="calibration tokens")
+    cal.add_argument("--chunk", type=int_arg(minimum=16), default=1024, help="tokens per independent forward pass")
+    cal.add_argument("--predictors", type=_fitted_predictors, default="all",
+                     help="comma-separated names of the predictors whose heads a calibration fits (default: all; "
+                          "a wrong name is refused, listing them)")
+    cal.add_argument("--probe-layers", type=int_list_arg(minimum=1), default=None,
+                     help="k values of the probe predictor, each in 1..the model's layers - 1 (default: 8,15,22, "
+                          "those the model has)")
     cal.add_argument("--out", default=None, help="output folder (default: ~/.cache/hf_kvcompress/calibrations/<model>)")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -324,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # what parse_args says
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
+    finish = getattr(args, "finish_parsing", None)
+    if finish is not None:  # a command's own options (bench NAME's): their --help answers before torch loads
+        finish(args)
     try:
         if args.command != "store":  # eval and bench then set torch's threads their measurements use
             from .threads import configure_threads

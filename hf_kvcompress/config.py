@@ -13,6 +13,7 @@ from .jsonconfig import JsonConfig
 from .lossy import methods as _lossy_methods  # noqa: F401 (the registry line: LossyConfig checks names against it)
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
+from .threads import MAX_WORKERS
 from .validation import check_choice, check_fraction, check_int, check_number, checked, fail, validate
 
 MODES = ("none", "lossless", "lossy")
@@ -74,7 +75,8 @@ class LosslessConfig(JsonConfig):
             bit/scalar more than 8, coded ~20 % faster).
         workers: how many threads or processes code a block's streams; None (the default) takes the thread
             plan's codec workers (`hf_kvcompress.threads`: every core the process may run on, its CPU affinity,
-            or ``HF_KVCOMPRESS_THREADS`` / `configure_threads`), an int fixes the count. With ``coder="lanes"``:
+            or ``HF_KVCOMPRESS_THREADS`` / `configure_threads`), an int from 1 to `threads.MAX_WORKERS` (256: each
+            worker is a thread or process, past the cores they only oversubscribe them) fixes the count. With ``coder="lanes"``:
             threads, over the block's streams, when encoding and decoding (``codec.encode_batch`` /
             ``decode_batch``'s ``threads``); the calling thread runs one share. With ``coder="ans"``: forked
             processes over the windows of one stream, when decoding only (``codec.decode``'s ``workers``),
@@ -100,7 +102,7 @@ class LosslessConfig(JsonConfig):
     fixed_window: int = 65536
     header: str = "compact"
     mean_steps: int = 4
-    workers: int | None = checked(None, check_int, optional=True, minimum=1)
+    workers: int | None = checked(None, check_int, optional=True, minimum=1, maximum=MAX_WORKERS)
     decoded_budget: float = checked(0.05, check_number, low=0.0, high=1.0)
     coder: str | None = None
 

@@ -23,10 +23,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
+# torch is imported where threads are set, not here: the command line's --help and `hf-kvcompress bench NAME --help`
+# import this module (and its `MAX_WORKERS`) and must not wait seconds for torch
 
-#: the environment variable that overrides the cores the plan uses (an int >= 1)
+#: the environment variable that overrides the cores the plan uses (an int in [1, MAX_WORKERS])
 ENV = "HF_KVCOMPRESS_THREADS"
+#: the most cores a plan takes and the most codec workers a `LosslessConfig` asks for. Every worker is an OS thread
+#: (``coder="lanes"``) or a forked process (``"ans"``) started for each block batch, and past the cores they only
+#: oversubscribe them; a count such as 2**40 was accepted and then failed in generate() starting its threads. 256 is
+#: above the core count of any single machine this runs on today and far below the OS's thread limits.
+MAX_WORKERS = 256
 
 #: cores given to `configure_threads` (None: not called, or called without a count)
 _configured: int | None = None
@@ -56,9 +62,9 @@ class ThreadPlan:
 
 def _check_cores(cores: object, owner: str) -> int:
     if isinstance(cores, bool) or not isinstance(cores, int):
-        raise TypeError(f"{owner}: cores must be an int >= 1, got {type(cores).__name__}")
-    if cores < 1:
-        raise ValueError(f"{owner}: cores must be an int >= 1, got {cores}")
+        raise TypeError(f"{owner}: cores must be an int in [1, {MAX_WORKERS}], got {type(cores).__name__}")
+    if not 1 <= cores <= MAX_WORKERS:
+        raise ValueError(f"{owner}: cores must be an int in [1, {MAX_WORKERS}] (threads.MAX_WORKERS), got {cores}")
     return cores
 
 
@@ -70,8 +76,9 @@ def _env_cores() -> int | None:
         cores = int(text)
     except ValueError:
         cores = 0
-    if cores < 1:
-        raise ValueError(f"{ENV}={text!r}: expected a number of cores >= 1 (unset it to use the CPU affinity)")
+    if not 1 <= cores <= MAX_WORKERS:
+        raise ValueError(f"{ENV}={text!r}: expected a number of cores >= 1 and <= {MAX_WORKERS} (threads.MAX_WORKERS; "
+                         "unset it to use the CPU affinity)")
     return cores
 
 
@@ -85,7 +92,7 @@ def thread_plan(cores: int | None = None) -> ThreadPlan:
     elif (from_env := _env_cores()) is not None:
         count, source = from_env, ENV
     else:
-        count, source = available_cores(), "CPU affinity"
+        count, source = min(available_cores(), MAX_WORKERS), "CPU affinity"
     return ThreadPlan(cores=count, torch=max(1, count // 2), codec=count, source=source)
 
 
@@ -93,6 +100,8 @@ def configure_threads(cores: int | None = None) -> ThreadPlan:
     """Apply the plan for ``cores`` cores (None: ``$HF_KVCOMPRESS_THREADS``, else the CPU affinity): set torch's
     intra-op threads, and make it the codec workers of every `CompressedCache` built from now on whose
     ``LosslessConfig.workers`` is None. A count given here stays the override for the process. Returns the plan."""
+    import torch
+
     global _configured
     if cores is not None:
         _configured = _check_cores(cores, "configure_threads")
@@ -108,12 +117,18 @@ class torch_threads:
     def __init__(self, count: int):
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"torch_threads: count must be an int >= 0 (0: the thread plan's), got {count!r}")
+        import torch
+
         self.count = count or thread_plan().torch
         self.before = torch.get_num_threads()
 
     def __enter__(self) -> torch_threads:
+        import torch
+
         torch.set_num_threads(self.count)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        import torch
+
         torch.set_num_threads(self.before)

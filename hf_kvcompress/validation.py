@@ -9,6 +9,7 @@ It imports only `errors` (a leaf), so the model-independent codec can use it too
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
@@ -105,3 +106,55 @@ class Validated:
 
     def __post_init__(self) -> None:
         validate(self)
+
+
+# ---------------------------------------------------------------------- command-line argument types
+# argparse ``type=`` functions of every command (`hf_kvcompress.cli`, the harness's eval and bench): a bad value is
+# argparse's one-line usage error and exit status 2 at parse time, before any model loads, in the wording above.
+
+
+def int_arg(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` taking one integer in ``[minimum, maximum]`` (`check_int`'s bounds)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        try:
+            check_int("value", value, minimum=minimum, maximum=maximum)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    return parse
+
+
+def int_list_arg(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type`` taking comma-separated integers, each in ``[minimum, maximum]`` ('' is none)."""
+    one = int_arg(minimum=minimum, maximum=maximum)
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(one(part) for part in text.split(",") if part.strip())
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentTypeError(f"{err} (in the comma-separated list {text!r})") from None
+
+    return parse
+
+
+def number_arg(*, low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` taking one finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        try:
+            check_number("value", value, low=low, high=high, low_open=low_open)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    return parse

@@ -4,49 +4,59 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hf_kvcompress.errors import CliError
+from hf_kvcompress.validation import int_arg, number_arg
 
 from .long_context import TEXT_TASKS
-from .long_report import write_report
-from .long_suite import RESULTS, Engine, LongRun, run_long
+from .long_run import LongRun
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+if TYPE_CHECKING:
+    import torch
+
+# light at the top: `add_long_arguments` runs for every --help of the command line; the engine (`long_suite`,
+# torch and transformers) loads in `cmd_long`
+
+#: model (and cache) dtypes, torch's names
+DTYPES = ("bfloat16", "float16", "float32")
 #: the NLL text is read whole: a bound against a wrong path (a model file, a disk image)
 MAX_TEXT_BYTES = 64 << 20
 
 
 def add_long_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = LongRun()
+    # the defaults without building a LongRun (its methods' default is the lossy registry, which imports torch)
+    defaults = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(LongRun)})
     group = parser.add_argument_group("long-context suite (--suite long; --model, --out, --threads apply too)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when there is one)")
-    group.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="model (and cache) dtype")
+    group.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model (and cache) dtype")
     group.add_argument("--tasks", default=",".join(defaults.tasks), help="comma-separated tasks")
     group.add_argument("--lengths", default=_join(defaults.lengths), help="context lengths in tokens")
     group.add_argument("--samples", default=_join(defaults.samples),
                        help="samples per task: one count, or one per length")
-    group.add_argument("--methods", default=",".join(defaults.methods),
-                       help="'none' (the full cache) and registered lossy methods")
+    group.add_argument("--methods", default="all",
+                       help="'none' (the full cache) and registered lossy methods (default: all: every one)")
     group.add_argument("--budgets", default=_join(defaults.budgets), help="budget fractions of the lossy methods")
     group.add_argument("--nll-lengths", default=_join(defaults.nll_lengths),
                        help="context lengths of the held-out text NLL rows ('' for none)")
-    group.add_argument("--nll-samples", type=int, default=defaults.nll_samples, help="text windows per NLL length")
-    group.add_argument("--continuation", type=int, default=defaults.continuation, help="NLL tokens per window")
-    group.add_argument("--batch", type=int, default=defaults.batch, help="samples per forward")
+    group.add_argument("--nll-samples", type=int_arg(minimum=0), default=defaults.nll_samples,
+                       help="text windows per NLL length")
+    group.add_argument("--continuation", type=int_arg(minimum=2), default=defaults.continuation,
+                       help="NLL tokens per window")
+    group.add_argument("--batch", type=int_arg(minimum=1), default=defaults.batch, help="samples per forward")
     group.add_argument("--own-prefill", default="", help="methods that get a real prefill instead of the shared one")
     group.add_argument("--verify-prefill", default=",".join(defaults.verify_prefill),
                        help="methods whose shared prefill is checked bit for bit against a real one first "
                        "(a mismatch gives the method real prefills)")
-    group.add_argument("--min-full-score", type=float, default=defaults.min_full_score,
+    group.add_argument("--min-full-score", type=number_arg(low=0.0, high=1.0), default=defaults.min_full_score,
                        help="run the lossy methods only on tasks the full cache scores at least this on (0: all)")
-    group.add_argument("--max-seconds", type=float, default=None,
+    group.add_argument("--max-seconds", type=number_arg(low=0.0, low_open=True), default=None,
                        help="stop (cleanly, between two methods) after this long; a rerun continues")
     group.add_argument("--text", default=None,
                        help="text file of the NLL rows and niah_text (default: the held-out Shakespeare)")
@@ -65,10 +75,11 @@ def _list(text: str, kind, name: str) -> tuple:
 
 
 def long_run(args: argparse.Namespace) -> LongRun:
+    methods = {} if args.methods == "all" else {"methods": _list(args.methods, str, "methods")}
     try:
         return LongRun(
             tasks=_list(args.tasks, str, "tasks"), lengths=_list(args.lengths, int, "lengths"),
-            samples=_list(args.samples, int, "samples"), methods=_list(args.methods, str, "methods"),
+            samples=_list(args.samples, int, "samples"), **methods,
             budgets=_list(args.budgets, float, "budgets"), nll_lengths=_list(args.nll_lengths, int, "nll-lengths"),
             nll_samples=args.nll_samples, continuation=args.continuation, batch=args.batch,
             own_prefill=_list(args.own_prefill, str, "own-prefill"),
@@ -93,6 +104,8 @@ def nll_text(path: str | None) -> str:
 
 
 def device_of(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -105,6 +118,11 @@ def device_of(name: str) -> torch.device:
 
 
 def cmd_long(args: argparse.Namespace) -> int:
+    import torch
+
+    from .long_report import write_report
+    from .long_suite import RESULTS, Engine, run_long
+
     run = long_run(args)
     out = Path(args.out) if args.out else Path("eval-results") / "long"
     results = out / RESULTS
@@ -126,7 +144,7 @@ def cmd_long(args: argparse.Namespace) -> int:
     from hf_kvcompress.models import load_model
 
     try:
-        model, tokenizer = load_model(args.model or None, dtype=DTYPES[args.dtype])
+        model, tokenizer = load_model(args.model or None, dtype=getattr(torch, args.dtype))
     except ValueError as err:
         raise CliError(str(err)) from err
     model.to(device)

@@ -95,3 +95,91 @@ def test_version_names_the_library_and_what_it_runs_on(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"hf-kvcompress {__version__} (transformers ") and "torch " in out
+
+
+#: every command, and every bench's own parser: their --help must answer without torch (issue 47: 11-19 s each)
+HELP_COMMANDS = [[], ["demo"], ["calibrate"], ["store"], ["eval"], ["bench"],
+                 *(["bench", name] for name in ("generate", "codec", "prefix", "lmcache", "predictors", "kernels",
+                                                "chunked"))]
+
+
+def test_every_command_has_a_help_case():
+    from hf_kvcompress.cli import COMMANDS
+    from hf_kvcompress_eval.bench import BENCHES
+
+    assert {c[0] for c in HELP_COMMANDS if c} == set(COMMANDS)
+    assert {c[1] for c in HELP_COMMANDS if len(c) == 2} == set(BENCHES)
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS, ids=lambda c: " ".join(c) or "top")
+def test_help_imports_neither_torch_nor_transformers(command):
+    """Counts imports, not seconds: a fresh interpreter answers ``<command> --help`` with no heavy module loaded."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom hf_kvcompress.cli import main\n"
+              f"try:\n    main({[*command, '--help']!r})\nexcept SystemExit as done:\n    assert done.code == 0\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'numba') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: hf-kvcompress" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-300:]
+
+
+def usage_error(capsys, argv: list[str], *needles: str) -> str:
+    """argparse's usage error: exit status 2, no traceback, one error line naming the option."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("usage: ")
+    (line,) = [x for x in err.splitlines() if ": error: " in x]
+    for needle in needles:
+        assert needle in line, err
+    return line
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["demo", "--new-tokens", "0"], ["argument --new-tokens: value must be >= 1, got 0"]),
+    (["demo", "--prompt-tokens", "-5"], ["argument --prompt-tokens: value must be >= 1, got -5"]),
+    (["demo", "--residual-tokens", "x"], ["argument --residual-tokens: expected an integer, got 'x'"]),
+    (["calibrate", "--probe-layers", "abc"], ["argument --probe-layers: expected an integer, got 'abc'"]),
+    (["calibrate", "--probe-layers", "8,0"], ["argument --probe-layers: value must be >= 1, got 0"]),
+    (["calibrate", "--chunk", "8"], ["argument --chunk: value must be >= 16, got 8"]),
+    (["calibrate", "--predictors", "context,oracle"], ["argument --predictors: expected comma-separated names"]),
+    (["eval", "--threads", "-1"], ["argument --threads: value must be >= 0, got -1"]),
+    (["eval", "--suite", "long", "--batch", "0"], ["argument --batch: value must be >= 1, got 0"]),
+    (["bench", "generate", "--steps", "0"], ["argument --steps: value must be >= 1, got 0"]),
+    (["bench", "chunked", "--budget", "2"], ["argument --budget: value must lie in (0.0, 1.0], got 2.0"]),
+])
+def test_bad_numbers_are_usage_errors_at_parse_time(capsys, no_slow_work, argv, needles):
+    usage_error(capsys, argv, *needles)
+
+
+@pytest.fixture
+def tiny_loader(monkeypatch):
+    """The CLI's model load gives the 2-layer tiny Llama (max_position_embeddings 512) and no tokenizer."""
+    from helpers import tiny_model
+
+    from hf_kvcompress import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (tiny_model("llama-gqa"), None))
+
+
+def test_probe_layers_outside_the_model_are_refused(tmp_path, capsys, tiny_loader):
+    """Calibration.fit keeps only layers 1..n-1: 99 on a 2-layer model used to fit nothing without a word."""
+    code = main(["calibrate", "--predictors", "probe", "--probe-layers", "1,99", "--tokens", "64", "--chunk", "32",
+                 "--out", str(tmp_path / "cal")])
+    assert code == 2
+    one_line_error(capsys, "--probe-layers [99]: this model's probe layers are 1..1 (it has 2 layers)")
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["demo", "--prompt-tokens", "500", "--new-tokens", "48"],
+     "--prompt-tokens 500 with --new-tokens 48 makes 548 positions, more than the model's max_position_embeddings (512)"),
+    (["calibrate", "--chunk", "1024", "--tokens", "2048"],
+     "--chunk 1024 makes 1024 positions, more than the model's max_position_embeddings (512)"),
+])
+def test_a_forward_longer_than_the_models_positions_is_refused(tmp_path, capsys, tiny_loader, argv, needle):
+    assert main([*argv, "--mode", "none"] if argv[0] == "demo" else [*argv, "--out", str(tmp_path / "c")]) == 2
+    one_line_error(capsys, needle)

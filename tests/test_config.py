@@ -7,6 +7,7 @@ import pytest
 from hf_kvcompress import CompressionConfig, LosslessConfig, LossyConfig
 from hf_kvcompress.codec import CodecConfig
 from hf_kvcompress.codec.codec_config import HEADERS, MAX_WINDOW, MEAN_STEPS, WINDOW_MODES
+from hf_kvcompress.threads import MAX_WORKERS
 from hf_kvcompress.validation import ConfigTypeError
 
 
@@ -143,3 +144,12 @@ def test_a_fresh_process_knows_every_lossy_method():
     assert done.returncode == 0, done.stderr
     name, count = done.stdout.split()
     assert name == "topk" and int(count) >= 10
+
+
+@pytest.mark.parametrize("workers", [2**40, MAX_WORKERS + 1])
+def test_workers_beyond_the_bound_are_refused_at_construction(workers):
+    """Each worker is a thread or process started for every block batch: an absurd count must fail here, naming
+    the field and the bound, not later in generate() starting its threads (issue 47)."""
+    with pytest.raises(ValueError, match=rf"LosslessConfig.workers must lie in \[1, {MAX_WORKERS}\], got {workers}"):
+        LosslessConfig(workers=workers)
+    assert LosslessConfig(workers=MAX_WORKERS).workers == MAX_WORKERS

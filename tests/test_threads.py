@@ -61,7 +61,7 @@ def test_a_bad_environment_value_is_one_clear_error(affinity, monkeypatch, text)
 @pytest.mark.parametrize(("cores", "error"), [(0, ValueError), (True, TypeError), (2.0, TypeError)])
 def test_configure_threads_checks_its_count(affinity, cores, error):
     affinity(2)
-    with pytest.raises(error, match=r"^configure_threads: cores must be an int >= 1"):
+    with pytest.raises(error, match=r"^configure_threads: cores must be an int in \[1, 256\]"):
         configure_threads(cores)
 
 
@@ -118,3 +118,13 @@ def test_the_error_types_and_calibration_import_from_the_package_without_torch()
         assert getattr(hf_kvcompress, name) is getattr(errors, name) and name in hf_kvcompress.__all__
     from hf_kvcompress.calibration import Calibration
     assert hf_kvcompress.Calibration is Calibration
+
+
+@pytest.mark.parametrize("text", [str(threads_mod.MAX_WORKERS + 1), str(2**40)])
+def test_an_environment_value_beyond_the_bound_is_refused(affinity, monkeypatch, text):
+    affinity(2)
+    monkeypatch.setenv(ENV, text)
+    with pytest.raises(ValueError, match=rf"^{ENV}='{text}': expected a number of cores >= 1 and <= "):
+        thread_plan()
+    with pytest.raises(ValueError, match=r"cores must be an int in \[1, 256\]"):
+        thread_plan(int(text))

@@ -1,15 +1,19 @@
-"""``hf-kvcompress bench NAME``: the maintained benchmarks, one module each (``add_arguments(parser)``,
-``run(args) -> int``, ``SMOKE``: the option values ``--smoke`` puts in place of the defaults). Results go to
-``eval-results/bench/NAME/`` unless ``--out`` says otherwise."""
+"""``hf-kvcompress bench NAME``: the maintained benchmarks, one module each (``run(args) -> int``; its docstring is
+its ``--help`` description), their options and ``--smoke`` values in `options` (light: ``--help`` imports no torch).
+Results go to ``eval-results/bench/NAME/`` unless ``--out`` says otherwise."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
+from pathlib import Path
 
 from hf_kvcompress.threads import torch_threads
 
 from .common import add_common_arguments
+from .options import OPTIONS
 
 #: name -> (module, what it measures)
 BENCHES: dict[str, tuple[str, str]] = {
@@ -34,12 +38,19 @@ def bench_module(name: str):
     return importlib.import_module(BENCHES[name][0])
 
 
+def _docstring(name: str) -> str | None:
+    """Bench ``name``'s module docstring, read from its source: importing the module would import torch."""
+    spec = importlib.util.find_spec(BENCHES[name][0])
+    if spec is None or spec.origin is None:
+        return None
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text()), clean=False)
+
+
 def bench_parser(name: str) -> argparse.ArgumentParser:
-    module = bench_module(name)
-    parser = argparse.ArgumentParser(prog=f"hf-kvcompress bench {name}", description=module.__doc__,
+    parser = argparse.ArgumentParser(prog=f"hf-kvcompress bench {name}", description=_docstring(name),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser, name)
-    module.add_arguments(parser)
+    OPTIONS[name][0](parser)
     return parser
 
 
@@ -49,7 +60,7 @@ def parse_bench_args(name: str, argv: list[str]) -> argparse.Namespace:
     parser = bench_parser(name)
     args = parser.parse_args(argv)
     if args.smoke:
-        for key, value in bench_module(name).SMOKE.items():
+        for key, value in OPTIONS[name][1].items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
     return args
@@ -65,12 +76,17 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         epilog=f"benchmarks:\n{listing}", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=list(BENCHES), help="the benchmark")
     parser.add_argument("options", nargs=argparse.REMAINDER, help="its options (see hf-kvcompress bench NAME -h)")
-    parser.set_defaults(func=cmd_bench)
+    parser.set_defaults(func=cmd_bench, finish_parsing=finish_parsing)
     return parser
 
 
+def finish_parsing(args: argparse.Namespace) -> None:
+    """Parse the bench's own options (``--help`` answers here, before the command line sets up torch)."""
+    args.bench_args = parse_bench_args(args.name, args.options)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    bench_args = parse_bench_args(args.name, args.options)
+    bench_args = getattr(args, "bench_args", None) or parse_bench_args(args.name, args.options)
     # a bench's --threads (0, or a bench without one: the library's thread plan), the caller's count back after
     with torch_threads(getattr(bench_args, "threads", 0)):
         return bench_module(args.name).run(bench_args)

@@ -35,20 +35,6 @@ import torch
 from .common import out_folder, workload
 
 #: the values ``--smoke`` puts in place of the defaults (a tiny random model: numbers that mean nothing)
-SMOKE = {"contexts": "96", "chunk": 32, "methods": "summary", "oneshot": "streaming", "window": 8}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--contexts", default="8192,16384", help="prompt lengths in tokens, comma-separated")
-    parser.add_argument("--chunk", type=int, default=512, help="tokens per forward of the chunked prefills")
-    parser.add_argument("--budget", type=float, default=0.25, help="the lossy caches' budget (LossyConfig.budget)")
-    parser.add_argument("--window", type=int, default=64, help="the lossy caches' exact recent window")
-    parser.add_argument("--methods", default="all", help="methods prefilled in chunks, comma-separated, or 'all'")
-    parser.add_argument("--oneshot", default="summary", help="methods also prefilled in one forward ('' for none)")
-    parser.add_argument("--no-dynamic", action="store_true", help="skip the DynamicCache rows")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each setting's process")
-    parser.add_argument("--fresh", action="store_true", help="forget the rows of earlier runs in the folder")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
 
 
 def settings(args: argparse.Namespace) -> list[tuple[int, str, bool]]:

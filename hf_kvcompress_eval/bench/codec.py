@@ -55,6 +55,7 @@ from hf_kvcompress.codec import CodecConfig
 
 from ..baselines import baselines, timed
 from .common import Workload, out_folder, workload
+from .options import SECTIONS
 
 FIXED_SIZES = (64, 256, 1024, 4096)
 ADAPTIVE_MODES = ("metadata", "predicted", "causal")
@@ -504,27 +505,8 @@ def fast_section(work: Workload, tokens: int, block_tokens: int, repeats: int) -
 
 # ------------------------------------------------------------------ main
 
-SECTIONS = ("rate", "windows", "realistic", "lanes", "fast")
 #: smoke: where in the random token ids the realistic section's text starts (4096 with text)
 SMOKE_OFFSET = 0
-SMOKE = {"tokens": 64, "calib_tokens": 64, "realistic_tokens": 64, "block_tokens": 16, "repeats": 1,
-         "lanes_repeats": 1, "layer": 1}
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--tokens", type=int, default=2048, help="prefill length of the coded cache")
-    ap.add_argument("--calib-tokens", type=int, default=2048, help="tokens of calibration text for mean/std")
-    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
-    ap.add_argument("--sections", default="all",
-                    help=f"comma-separated, of {','.join(SECTIONS)} (default: all)")
-    ap.add_argument("--realistic-tokens", type=int, default=512, help="realistic: tokens of text")
-    ap.add_argument("--block-tokens", type=int, default=256, help="realistic: the cache's block tokens")
-    ap.add_argument("--streams", default=None, help="realistic: captured streams (.pt) to load, or to save to")
-    ap.add_argument("--repeats", type=int, default=3, help="realistic: timing rounds (best is reported)")
-    ap.add_argument("--lanes-repeats", type=int, default=7, help="lanes: timing repeats (best is reported)")
-    ap.add_argument("--batch", type=int, default=1, help="lanes: blocks of 6 streams coded per call")
-    ap.add_argument("--real", action="store_true", help="lanes: the model's K/V instead of synthetic values")
-    ap.add_argument("--layer", type=int, default=10, help="lanes --real: the layer")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: `add_common_arguments` serves every bench's --help, which imports no torch
+    import torch
 
 #: where ``hf-kvcompress bench NAME`` writes by default (untracked; published runs pass --out results/...)
 DEFAULT_ROOT = Path("eval-results") / "bench"
@@ -32,6 +34,8 @@ class Workload:
             from hf_kvcompress.data import token_ids
 
             return token_ids(self.tokenizer, n, split=split, offset=offset)
+        import torch
+
         g = torch.Generator().manual_seed(0 if split == "evaluation" else 1)
         return torch.randint(3, TINY_VOCAB, (1, offset + n), generator=g)[:, offset:]
 
@@ -55,8 +59,9 @@ class Workload:
         return calibration
 
 
-def tiny_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A two-layer random Llama (seeded: the same weights every call)."""
+def tiny_model(dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A two-layer random Llama (seeded: the same weights every call), bfloat16 unless ``dtype`` says."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -64,7 +69,7 @@ def tiny_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
                          pad_token_id=2, eos_token_id=1, bos_token_id=1)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = LlamaForCausalLM(config).to(dtype or torch.bfloat16).eval()
     model.generation_config.pad_token_id = 2
     return model
 
@@ -72,7 +77,7 @@ def tiny_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
 def workload(smoke: bool, **load_kwargs) -> Workload:
     """The run's model: the embedded default (``load_model(**load_kwargs)``), or the tiny random one."""
     if smoke:
-        return Workload(tiny_model(load_kwargs.get("dtype", torch.bfloat16)), None, "tiny random Llama (smoke)",
+        return Workload(tiny_model(load_kwargs.get("dtype")), None, "tiny random Llama (smoke)",
                         True)
     from hf_kvcompress.models import load_model
 

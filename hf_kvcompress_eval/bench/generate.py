@@ -120,33 +120,11 @@ def measure(model, name: str, make_cache, prefix, tokens, reference_logits) -> t
     return row, logits
 
 
-SMOKE = {"contexts": "32", "steps": 2, "budgets": "0.5", "block_tokens": 8, "residual_tokens": 4,
-         "calibration_tokens": 64}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--contexts", default="512,2048,8192")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--budgets", default="0,0.05,0.5", help="LosslessConfig.decoded_budget values")
-    parser.add_argument("--predictors", default=",".join(IN_GENERATION))
-    parser.add_argument("--coders", default="huff,lanes",
-                        help="LosslessConfig.coder values, each beside the others (default: the fast coder and lanes)")
-    parser.add_argument("--block-tokens", type=int, default=CompressionConfig().block_tokens)
-    parser.add_argument("--residual-tokens", type=int, default=CompressionConfig().residual_tokens)
-    parser.add_argument("--calibration-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for every configuration (the shared machine: 1; 2 = both cores; "
-                             "0 = the library's thread plan)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="LosslessConfig.workers: codec threads per block batch (default: the config's, "
-                             "i.e. the thread plan's: every core the process may run on, or HF_KVCOMPRESS_THREADS)")
-
-
 def run(args: argparse.Namespace) -> int:
     out = out_folder(args, "generate")
     work = workload(args.smoke)
     model = work.model
-    predictors = args.predictors.split(",")
+    predictors = list(IN_GENERATION) if args.predictors == "all" else args.predictors.split(",")
     calibration = None
     if any(p in CALIBRATED for p in predictors):
         folder = out / f"calibration-{args.calibration_tokens}"

@@ -156,13 +156,6 @@ def bench_attention(device, smoke, peak, repeat) -> list[dict]:
             row("attention scores (torch ref, chunked)", t_ref, b * h * n, moved, peak)]
 
 
-SMOKE: dict = {}  # --smoke picks its own sizes (SIZES) and one repeat
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--repeat", type=int, default=5)
-
-
 def run(args: argparse.Namespace) -> int:
     from hf_kvcompress.errors import CliError
 

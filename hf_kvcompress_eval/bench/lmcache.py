@@ -211,15 +211,6 @@ def padding_cost(payload: bytes, estimate: int, folder: Path) -> dict:
     return out
 
 
-SMOKE = {"tokens": 256, "calib_tokens": 64}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (chunks of 256)")
-    parser.add_argument("--calibration", help="a saved calibration with the context predictor")
-    parser.add_argument("--calib-tokens", type=int, default=16384)
-
-
 def run(args: argparse.Namespace) -> int:
     from hf_kvcompress.errors import CliError
 

@@ -49,24 +49,10 @@ from ..env import machine, versions
 from .common import Workload, out_folder, workload
 from .generate import IN_GENERATION, fill, run_steps
 
-SMOKE = {"tokens": 48, "steps": 2, "held_tokens": 64, "block_tokens": 8, "fit_tokens": 64}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--predictors", default="generic,none,context,below,below:huff",
-                        help=f"comma-separated, from {list(IN_GENERATION)}, each optionally name:coder; generic first (the "
-                             "ratios' base)")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--held-tokens", type=int, default=8192, help="0: skip the held bytes at a longer prompt")
-    parser.add_argument("--held-predictors", default="generic,below")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--block-tokens", type=int, default=128)
-    parser.add_argument("--fit-tokens", type=int, default=FIRST_USE_TOKENS)
-
 
 def run(args: argparse.Namespace) -> int:
+    if args.fit_tokens is None:  # the options leave it open: FIRST_USE_TOKENS lives in the calibration module
+        args.fit_tokens = FIRST_USE_TOKENS
     from hf_kvcompress.errors import CliError
 
     names = args.predictors.split(",")

@@ -46,20 +46,6 @@ SUFFIX = 64
 CHECK_TOKENS = 16
 
 
-SMOKE = {"prefixes": "256"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefixes", default="512,2048,8192")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads (2 as docs/results/prefix.md measured; 0 = the library's thread plan)")
-    parser.add_argument("--offset", type=int, default=3000, help="first token of the held-out text used")
-    parser.add_argument("--calibrated", default="context,below",
-                        help="calibrated predictors given store and load routes beside generic's (comma-separated)")
-    parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes (--calibrated '')")
-
-
 def run(args: argparse.Namespace) -> int:
     from hf_kvcompress.errors import CliError
 

@@ -138,7 +138,7 @@ def test_dataset_too_small_for_the_suite(tiny_suite, capsys, tmp_path):
     assert_one_line_error(code, err, "use a smaller suite or more text")
 
 
-@pytest.mark.parametrize("args", [["--only", "everything"], ["--threads", "-1"]])
+@pytest.mark.parametrize("args", [["--only", "everything"]])  # --threads -1: a usage error (tests/test_cli.py)
 def test_bad_options(args, capsys, tmp_path):
     code, _, err = run_eval(capsys, "--suite", "quick", "--out", str(tmp_path), *args)
     assert code == 2 and "Traceback" not in err
