@@ -22,6 +22,7 @@ base class a `RawStorage`, which only reads the blocks back (``read_all``): ``up
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Any
@@ -288,6 +289,17 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         if self.query_buffer.capacity <= 0 or not self.is_initialized:
             return 0
         return self.query_buffer.capacity * query_bytes(self.q_heads, self.residual_keys.shape[-1], self.rows)
+
+    # ------------------------------------------------------------------ a failed step
+
+    STEP_FIELDS = (*CompressedLayer.STEP_FIELDS, "residual_valid", "sink_block", "pending", "since_summary",
+                   "expected_kv", "_new_valid", "scaling", "summary_seconds", "replay_phase", "replay_scores",
+                   "replay_picks", "replay_queries", "budget_share")
+
+    def checkpoint(self) -> dict[str, Any]:
+        state = super().checkpoint()
+        state["query_buffer"] = copy.copy(self.query_buffer)  # `QueryBuffer.add` replaces its tensors, never writes
+        return state
 
     # ------------------------------------------------------------------ bookkeeping overrides
 
