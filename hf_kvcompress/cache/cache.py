@@ -192,6 +192,8 @@ class CompressedCache(CacheFiles, Cache):
         self.saw_padding = False
         self._tokens_lost = False
         self._hook = None
+        #: the step (one forward) in progress: what `rollback_step` restores if it fails; None between steps
+        self._step: _Step | None = None
         if model is not None:
             self._hook = _TokenRecorder.attach(self, model)
 
@@ -223,9 +225,39 @@ class CompressedCache(CacheFiles, Cache):
         if not isinstance(self.layers[layer_idx], CompressedLayer):
             raise ValueError(f"CompressedCache: layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, which "
                              "holds no attention KV; update() is for attention layers")
-        if layer_idx == 0 and self.lossless is not None:  # once per forward: the pool budget's reference
-            self.lossless.sealed_raw_bytes = sealed_raw_bytes(self.kv_layers())
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        step = self._step
+        if step is None or layer_idx <= step.last:  # the step's first update (without a model: no forward hook)
+            step = self._begin_step()
+        step.enter(layer_idx, self.layers[layer_idx])
+        try:
+            if layer_idx == 0 and self.lossless is not None:  # once per forward: the pool budget's reference
+                self.lossless.sealed_raw_bytes = sealed_raw_bytes(self.kv_layers())
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            # a read of this layer's blocks failed (a damaged stream) after the layers below appended the step's
+            # tokens, or this layer's own update failed after its append: put every layer back, so that a retry
+            # fails the same way (or succeeds) instead of on positions one token on
+            self.rollback_step()
+            raise
+
+    # ------------------------------------------------------------------ a failed step
+
+    def _begin_step(self) -> _Step:
+        """Open the step (one forward) that follows: what the cache holds now is what `rollback_step` restores."""
+        self._step = _Step(self)
+        return self._step
+
+    def _end_step(self) -> None:
+        """The step completed: its checkpoints go (they would pin the K/V tensors it replaced)."""
+        self._step = None
+
+    def rollback_step(self) -> None:
+        """Undo the step in progress (no-op without one): every layer it updated, the recorded token ids and the
+        decoded pool back as they were before its first update. The cache calls it when an update fails, and
+        after a forward of its model that raised."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.rollback(self)
 
     # ------------------------------------------------------------------ recurrent states (hybrid models)
 
@@ -320,13 +352,16 @@ class CompressedCache(CacheFiles, Cache):
         self._blocks_changed()
 
     def _blocks_changed(self) -> None:
-        """Blocks were replaced or removed: decoded copies of the old ones would only pin memory."""
+        """Blocks were replaced or removed: decoded copies of the old ones would only pin memory (and a step's
+        checkpoints would restore what was there before the change)."""
+        self._step = None
         if self.lossless is not None:
             self.lossless.forget()
             self.lossless.sealed_raw_bytes = sealed_raw_bytes(self.kv_layers())
 
     def reset(self) -> None:
         super().reset()
+        self._step = None
         self.token_ids = None
         self.saw_padding = False
         self._tokens_lost = False
@@ -440,6 +475,30 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
     return calibration, "given"
 
 
+class _Step:
+    """A step in progress: each layer as it was before the step's update of it (`CompressedLayer.checkpoint`,
+    taken at its first update in the step), and the cache's recorded ids and decoded pool as they were at its
+    start. References, not copies: what a step replaces is kept until the step ends."""
+
+    def __init__(self, cache: CompressedCache):
+        #: the highest layer updated in this step: an update of this layer or one below starts the next step
+        self.last = -1
+        self.layers: list[tuple[CompressedLayer, dict[str, Any]]] = []
+        self.recorded = (cache.token_ids, cache.saw_padding, cache._tokens_lost)
+        self.coding = None if cache.lossless is None else cache.lossless.checkpoint()
+
+    def enter(self, layer_idx: int, layer: CompressedLayer) -> None:
+        self.last = layer_idx
+        self.layers.append((layer, layer.checkpoint()))
+
+    def rollback(self, cache: CompressedCache) -> None:
+        for layer, state in reversed(self.layers):
+            layer.rollback(state)
+        cache.token_ids, cache.saw_padding, cache._tokens_lost = self.recorded
+        if self.coding is not None:
+            cache.lossless.rollback(self.coding)
+
+
 class _TokenRecorder:
     """A forward pre-hook on the model that appends the input ids of every forward pass using this cache."""
 
@@ -451,8 +510,22 @@ class _TokenRecorder:
     def attach(cls, cache: CompressedCache, model: torch.nn.Module) -> _TokenRecorder:
         recorder = cls(cache)
         recorder.handle = model.register_forward_pre_hook(recorder, with_kwargs=True)
+        # always_call: also after a forward that raised, which must leave the cache as it found it
+        ended = model.register_forward_hook(recorder.ended, with_kwargs=True, always_call=True)
         weakref.finalize(cache, recorder.handle.remove)
+        weakref.finalize(cache, ended.remove)
         return recorder
+
+    def ended(self, module, args, kwargs, output):
+        """After a forward: its step is complete, or (``output`` None: it raised) undone."""
+        cache = self.cache_ref()
+        if cache is None or kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+            return None
+        if output is None:
+            cache.rollback_step()
+        else:
+            cache._end_step()
+        return None
 
     def __call__(self, module, args, kwargs):
         cache = self.cache_ref()
@@ -461,6 +534,7 @@ class _TokenRecorder:
         used = kwargs.get("cache", kwargs.get("past_key_values"))
         if used is not cache:
             return None
+        cache._begin_step()  # before the ids are recorded: a forward that fails takes them back
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             cache.token_ids = None  # inputs_embeds: ids unknown from here on

@@ -291,6 +291,22 @@ class LosslessCoding(BlockCodec):
         """Bytes a decode started ahead holds beside its output tensor (its copy of the streams), 0 if none."""
         return 0 if self._ahead is None else self._ahead.job.nbytes()
 
+    def checkpoint(self) -> tuple:
+        """The decoded pool and the chain memo as they are now, for `rollback` (a failed step): their entries
+        name blocks by identity, which a rolled-back cache holds again."""
+        return dict(self.pool.entries), self.pool.nbytes, self.pool.sealed_raw_bytes, dict(self._chain), \
+            self._highest, self._passed_layers
+
+    def rollback(self, state: tuple) -> None:
+        """Back to `checkpoint`'s pool and memo, a decode started ahead cancelled; the predictor forgets what it
+        fitted (it may have fitted on blocks the failed step sealed) and catches up from the blocks held."""
+        if self._ahead is not None:
+            self._ahead.job.cancel()
+            self._ahead = None
+        entries, self.pool.nbytes, self.pool.sealed_raw_bytes, chain, self._highest, self._passed_layers = state
+        self.pool.entries, self._chain = dict(entries), dict(chain)
+        self.predictor.forget_state()
+
     def forget(self) -> None:
         if self._ahead is not None:
             self._ahead.job.cancel()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -231,6 +233,23 @@ class CompressedLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         if self.is_initialized and self.residual_keys.device != self.device:
             self._move(self.device)
+
+    # ------------------------------------------------------------------ a failed step (`CompressedCache.update`)
+
+    #: what an update changes: `checkpoint` keeps these (references; lists copied) and `rollback` sets them back
+    STEP_FIELDS: tuple[str, ...] = ("blocks", "block_starts", "residual_keys", "residual_values", "seen_tokens",
+                                    "is_initialized", "dtype", "device")
+
+    def checkpoint(self) -> dict[str, Any]:
+        """This layer as it is now, for `rollback`: references, not copies (an update replaces its tensors and
+        blocks, never writes into them), so a checkpoint costs no K/V bytes of its own."""
+        state = {name: getattr(self, name) for name in self.STEP_FIELDS}
+        return {name: list(value) if isinstance(value, list) else value for name, value in state.items()}
+
+    def rollback(self, state: dict[str, Any]) -> None:
+        """Put this layer back as it was at `checkpoint` (a step that failed after or during this layer's update)."""
+        for name, value in state.items():
+            setattr(self, name, value)
 
     # ------------------------------------------------------------------ DynamicLayer-style tensors
 

@@ -18,6 +18,7 @@ class SlidingWindowLayer(CompressedLayer):
     "Sliding windows")."""
 
     is_sliding = True
+    STEP_FIELDS = (*CompressedLayer.STEP_FIELDS, "window_start")
 
     def __init__(self, storage: Storage, *, sliding_window: int, seals: bool = True, **sizes):
         layer_idx = sizes.get("layer_idx")

@@ -22,6 +22,7 @@ base class a `RawStorage`, which only reads the blocks back (``read_all``): ``up
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Any
@@ -44,8 +45,9 @@ class LossyLayer(SummaryMixin, CompressedLayer):
 
     Held entries, in order: a sink block (the first ``sinks`` real tokens of each row, exact, made at the first
     summary), the blocks the method made of everything older than the recent window, and the residual (recent
-    tokens, exact). A summary runs when the layer holds more than its budget and either a multi-token forward
-    (a prefill) just arrived or ``interval`` tokens came in since the last one. With a model attached it runs
+    tokens, exact). A summary runs when the layer holds more than its budget and more tokens than its sinks and
+    recent window (`over_budget`), and either a multi-token forward (a prefill) just arrived or ``interval`` tokens
+    came in since the last one. With a model attached it runs
     right after that forward's attention, on its queries; otherwise at the end of ``update`` on key proxies.
 
     Everything the layer holds counts (``held_bytes``), the queries it keeps for the next summary included: right
@@ -134,12 +136,7 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         self.since_summary += count
         self._new_valid = None
         self.expected_kv = keys.shape[-2]
-        if (
-            self.compresses
-            and self.replay_phase is None
-            and self.held_bytes() > self.budget_bytes()
-            and (count > 1 or self.since_summary >= self.lossy.interval)
-        ):
+        if self.replay_phase is None and self.over_budget() and (count > 1 or self.since_summary >= self.lossy.interval):
             self.pending = True
         if self.attached:
             set_active(self.layer_idx, self)
@@ -266,6 +263,14 @@ class LossyLayer(SummaryMixin, CompressedLayer):
             return uniform
         return fixed + math.floor((uniform - fixed) * share)
 
+    def over_budget(self) -> bool:
+        """Whether a summary has something to do: the layer holds more than its budget, and more tokens than the
+        sinks and the recent window a summary keeps exact anyway (``sinks + residual_tokens``). A shorter sequence
+        stays as it is, as in a full cache: a fraction of a few tokens would otherwise cut into the window itself
+        (a 13-token prompt at budget 0.3 kept 3 and changed the text from the second generated token)."""
+        return (self.compresses and self.seen_tokens > self.lossy.sinks + self.residual_tokens
+                and self.held_bytes() > self.budget_bytes())
+
     def fixed_bytes(self) -> int:
         """Bytes per row every layer keeps whatever its share: sinks, recent window, the kept queries' room."""
         return (self.lossy.sinks + self.residual_tokens) * self.token_bytes + self.query_reserve()
@@ -288,6 +293,17 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         if self.query_buffer.capacity <= 0 or not self.is_initialized:
             return 0
         return self.query_buffer.capacity * query_bytes(self.q_heads, self.residual_keys.shape[-1], self.rows)
+
+    # ------------------------------------------------------------------ a failed step
+
+    STEP_FIELDS = (*CompressedLayer.STEP_FIELDS, "residual_valid", "sink_block", "pending", "since_summary",
+                   "expected_kv", "_new_valid", "scaling", "summary_seconds", "replay_phase", "replay_scores",
+                   "replay_picks", "replay_queries", "budget_share")
+
+    def checkpoint(self) -> dict[str, Any]:
+        state = super().checkpoint()
+        state["query_buffer"] = copy.copy(self.query_buffer)  # `QueryBuffer.add` replaces its tensors, never writes
+        return state
 
     # ------------------------------------------------------------------ bookkeeping overrides
 

@@ -44,7 +44,9 @@ class LossyConfig(JsonConfig):
         budget_tokens: memory budget per layer as a count of token-equivalents (bytes of that many full-cache
             tokens), instead of ``budget``; giving both is an error.
         interval: new tokens between two summaries.
-        sinks: initial tokens that are always kept exact.
+        sinks: initial tokens that are always kept exact. A sequence no longer than ``sinks + residual_tokens``
+            (the sinks and the recent window a summary keeps exact anyway: 132 tokens at the defaults) is never
+            summarised: it is held as it is, as in a full cache, whatever the budget.
         reference_queries: how many recent queries per layer (per query head) a summary is scored and fitted on
             (those of the forward that triggers it, used in place, plus the kept ones).
         kept_queries: how many queries per layer (per query head) are kept between summaries for the next fit

@@ -10,7 +10,6 @@ every step inside ``generate()``.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -30,14 +29,18 @@ E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 def build_twin(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose decoder linear weights are rounded to float8 e4m3 with one float32 scale
     per output channel (absmax / 448), computing in the model's dtype (see module docstring)."""
-    # the caches' token-recorder hooks stay with the original: a cache collected while deepcopy walks the hook
-    # dicts removes its hook from them ("OrderedDict mutated during iteration")
-    hooks, hooks_kwargs = model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs
-    model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs = OrderedDict(), {}
+    # the caches' token-recorder hooks (before and after a forward) stay with the original: a cache collected while
+    # deepcopy walks the hook dicts removes its hooks from them ("OrderedDict mutated during iteration")
+    names = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+             "_forward_hooks_always_called")
+    kept = {name: getattr(model, name) for name in names}
+    for name, hooks in kept.items():
+        setattr(model, name, type(hooks)())
     try:
         twin = copy.deepcopy(model)
     finally:
-        model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs = hooks, hooks_kwargs
+        for name, hooks in kept.items():
+            setattr(model, name, hooks)
     for module in decoder_layers(twin).modules():
         if isinstance(module, torch.nn.Linear):
             weight = module.weight.data.to(torch.float32)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_ids, tiny_model
+from cache_file_testutil import reseal, split
+from helpers import fresh_tiny_model, random_ids, same_bits, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -194,3 +195,107 @@ def test_row_selection_is_consistent_across_kv_blocks_and_token_ids(mode):
     cache.batch_select_indices(mask)
     reference.batch_select_indices(mask)
     same([0, 0])
+
+
+# ------------------------------------------------------------------ a failed step leaves the cache as it was
+
+STEP_LAYERS = 6  # the damaged layer in the middle: the layers below it have appended the step's token
+STEP_CONFIG = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4)
+DAMAGED = 3
+
+
+@pytest.fixture(scope="module")
+def step_model():
+    return fresh_tiny_model("llama-gqa", torch.bfloat16, layers=STEP_LAYERS)
+
+
+def _saved(model, tmp_path, *, damage: bool):
+    """A 45-token lossless cache saved with generation's blocks (two a layer); ``damage``: layer `DAMAGED`'s second
+    block has a stream edited behind a recomputed checksum (what ``verify=False`` does not look at)."""
+    ids = random_ids(1, 45, seed=3)
+    cache = CompressedCache(STEP_CONFIG, model=model, calibration=None)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    data = cache.save(tmp_path / "g.kvc", predictor="generic").read_bytes()
+    if damage:
+        header, payload = split(data)
+        offset, length = header["layers"][DAMAGED]["blocks"][1]["rows"][0]["streams"][2]
+        edited = bytearray(data)
+        edited[len(data) - 32 - len(payload) + offset + length - 3] ^= 0x40  # inside the coded body
+        data = reseal(bytes(edited))
+    path = tmp_path / ("damaged.kvc" if damage else "intact.kvc")
+    path.write_bytes(data)
+    return ids, path
+
+
+def _state(cache) -> list:
+    """Everything a step changes, per layer: blocks (by identity), residual K/V (bits), lengths; and the cache's
+    token ids, decoded pool and stats."""
+    layers = [(list(layer.blocks), list(layer.block_starts), layer.residual_keys.clone(),
+               layer.residual_values.clone(), layer.seen_tokens) for layer in cache.kv_layers()]
+    coding = cache.lossless
+    return [layers, cache.token_ids.clone(), dict(coding.pool.entries), coding.pool.nbytes,
+            coding.pool.sealed_raw_bytes, cache.stats()]
+
+
+def _assert_same_state(cache, before: list) -> None:
+    now = _state(cache)
+    for (blocks, starts, keys, values, seen), (blocks2, starts2, keys2, values2, seen2) in zip(before[0], now[0]):
+        assert all(a is b for a, b in zip(blocks, blocks2)) and len(blocks) == len(blocks2)
+        assert starts == starts2 and seen == seen2
+        assert same_bits(keys, keys2) and same_bits(values, values2)
+    assert torch.equal(before[1], now[1])
+    assert before[2].keys() == now[2].keys() and all(before[2][k][0] is now[2][k][0] for k in before[2])
+    assert before[3:] == now[3:]
+
+
+def test_a_failed_step_leaves_the_cache_as_it_was_and_a_retry_fails_the_same_way(step_model, tmp_path):
+    """A damaged stream in a middle layer fails the first decode step after the layers below it appended its
+    token: every layer, the token ids and the decoded pool are as before the step, and a retry raises the same
+    error (not one about positions)."""
+    from hf_kvcompress.codec import CorruptStreamError
+
+    ids, path = _saved(step_model, tmp_path, damage=True)
+    cache = CompressedCache.load(path, model=step_model, verify=False)
+    for index, layer in enumerate(cache.kv_layers()):  # the intact layers read as prefilled
+        if index != DAMAGED:
+            assert layer.keys.shape[-2] == 45
+    before = _state(cache)
+    more = torch.cat([ids, random_ids(1, 1, seed=5)], dim=1)
+    for _ in range(2):
+        with pytest.raises(CorruptStreamError):
+            generate(step_model, more, cache, max_new_tokens=3)
+        _assert_same_state(cache, before)
+        assert [layer.seen_tokens for layer in cache.kv_layers()] == [45] * STEP_LAYERS
+
+
+def test_a_retry_after_a_transient_read_failure_generates_dynamic_caches_tokens(step_model, tmp_path, monkeypatch):
+    """The middle layer's block read fails once (injected): the retry of the same generate() gives exactly
+    DynamicCache's tokens."""
+    from hf_kvcompress.cache.coded import LosslessCoding
+    from hf_kvcompress.codec import CorruptStreamError
+
+    ids, path = _saved(step_model, tmp_path, damage=False)
+    cache = CompressedCache.load(path, model=step_model, verify=False)
+    more = torch.cat([ids, random_ids(1, 1, seed=5)], dim=1)
+    reference = DynamicCache(config=step_model.config)
+    with torch.no_grad():
+        step_model(ids, cache=reference, use_cache=True)
+    expected = generate(step_model, more, reference, max_new_tokens=6)
+    original, failures = LosslessCoding.read_into, []
+
+    def fails_once(self, blocks, keys, values):
+        if blocks and blocks[0].layer == DAMAGED and not failures:
+            failures.append(blocks[0].layer)
+            raise CorruptStreamError("injected: a transient read failure")
+        return original(self, blocks, keys, values)
+
+    monkeypatch.setattr(LosslessCoding, "read_into", fails_once)
+    before = _state(cache)
+    with pytest.raises(CorruptStreamError, match="injected"):
+        generate(step_model, more, cache, max_new_tokens=6)
+    assert failures == [DAMAGED]
+    _assert_same_state(cache, before)
+    got = generate(step_model, more, cache, max_new_tokens=6)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == got.shape[1] - 1

@@ -235,8 +235,10 @@ def test_twin_leaves_the_caches_token_hooks_on_the_original():
 
     model = tiny_model("llama-gqa")
     caches = [CompressedCache(CompressionConfig(mode="lossless"), model=model) for _ in range(3)]
-    hooks = dict(model._forward_pre_hooks)
+    hooks, ended = dict(model._forward_pre_hooks), dict(model._forward_hooks)
     twin = build_twin(model)
     assert len(twin._forward_pre_hooks) == 0 and len(twin._forward_pre_hooks_with_kwargs) == 0
+    assert len(twin._forward_hooks) == 0 and len(twin._forward_hooks_always_called) == 0
     assert dict(model._forward_pre_hooks) == hooks and len(hooks) >= len(caches)
+    assert dict(model._forward_hooks) == ended and len(ended) >= len(caches)  # a step's end (a failed one undone)
     del caches

@@ -126,6 +126,31 @@ def test_budget_tokens_are_token_equivalents(llama):
         assert layer.get_seq_length() == 100
 
 
+def test_a_prompt_within_the_sinks_and_window_is_held_exactly(llama):
+    """Lossy mode at its defaults (budget 0.3, 4 sinks, a 128-token window: the demo's settings) leaves a 13-token
+    prompt as it is: no summary, the K/V held bit for bit, DynamicCache's tokens. A prompt longer than the sinks
+    and the window is summarised at prefill as before."""
+    from helpers import same_bits
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 128, (1, 13), generator=torch.Generator().manual_seed(7))
+    kwargs = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+    reference = DynamicCache(config=llama.config)
+    expected = llama.generate(ids, cache=reference, **kwargs)  # before lossy mode takes the model's attention
+    cache = CompressedCache(CompressionConfig(mode="lossy"), model=llama)
+    got = llama.generate(ids, cache=cache, **kwargs)
+    assert torch.equal(got, expected)
+    for layer, ref in zip(cache.layers, reference.layers):
+        assert not layer.summary_seconds and layer.get_seq_length() == 28
+        assert same_bits(layer.keys, ref.keys) and same_bits(layer.values, ref.values)
+    long = CompressedCache(CompressionConfig(mode="lossy"), model=llama)
+    with torch.no_grad():
+        llama(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(8)), cache=long)
+    stats = long.stats(per_layer=True)
+    assert all(s["summaries"] == 1 for s in stats["per_layer"])
+    assert stats["held_bytes"] <= 0.3 * stats["raw_bytes"]
+
+
 def _prefill_keys(model, ids, layer_idx):
     cache = CompressedCache(CompressionConfig(mode="none"), model=model)
     with torch.no_grad():

@@ -38,15 +38,16 @@ def test_reposition_spreads_queries_over_the_horizon():
 
 def test_generate_keeps_post_rope_queries_between_summaries(llama):
     """The prefill's summary is fitted on that forward's queries and keeps none; the decode queries after it are
-    kept (int8, exact up to half a quantisation step) until the next summary, at most ``kept_queries``."""
+    kept (int8, exact up to half a quantisation step) until the next summary, at most ``kept_queries``. (A prompt
+    longer than the sinks and the window: a shorter one is never summarised.)"""
     lossy = LossyConfig(method="topk", budget=0.9, interval=1000, reference_queries=64)
     cache = CompressedCache(CompressionConfig(mode="lossy", residual_tokens=8, lossy=lossy), model=llama)
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     out = llama.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache=cache, pad_token_id=0)
     layer = cache.layers[0]  # its queries depend on the tokens only, not on what the cache kept
     assert len(layer.summary_seconds) == 1  # the prefill's
     buffer = layer.query_buffer
-    assert len(buffer) == 3 and buffer.positions.tolist() == [12, 13, 14]
+    assert len(buffer) == 3 and buffer.positions.tolist() == [20, 21, 22]
     assert layer.stats()["query_bytes"] == buffer.nbytes() > 0
 
     attn = llama.model.layers[0].self_attn
@@ -57,21 +58,21 @@ def test_generate_keeps_post_rope_queries_between_summaries(llama):
 
     hook = attn.register_forward_pre_hook(grab, with_kwargs=True)
     with torch.no_grad():
-        llama(out[:, :15])
+        llama(out[:, :23])
     hook.remove()
     module = importlib.import_module(type(attn).__module__)
     hidden = seen["h"]
-    q = attn.q_proj(hidden).view(1, 15, -1, attn.head_dim).transpose(1, 2)
-    cos, sin = llama.model.rotary_emb(hidden, torch.arange(15)[None])
+    q = attn.q_proj(hidden).view(1, 23, -1, attn.head_dim).transpose(1, 2)
+    cos, sin = llama.model.rotary_emb(hidden, torch.arange(23)[None])
     q, _ = module.apply_rotary_pos_emb(q, q, cos, sin)
     kept, positions, valid = buffer.read(None, 64)
-    assert positions.tolist() == [12, 13, 14] and bool(valid.all())
-    step = q[..., 12:, :].abs().amax(-1, keepdim=True) / 127
-    assert bool(((kept - q[..., 12:, :]).abs() <= step / 2 + 1e-5).all())
+    assert positions.tolist() == [20, 21, 22] and bool(valid.all())
+    step = q[..., 20:, :].abs().amax(-1, keepdim=True) / 127
+    assert bool(((kept - q[..., 20:, :]).abs() <= step / 2 + 1e-5).all())
 
     few = CompressedCache(
         CompressionConfig(mode="lossy", residual_tokens=8, lossy=LossyConfig(method="topk", budget=0.9, kept_queries=2)),
         model=llama,
     )
     llama.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache=few, pad_token_id=0)
-    assert few.layers[0].query_buffer.positions.tolist() == [13, 14]
+    assert few.layers[0].query_buffer.positions.tolist() == [21, 22]

@@ -193,7 +193,7 @@ def prune(cache, scores: list[torch.Tensor], queries: list[torch.Tensor | None] 
         layer.replay_queries = query
     _share_budget(layers)
     for layer in layers:
-        if layer.compresses and layer.held_bytes() > layer.budget_bytes():
+        if layer.over_budget():
             layer.summarize()
         layer.replay_scores = layer.replay_queries = None
 
