@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -194,6 +195,11 @@ class CompressedCache(CacheFiles, Cache):
         self._hook = None
         #: the step (one forward) in progress: what `rollback_step` restores if it fails; None between steps
         self._step: _Step | None = None
+        #: without a forward hook, the highest layer a step updates (None: not known yet): its update ends the step,
+        #: so that no checkpoint outlives it (a checkpoint pins the tensors the step replaced, which `stats` omits)
+        self._top_layer: int | None = None
+        #: why this cache cannot continue (a failed step that had advanced recurrent states in place), or None
+        self._broken: str | None = None
         if model is not None:
             self._hook = _TokenRecorder.attach(self, model)
 
@@ -225,6 +231,8 @@ class CompressedCache(CacheFiles, Cache):
         if not isinstance(self.layers[layer_idx], CompressedLayer):
             raise ValueError(f"CompressedCache: layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, which "
                              "holds no attention KV; update() is for attention layers")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         step = self._step
         if step is None or layer_idx <= step.last:  # the step's first update (without a model: no forward hook)
             step = self._begin_step()
@@ -232,32 +240,57 @@ class CompressedCache(CacheFiles, Cache):
         try:
             if layer_idx == 0 and self.lossless is not None:  # once per forward: the pool budget's reference
                 self.lossless.sealed_raw_bytes = sealed_raw_bytes(self.kv_layers())
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
             # a read of this layer's blocks failed (a damaged stream) after the layers below appended the step's
             # tokens, or this layer's own update failed after its append: put every layer back, so that a retry
             # fails the same way (or succeeds) instead of on positions one token on
             self.rollback_step()
             raise
+        if self._hook is None and layer_idx >= self._top():  # no forward hook will end this step: its top layer does
+            self._end_step()
+        return out
 
     # ------------------------------------------------------------------ a failed step
 
     def _begin_step(self) -> _Step:
         """Open the step (one forward) that follows: what the cache holds now is what `rollback_step` restores."""
+        self._end_step()  # the step before completed (without a model: nothing else says so)
         self._step = _Step(self)
         return self._step
 
     def _end_step(self) -> None:
         """The step completed: its checkpoints go (they would pin the K/V tensors it replaced)."""
+        if self._step is not None:
+            self._top_layer = max(self._top_layer or 0, self._step.last)
         self._step = None
+
+    def _top(self) -> float:
+        """The highest layer a step updates: the last K/V layer when the layers are known, else the highest one an
+        earlier step updated (infinite before one completed: the first step ends when the next begins)."""
+        if self._top_layer is None and self._layer_count is not None:
+            self._top_layer = max((i for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)),
+                                  default=0)
+        if self._top_layer is None:
+            return math.inf
+        return self._top_layer
 
     def rollback_step(self) -> None:
         """Undo the step in progress (no-op without one): every layer it updated, the recorded token ids and the
         decoded pool back as they were before its first update. The cache calls it when an update fails, and
-        after a forward of its model that raised."""
+        after a forward of its model that raised. Recurrent and convolution states (hybrid models) are advanced in
+        place by transformers' layers and cannot be put back: a cache holding them refuses to continue (a
+        ``RuntimeError`` at its next update, until `reset`) rather than continue from states one step on."""
         step, self._step = self._step, None
-        if step is not None:
-            step.rollback(self)
+        if step is None:
+            return
+        step.rollback(self)
+        held = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)
+                and any(layer.has_previous_state.values())]
+        if held:
+            self._broken = (f"CompressedCache: a step failed after the recurrent / convolution states of layer(s) "
+                            f"{held} may have advanced in place, which cannot be undone; continuing would use "
+                            "states one step on: reset() the cache (or build a new one) and run the prompt again")
 
     # ------------------------------------------------------------------ recurrent states (hybrid models)
 
@@ -362,6 +395,7 @@ class CompressedCache(CacheFiles, Cache):
     def reset(self) -> None:
         super().reset()
         self._step = None
+        self._broken = None
         self.token_ids = None
         self.saw_padding = False
         self._tokens_lost = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cache_file_testutil import reseal, split
-from helpers import fresh_tiny_model, random_ids, same_bits, tiny_model
+from helpers import fresh_tiny_model, hybrid_model, random_ids, same_bits, tiny_model
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig
@@ -299,3 +299,53 @@ def test_a_retry_after_a_transient_read_failure_generates_dynamic_caches_tokens(
     got = generate(step_model, more, cache, max_new_tokens=6)
     assert torch.equal(got, expected)
     assert cache.get_seq_length() == got.shape[1] - 1
+
+
+def test_without_a_model_no_checkpoint_outlives_its_step():
+    """A cache without a model (no forward hook says when a step ends) ends each step at its top layer's update:
+    the K/V tensors a step replaced are freed then, not pinned until the next step (where `stats` would not
+    count them)."""
+    import gc
+    import weakref
+
+    cache = CompressedCache(STEP_CONFIG, calibration=None)
+    kv = [(torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)) for _ in range(STEP_LAYERS)]
+    for step in range(3):  # the first step learns the top layer; later ones end at it
+        replaced = [weakref.ref(layer.residual_keys) for layer in cache.kv_layers()]
+        for index, (k, v) in enumerate(kv):
+            cache.update(k[:, :, : 7 if step == 0 else 1], v[:, :, : 7 if step == 0 else 1], index)
+        gc.collect()
+        if step >= 2:
+            assert cache._step is None
+            assert [ref() is None for ref in replaced] == [True] * STEP_LAYERS
+
+
+def test_a_failed_step_of_a_hybrid_model_refuses_to_continue_until_reset(monkeypatch):
+    """Recurrent / convolution states advance in place (transformers' layers) and cannot be put back: after a
+    failed step the cache refuses its next update, naming reset(); after reset() it generates DynamicCache's
+    tokens again."""
+    from hf_kvcompress.cache.coded import LosslessCoding
+
+    model = hybrid_model("lfm2")
+    config = CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4)
+    ids = random_ids(1, 30, seed=4)
+    cache = CompressedCache(config, model=model, calibration=None)
+    original, failures = LosslessCoding.read_into, []
+
+    def fails_once(self, blocks, keys, values):
+        if blocks and not failures:
+            failures.append(blocks[0].layer)
+            raise MemoryError("injected")
+        return original(self, blocks, keys, values)
+
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        monkeypatch.setattr(LosslessCoding, "read_into", fails_once)
+        with pytest.raises(MemoryError):
+            model(random_ids(1, 1, seed=6), cache=cache, use_cache=True)
+        assert failures
+        with pytest.raises(RuntimeError, match="reset"):
+            model(random_ids(1, 1, seed=6), cache=cache, use_cache=True)
+    cache.reset()
+    expected = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=4)
+    assert torch.equal(generate(model, ids, cache, max_new_tokens=4), expected)
