@@ -337,7 +337,7 @@ def _check_binding(target: CompressedCache, model: torch.nn.Module, token_ids: t
         return
     keys = layer.keys  # a sealed block decodes here: a stream edited behind the checksum fails in load
     try:
-        problem = binding_problem(model, token_ids, index, keys, start=layer.seen_tokens - keys.shape[2])
+        problem = binding_problem(model, token_ids, index, keys, layer.values, start=layer.seen_tokens - keys.shape[2])
     except (RuntimeError, IndexError, TypeError) as err:  # the model's forward on the file's ids
         raise CacheFileError(f"cannot recompute layer {index}'s keys for the file's token ids: {err}") from err
     if problem is not None:

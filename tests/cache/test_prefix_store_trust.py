@@ -11,6 +11,8 @@ import fcntl
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,7 +41,7 @@ from hf_kvcompress import CompressedCache, PrefixStore
 from hf_kvcompress.cache import container, store_folder
 from hf_kvcompress.cache import store as store_module
 from hf_kvcompress.cache.binding import first_disagreement, tolerance
-from hf_kvcompress.cache.store import MARKER, clear
+from hf_kvcompress.cache.store import MARKER, clear, folder_usage
 from hf_kvcompress.cli import main
 from hf_kvcompress.errors import CacheFileError
 
@@ -454,3 +456,79 @@ def test_a_model_whose_first_keys_ignore_the_tokens_cannot_be_bound(tmp_path):
     with pytest.raises(ValueError, match="computes the same keys for different tokens"):
         PrefixStore(model, path=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- a folder swapped for a link meanwhile
+
+#: another process swapping ``argv[1]`` (the namespace folder) and ``argv[2]`` (a link to a folder outside the
+#: store) back and forth with one atomic exchange each (renameat2 RENAME_EXCHANGE: the folder's name is never
+#: missing, so nothing but the swap differs from a quiet store) until ``argv[3]`` exists; prints its swaps. While
+#: the folder is missing (a clear() removed it, the next put makes it again) the exchange fails and is retried.
+RACER = r"""
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+folder, link, stop = (os.fsencode(a) for a in sys.argv[1:4])
+swaps = 0
+while not os.path.exists(stop):
+    for _ in range(64):
+        if libc.renameat2(-100, folder, -100, link, 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+            swaps += 1
+        elif ctypes.get_errno() != errno.ENOENT:
+            raise OSError(ctypes.get_errno(), "renameat2")
+while swaps % 2 and libc.renameat2(-100, folder, -100, link, 2) != 0:  # the link back where it was
+    pass
+print(swaps)
+"""
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_a_namespace_folder_swapped_for_a_link_meanwhile_is_never_reached_through(tmp_path):
+    """A real racing process keeps swapping the namespace folder for a link to an outside folder while this one
+    puts, looks up, evicts (a small ``max_bytes``: the sweep of temporary files too), lists and clears: nothing in
+    the outside folder is created, changed or removed, though it holds files of the store's names (chunks of the
+    looked-up prompts, a killed writer's temporary file) that a path followed through the link would reach."""
+    store = open_store(tmp_path / "store")
+    looked = [random_ids(1, CHUNK + 1, seed=60 + i) for i in range(8)]
+    for ids in looked:
+        assert store.put(ids, prefill(llama(F32), ids[:, :CHUNK])) == CHUNK
+    store.max_bytes = 6 * chunk_path(store, looked[0], 0).stat().st_size
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for ids in looked:  # what a lookup through the link would read, find damaged and remove
+        (outside / chunk_path(store, ids, 0).name).write_bytes(b"\x89HFKVP\r\n not a chunk")
+    (outside / f".{'cd' * 8}.k2j4_x9q.tmp").write_bytes(b"\0" * 100)  # what an eviction would reclaim
+    old = time.time() - 1000
+    for path in outside.iterdir():
+        os.utime(path, (old, old))
+    before = _snapshot(outside)
+    link, stop = tmp_path / "link", tmp_path / "stop"
+    link.symlink_to(outside, target_is_directory=True)
+    racer = subprocess.Popen([sys.executable, "-c", RACER, str(store.folder), str(link), str(stop)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # 16 prompts put in turn: each put writes (the 6 chunks max_bytes holds were evicted since its last turn)
+    prompts = [random_ids(1, CHUNK, seed=100 + i) for i in range(16)]
+    caches = [prefill(llama(F32), ids) for ids in prompts]
+    deadline = time.monotonic() + 30  # bounded on a slow machine; ~5 s here
+    try:
+        for i in range(200):
+            store.put(prompts[i % len(prompts)], caches[i % len(prompts)])
+            store.cache_for(looked[i % len(looked)])
+            folder_usage(store.root)
+            store.stats()
+            if i % 50 == 49:
+                store.clear()
+            if time.monotonic() > deadline:
+                break
+    finally:
+        stop.touch()
+        out, err = racer.communicate(timeout=30)
+    assert racer.returncode == 0, err
+    assert int(out) > 1000  # the racer kept swapping throughout
+    assert link.is_symlink() and not store.folder.is_symlink()
+    after = _snapshot(outside)
+    assert after == before, f"{len(set(after) - set(before))} files created outside, " \
+                            f"{len(set(before) - set(after))} removed, " \
+                            f"{sum(after[n] != before[n] for n in set(after) & set(before))} changed"
