@@ -104,10 +104,21 @@ def test_tolerance_separates_rounding_from_other_tokens():
     assert first_disagreement(keys, nan) == 5 and first_disagreement(nan, nan.clone()) is None
 
 
-@pytest.mark.parametrize("source", ["other ids", "one token changed", "another model"])
+def with_values_of(cache, other):
+    """``cache`` with layer 0's values replaced by ``other``'s (its layer-0 keys still the true ones)."""
+    cache.layers[0].values = other.layers[0].values.clone()
+    return cache
+
+
+@pytest.mark.parametrize("source", ["other ids", "one token changed", "another model", "layer-0 values of other ids"])
 def test_put_of_kv_that_are_not_the_ids_is_refused(tmp_path, source):
     store = open_store(tmp_path)
-    if source == "other ids":
+    what = "keys"
+    if source == "layer-0 values of other ids":  # true keys: only the values tell
+        cache = with_values_of(prefill(llama(F32), IDS[:, : 2 * CHUNK]),
+                               prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=51)))
+        what = "values"
+    elif source == "other ids":
         cache = prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=51))
     elif source == "one token changed":
         other = IDS[:, : 2 * CHUNK].clone()
@@ -116,7 +127,7 @@ def test_put_of_kv_that_are_not_the_ids_is_refused(tmp_path, source):
     else:
         cache = prefill(llama(F32, seed=1), IDS[:, : 2 * CHUNK])  # same config and shapes, other weights
     token = CHUNK + 5 if source == "one token changed" else 0
-    with pytest.raises(ValueError, match=f"layer 0's keys of token {token} are not what the model computes"):
+    with pytest.raises(ValueError, match=f"layer 0's {what} of token {token} are not what the model computes"):
         store.put(IDS[:, : 2 * CHUNK], cache)
     assert chunk_files(tmp_path) == []
     assert store.put(IDS[:, :CHUNK], prefill(llama(F32), IDS[:, :CHUNK])) == CHUNK  # the right KV still goes in
@@ -131,7 +142,7 @@ def test_put_of_a_prefix_of_a_longer_cache_stores_what_it_can(tmp_path):
     assert holds_prefix(store.cache_for(IDS), prefill(llama(F32), IDS[:, : 2 * CHUNK]), 2 * CHUNK)
 
 
-@pytest.mark.parametrize("source", ["other ids", "another model"])
+@pytest.mark.parametrize("source", ["other ids", "another model", "layer-0 values of other ids"])
 def test_planted_chunk_of_other_kv_is_a_miss_removed(tmp_path, caplog, monkeypatch, source):
     """A chunk holding another prompt's or another model's K/V under this prompt's key and ids (what a writer
     that skips the binding would leave): the lookup binds layer 0, misses, removes it, and generation goes on
@@ -139,16 +150,21 @@ def test_planted_chunk_of_other_kv_is_a_miss_removed(tmp_path, caplog, monkeypat
     store = open_store(tmp_path)
     reference = prefill(llama(F32), IDS[:, : 2 * CHUNK])
     assert store.put(IDS[:, :CHUNK], reference) == CHUNK
+    what = "keys"
     if source == "other ids":
         poison = prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=52))
-    else:
+    elif source == "another model":
         poison = prefill(llama(F32, seed=1), IDS[:, : 2 * CHUNK])
+    else:  # the true keys of every layer-0 token, another prompt's values: sealed as any chunk (its writer's)
+        poison = with_values_of(prefill(llama(F32), IDS[:, : 2 * CHUNK]),
+                                prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=52)))
+        what = "values"
     monkeypatch.setattr(store_module, "binding_problem", lambda *args, **kwargs: None)
     assert store.put(IDS[:, : 2 * CHUNK], poison) == CHUNK  # chunk 1 of the poison
     monkeypatch.undo()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         continues_from(store, reference, CHUNK)
-    assert f"keys of token {CHUNK}" in one_warning(caplog, chunk_path(store, IDS, 1).name)
+    assert f"layer 0's {what} of token {CHUNK}" in one_warning(caplog, chunk_path(store, IDS, 1).name)
     assert not chunk_path(store, IDS, 1).exists() and chunk_path(store, IDS, 0).exists()
 
 
@@ -433,6 +449,29 @@ def test_saved_file_with_edited_ids_or_another_models_kv_is_refused(saved, tmp_p
         CompressedCache.load(forged, model=llama(F32))
     loaded = CompressedCache.load(saved, model=llama(F32))  # the untouched file binds
     assert same_bits(loaded.layers[LAYERS - 1].keys, prefill(llama(F32), IDS[:, :70]).layers[LAYERS - 1].keys)
+
+
+def test_saved_file_of_another_prompts_layer0_values_is_refused(tmp_path):
+    """A file whose layer-0 keys are the true ones for its ids and whose layer-0 values are another prompt's (layer
+    0's V projection fed another prompt's during the forward that filled the cache): refused at load."""
+    model = llama(F32)
+    v_proj = model.model.layers[0].self_attn.v_proj
+    other = {}
+    handle = v_proj.register_forward_hook(lambda module, args, out: other.setdefault("values", out))
+    with torch.no_grad():
+        model(random_ids(1, 70, seed=53))
+    handle.remove()
+    handle = v_proj.register_forward_hook(lambda module, args, out: other["values"])
+    cache = CompressedCache(CONFIG, model=model)
+    try:
+        with torch.no_grad():
+            model(IDS[:, :70], cache=cache)
+    finally:
+        handle.remove()
+    assert first_disagreement(prefill(model, IDS[:, :70]).layers[0].keys, cache.layers[0].keys) is None
+    path = cache.save(tmp_path / "values.kvc")
+    with pytest.raises(CacheFileError, match="layer 0's values of token 0 are not what the model computes"):
+        CompressedCache.load(path, model=model)
 
 
 def test_saved_file_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
