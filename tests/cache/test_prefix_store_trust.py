@@ -6,13 +6,16 @@ with K/V that are not the prompt's. Tiny 6-layer Llamas, as in test_prefix_store
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,6 +38,7 @@ from test_prefix_store import (
     llama,
     open_store,
     prefill,
+    temp_files,
 )
 
 from hf_kvcompress import CompressedCache, PrefixStore
@@ -397,6 +401,68 @@ def test_argument_errors_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="outside the model's vocabulary of 128"):
         store.put(IDS + 128, prefill(llama(F32), IDS))
     assert chunk_files(tmp_path) == []
+
+
+def test_put_of_something_that_is_not_a_cache_names_cache(tmp_path):
+    store = open_store(tmp_path)
+    for wrong in (None, 123, {"keys": IDS}, IDS):
+        with pytest.raises(TypeError, match=f"cache must be a transformers Cache .*got {type(wrong).__name__}"):
+            store.put(IDS, wrong)
+    assert chunk_files(tmp_path) == []
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder every user may enter (pytest's own are root's alone: another uid could not reach a store there)."""
+    folder = Path(tempfile.mkdtemp(prefix="hf_kvcompress-store-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+@contextlib.contextmanager
+def cannot_write(folder: Path):
+    """This process cannot write in ``folder`` (which it owns, mode 0o755) inside the block: as root, whom modes do
+    not deny, its effective uid is nobody's (65534) meanwhile; as another user, the folder's mode is 0o555."""
+    if os.geteuid() == 0:
+        os.seteuid(65534)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+
+
+def test_a_folder_that_cannot_be_written_is_named_at_construction_and_a_warning_at_put(shared_tmp, caplog):
+    """Construction that must create or mark the folder raises a ``PermissionError`` naming it; a store's folder
+    that this process can read but not write serves lookups and stores nothing (a warning, as on a full disk)."""
+    empty = shared_tmp / "empty"
+    empty.mkdir(mode=0o755)
+    with cannot_write(shared_tmp), pytest.raises(PermissionError, match=f"store's folder '{shared_tmp / 'new'}' "
+                                                 "cannot be created or opened: Permission denied"):
+        open_store(shared_tmp / "new")
+    with cannot_write(empty), pytest.raises(PermissionError, match=f"store's folder '{empty}' cannot be written "
+                                            r"\(its marker file could not be created\): Permission denied"):
+        open_store(empty)
+    assert list(empty.iterdir()) == []
+    root = shared_tmp / "store"
+    reference = prefill(llama(F32), IDS[:, : 2 * CHUNK])
+    writable = open_store(root)
+    root.chmod(0o755)
+    assert writable.put(IDS[:, :CHUNK], reference) == CHUNK
+    for folder in (root, writable.folder):  # no namespace folder can be made; then none of its files
+        with cannot_write(folder), caplog.at_level(logging.WARNING, logger=LOGGER):
+            caplog.clear()
+            store = open_store(root, secret=b"other" if folder == root else None)
+            assert store.put(IDS[:, : 2 * CHUNK], reference) == 0
+            assert "Permission denied" in caplog.text and str(store.folder) in caplog.text
+            assert holds_prefix(store.cache_for(IDS), reference, 0 if folder == root else CHUNK)
+    assert chunk_files(root) == [chunk_path(writable, IDS, 0)] and temp_files(root) == []
 
 
 # ---------------------------------------------------------------------- a keyed MAC
