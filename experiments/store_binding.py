@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct bf16 (the embedded model), held-out Shakespeare, one torch thread, prefixes of 2,048 and
 8,192 tokens stored in a `PrefixStore` (generic). Per repetition, interleaved: the prefill of the prefix
-(`DynamicCache`, the reference), `first_keys` (the embeddings and layer 0's K projection: what the binding
+(`DynamicCache`, the reference), `first_kv` (the embeddings and layer 0's K and V projections: what the binding
 recomputes), and `cache_for` of the prefix + 64 tokens three ways: as it is (the hit's blocks decoded once and
 layer 0 bound), without the binding's forward, and adopting only (the lookup before issue 37). Medians, as
 fractions of the prefill. Writes ``results/store_binding/results.json``.
@@ -27,7 +27,7 @@ from hf_kvcompress import PrefixStore
 from hf_kvcompress.cache import chunks as chunks_module
 from hf_kvcompress.data import token_ids
 from hf_kvcompress.models import load_model
-from hf_kvcompress.predictors.rerun import first_keys
+from hf_kvcompress.predictors.rerun import first_kv
 
 
 def timed(call) -> float:
@@ -46,7 +46,7 @@ def measure(model, ids: torch.Tensor, prefix: int, root: str, repeats: int) -> d
     for _ in range(repeats + 1):
         with torch.no_grad():
             times = {"prefill": timed(lambda: model(ids[:, :prefix], cache=DynamicCache())),
-                     "first_keys": timed(lambda: first_keys(model, ids[:, :prefix])),
+                     "first_keys": timed(lambda: first_kv(model, ids[:, :prefix])),
                      "cache_for": timed(lookup)}
         with mock.patch.object(chunks_module, "binding_problem", lambda *a, **k: None):
             times["unbound"] = timed(lookup)

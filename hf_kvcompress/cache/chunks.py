@@ -36,13 +36,12 @@ from .container import (
     check_int,
     check_object,
     frame,
-    open_regular,
     read_blocks,
     read_exactly,
     unframe,
     write_blocks,
 )
-from .store_folder import own_files
+from .store_folder import open_file, open_folder, open_root, opened, own_files
 
 MAGIC = b"\x89HFKVP\r\n"
 FORMAT = "hf_kvcompress.prefix_chunk"
@@ -186,10 +185,11 @@ class Chunks:
         h["raw_bytes"] = self.raw_bytes()
         return h
 
-    def fill(self, cache: CompressedCache, chunks: list[dict[str, Any]]) -> torch.Tensor | None:
+    def fill(self, cache: CompressedCache,
+             chunks: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Hold the chunks' tokens in ``cache``: their blocks adopted as they are (`generic`), or decoded once and
-        coded as generation codes (`context`: layer 0's keys, decoded here, returned). A failure that one chunk
-        causes raises `BadChunk` naming it."""
+        coded as generation codes (`context`: layer 0's keys and values, decoded here, returned). A failure that
+        one chunk causes raises `BadChunk` naming it."""
         coding = cache.lossless
         checker: dict[tuple[int, int], CodedBlock] = {}
         mine = self._coding(checker)
@@ -206,7 +206,7 @@ class Chunks:
                 for block in read:
                     checker[(i, block.start)] = block
                     per_layer.setdefault(i, []).append(block)
-        keys0 = None
+        kv0 = None
         for i, blocks in sorted(per_layer.items()):
             if source is None:
                 cache.layers[i].adopt(blocks)
@@ -217,18 +217,18 @@ class Chunks:
                     decoded.append(source.decoded(block))
             keys = torch.cat([d.keys for d in decoded], dim=2).to(blocks[0].device)
             values = torch.cat([d.values for d in decoded], dim=2).to(blocks[0].device)
-            keys0 = keys if i == 0 else keys0
+            kv0 = (keys, values) if i == 0 else kv0
             cache.update(keys, values, i)
         if coding is not None:
             cache._blocks_changed()
-        return keys0
+        return kv0
 
     def first_bad(self, cache: CompressedCache, row: np.ndarray, count: int,
-                   keys0: torch.Tensor | None) -> tuple[int, str] | None:
-        """The first of the ``count`` chunks ``cache`` holds that does not decode or whose layer-0 keys are not
-        the model's for ``row``'s tokens, with why; None if all are sound. Adopted blocks (``keys0`` None) are
-        decoded here once (verifying each stream), so that no stored stream first fails inside `generate`."""
-        if keys0 is None:
+                   kv0: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, str] | None:
+        """The first of the ``count`` chunks ``cache`` holds that does not decode or whose layer-0 keys or values
+        are not the model's for ``row``'s tokens, with why; None if all are sound. Adopted blocks (``kv0`` None)
+        are decoded here once (verifying each stream), so that no stored stream first fails inside `generate`."""
+        if kv0 is None:
             coding = cache.lossless
             layers = [layer.blocks for layer in cache.kv_layers()]
             try:  # every layer at once where the codec may (`read_layers`); a failure is found layer by layer
@@ -240,9 +240,11 @@ class Chunks:
                     except Exception:
                         return self._failing_chunk(coding, blocks, count)
                 raise
-            keys0 = torch.cat([k for k, _ in decoded[0]], dim=2) if decoded else None
+            if not decoded:
+                raise BadChunk(0, "holds no K/V layer")
+            kv0 = (torch.cat([k for k, _ in decoded[0]], dim=2), torch.cat([v for _, v in decoded[0]], dim=2))
         tokens = count * self.chunk_tokens
-        found = binding_problem(self.model, torch.from_numpy(row[:tokens].copy()).unsqueeze(0), 0, keys0)
+        found = binding_problem(self.model, torch.from_numpy(row[:tokens].copy()).unsqueeze(0), 0, *kv0)
         return None if found is None else (min(found[0] // self.chunk_tokens, count - 1), found[1])
 
     def _failing_chunk(self, coding: LosslessCoding, blocks: list, count: int) -> tuple[int, str]:
@@ -278,11 +280,23 @@ def _blame(index: int) -> Iterator[None]:
 def folder_model(folder: str | Path) -> str | None:
     """What the newest chunk in ``folder`` says of its model: its name (chunks written since 2026-12-04), dtype,
     layers, KV heads x key width, from its header alone (read-only, unchecked: for listings), or None without a
-    readable one."""
-    chunks = [(info.st_mtime, path) for path, info, chunk in own_files(Path(folder)) if chunk]
-    for _, path in sorted(chunks, reverse=True)[:1]:
+    readable one. ``folder`` is opened under its parent without following a link, as the store opens it."""
+    folder = Path(folder)
+    with opened(open_root(folder.parent)) as parent:
         try:
-            fd, _size = open_regular(path, follow_links=False)  # regular files only: no FIFO to block on
+            folder_fd = None if parent is None else open_folder(parent, folder.name, create=False)
+        except OSError:
+            return None
+        with opened(folder_fd):
+            return None if folder_fd is None else _newest_header(folder_fd)
+
+
+def _newest_header(folder_fd: int) -> str | None:
+    """`folder_model` of the folder ``folder_fd``."""
+    chunks = [(info.st_mtime, name) for name, info, chunk in own_files(folder_fd) if chunk]
+    for _, name in sorted(chunks, reverse=True)[:1]:
+        try:
+            fd, _size = open_file(folder_fd, name)  # regular files only: no link, no FIFO to block on
             try:
                 magic, _version, size = PREFIX.unpack(read_exactly(fd, PREFIX.size))
                 if magic != MAGIC or size > 1 << 24:  # a header holds ids and block entries: far below 16 MiB

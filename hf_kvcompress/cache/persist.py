@@ -37,6 +37,7 @@ from ..config import CompressionConfig
 from ..errors import CacheFileError, PredictorMismatchError
 from ..identity import ModelIdentity, kv_shape, model_identity
 from ..layer import CompressedLayer
+from ..layer.layer import held_parts
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
@@ -335,9 +336,10 @@ def _check_binding(target: CompressedCache, model: torch.nn.Module, token_ids: t
                          if isinstance(held, CompressedLayer) and held.is_initialized), (0, None))
     if layer is None or any(not block.exact for block in layer.blocks):
         return
-    keys = layer.keys  # a sealed block decodes here: a stream edited behind the checksum fails in load
+    # keys and values of one decode (a sealed block decodes here: a stream edited behind the checksum fails in load)
+    keys, values = (torch.cat(parts, dim=-2) for parts in held_parts(layer))
     try:
-        problem = binding_problem(model, token_ids, index, keys, start=layer.seen_tokens - keys.shape[2])
+        problem = binding_problem(model, token_ids, index, keys, values, start=layer.seen_tokens - keys.shape[2])
     except (RuntimeError, IndexError, TypeError) as err:  # the model's forward on the file's ids
         raise CacheFileError(f"cannot recompute layer {index}'s keys for the file's token ids: {err}") from err
     if problem is not None:

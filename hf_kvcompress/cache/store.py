@@ -15,20 +15,25 @@ mid-put leaves a file that the next eviction reclaims (and counts toward ``max_b
 takes regular files only (no FIFO, device, folder or link), bounded by what a chunk of this model can hold, and
 checks the whole file (SHA-256, or a keyed HMAC with ``secret``; header structure against the model's K/V shape,
 streams, the chunk's own token ids); a hit is then decoded once and layer 0's keys compared with the model's
-keys of the prompt's tokens (`binding`). Any chunk that fails is a miss, logged in one warning line and removed.
-The store owns its folder (a marker file in it) and only touches names it produces there. ``max_bytes`` bounds
+keys and values compared with the model's layer 0 for the prompt's tokens (`binding`). Any chunk that fails is a
+miss, logged in one warning line and removed. The store owns its folder (a marker file in it) and only touches
+names it produces there, each through a descriptor of the folder it checked (`store_folder`: a folder swapped for
+a link meanwhile never redirects a read or write outside it). ``max_bytes`` bounds
 the folder: after a put the least recently used chunks (file modification times, refreshed on every hit) go
 first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,17 +51,19 @@ from ..version import __version__
 from .binding import bindable, binding_problem
 from .cache import CompressedCache
 from .chunks import FORMAT, MAGIC, VERSION, BadChunk, Chunks, folder_model, layer_kv
-from .container import read_regular
 from .store_folder import (
     MARKER,
     SUFFIX,
     claim,
     clear,
+    clear_at,
+    each_folder,
     folder_usage,
     is_regular,
-    namespace_folders,
+    open_folder,
+    opened,
     own_files,
-    own_folder,
+    read_file,
     touch_chain,
     unlink,
     write_atomic,
@@ -117,6 +124,11 @@ class PrefixStore:
         config: the lossless configuration of the caches `cache_for` returns (default ``CompressionConfig()``).
         secret: bytes that key an HMAC-SHA256 over every chunk instead of the plain SHA-256, for a folder that
             others can write (docs/prefix_store.md "Trust"); stores with other secrets never share chunks.
+
+    The store holds its folder open (a descriptor: every name in it is opened relative to the folder it
+    checked) until `close` (or the end of a ``with PrefixStore(...) as store:`` block, or its collection).
+    A folder this process cannot create or mark raises an ``OSError`` (``PermissionError``...) naming it; one it
+    can read but not write serves lookups, and `put` then stores nothing (a warning), as on a full disk.
     """
 
     def __init__(self, model: torch.nn.Module, *, path: str | os.PathLike | None = None,
@@ -153,10 +165,11 @@ class PrefixStore:
         self.chunk_tokens = chunk_tokens
         self.predictor = predictor
         self._secret = secret
+        self._root_fd: int | None = None
         _check_bindable(model)
-        self.root = claim(path)
+        self.root, self._root_fd = claim(path)
         if max_bytes is None:
-            max_bytes = max(1, min(DEFAULT_MAX_BYTES, shutil.disk_usage(self.root).free // 4))
+            max_bytes = max(1, min(DEFAULT_MAX_BYTES, shutil.disk_usage(self._root_fd).free // 4))
         self.max_bytes = max_bytes
         self.chunks = Chunks(model, config, chunk_tokens, predictor, secret, calibration)
         self._identity = model_identity(model)
@@ -165,6 +178,23 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ public API
 
+    def close(self) -> None:
+        """Close the store's folder; the store cannot be used after (a second close does nothing)."""
+        fd, self._root_fd = self._root_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> PrefixStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self, _close=os.close) -> None:  # os itself may be gone at interpreter exit
+        fd = getattr(self, "_root_fd", None)  # a constructor that failed early set none
+        if fd is not None:
+            _close(fd)
+
     @property
     def calibration(self) -> Calibration | None:
         """The calibration chunks are coded with (a calibrated predictor: found or fitted on first use)."""
@@ -172,8 +202,13 @@ class PrefixStore:
 
     @property
     def folder(self) -> Path:
-        """This model's (and settings') chunks."""
-        return self.root / self.namespace.hex()[:32]
+        """This model's (and settings') chunks (a path for people and listings: the store itself opens the name
+        under its root's descriptor, `_folder`)."""
+        return self.root / self._folder_name
+
+    @property
+    def _folder_name(self) -> str:
+        return self.namespace.hex()[:32]
 
     @property
     def namespace(self) -> bytes:
@@ -216,17 +251,18 @@ class PrefixStore:
         usable = (len(row) - 1) // self.chunk_tokens  # generate() needs at least one token to compute logits from
         keys = self.keys(row)[:usable]
         chunks: list[dict[str, Any]] = []
-        if keys and own_folder(self.folder, create=False):
-            for index, key in enumerate(keys):
-                found = self._read_chunk(key, index, row)
-                if found is None:
-                    break
-                chunks.append(found)
-        cache, chunks = self._adopt(row, chunks)
-        self.misses += usable - len(chunks)
-        if not chunks:
-            return cache
-        touch_chain([self._path(key) for key in keys[: len(chunks)]])
+        with self._folder(create=False) as fd:
+            if keys and fd is not None:
+                for index, key in enumerate(keys):
+                    found = self._read_chunk(fd, key, index, row)
+                    if found is None:
+                        break
+                    chunks.append(found)
+            cache, chunks = self._adopt(fd, row, chunks)
+            self.misses += usable - len(chunks)
+            if not chunks:
+                return cache
+            touch_chain(fd, [_name(key) for key in keys[: len(chunks)]])
         self.hits += len(chunks)
         self.hit_tokens += len(chunks) * self.chunk_tokens
         self.bytes_saved += sum(c["raw_bytes"] for c in chunks)
@@ -237,9 +273,13 @@ class PrefixStore:
     def put(self, ids: torch.Tensor | list[int], cache: Cache) -> int:
         """Store the whole chunks of ``ids`` (one row: the prompt, or ``generate``'s output) that ``cache`` holds
         and the store does not; returns how many tokens were written. ``cache`` must hold the KV of ``ids``' first
-        tokens (and may hold more): a `CompressedCache` that recorded other ids, or a cache whose layer-0 keys are
-        not what the model computes for ``ids``, is refused with a ``ValueError`` before anything is written."""
+        tokens (and may hold more): a `CompressedCache` that recorded other ids, or a cache whose layer-0 keys or
+        values are not what the model computes for ``ids``, is refused with a ``ValueError`` before anything is
+        written. A folder that cannot be written (permissions, a full disk) stores nothing: a warning, no error."""
         row = _one_row(ids)
+        if not isinstance(cache, Cache):
+            raise TypeError(f"PrefixStore.put: cache must be a transformers Cache holding the K/V of ids (a "
+                            f"DynamicCache, a CompressedCache), got {type(cache).__name__}")
         held = cache.get_seq_length()
         recorded = getattr(cache, "token_ids", None)
         common = min(held, len(row))
@@ -248,31 +288,33 @@ class PrefixStore:
             raise ValueError("PrefixStore.put: the cache holds the KV of other tokens than ids")
         self._check_kv(cache)
         keys = self.keys(row[:common])
-        paths = [self._path(key) for key in keys]
-        todo = [i for i, path in enumerate(paths) if not is_regular(path)]
-        if not todo:  # all held: marked used
-            touch_chain(paths)
-            return 0
-        if not own_folder(self.folder, create=True):
-            return 0
+        names = [_name(key) for key in keys]
+        with self._folder(create=False) as fd:
+            todo = [i for i, name in enumerate(names) if fd is None or not is_regular(fd, name)]
+            if not todo:  # all held: marked used
+                touch_chain(fd, names)
+                return 0
         stop = (todo[-1] + 1) * self.chunk_tokens
         whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: layer_kv(cache.layers[0], stop)}
         problem = binding_problem(self.model, torch.from_numpy(row[:stop].copy()).unsqueeze(0), 0,
-                                  whole[0][0][:, :, :stop])
+                                  whole[0][0][:, :, :stop], whole[0][1][:, :, :stop])
         if problem is not None:
             raise ValueError(f"PrefixStore.put: {problem[1]}; nothing stored")
         written = 0
-        for index in todo:
-            blob = self.chunks.encode(cache, index, keys[index], self.namespace, row, whole)
-            try:
-                write_atomic(paths[index], blob)
-            except OSError as err:  # a full disk or a concurrent clear(): the store is a cache, generation goes on
-                log.warning("prefix store: could not write %s (%s); stopped storing this prompt", paths[index].name,
-                            err)
-                paths = paths[:index]
-                break
-            written += self.chunk_tokens
-        touch_chain(paths)
+        with self._folder(create=True) as fd:
+            if fd is None:
+                return 0
+            for index in todo:
+                blob = self.chunks.encode(cache, index, keys[index], self.namespace, row, whole)
+                try:
+                    write_atomic(fd, names[index], blob)
+                except OSError as err:  # a full disk, permissions or a concurrent clear(): the store is a cache
+                    log.warning("prefix store: could not write %s in %s (%s); stopped storing this prompt",
+                                names[index], self.folder, err)
+                    names = names[:index]
+                    break
+                written += self.chunk_tokens
+            touch_chain(fd, names)
         if written:
             self.evict()
         return written
@@ -296,7 +338,8 @@ class PrefixStore:
     def stats(self) -> dict[str, int]:
         """Chunks and bytes on disk for this model and settings, raw bytes they hold, and this process's hits,
         misses (chunks), tokens hit and raw KV bytes served from the store."""
-        files = [(path, info) for path, info, chunk in own_files(self.folder) if chunk]
+        with self._folder(create=False) as fd:
+            files = [] if fd is None else [(name, info) for name, info, chunk in own_files(fd) if chunk]
         per_chunk = self.chunks.raw_bytes()
         return StoreStats(len(files), sum(info.st_size for _, info in files), len(files) * per_chunk, self.hits,
                           self.misses, self.hit_tokens, self.bytes_saved).as_dict()
@@ -307,52 +350,72 @@ class PrefixStore:
         bytes removed."""
         entries = []
         removed = writing = 0
-        for folder in namespace_folders(self.root):
-            for path, info, chunk in own_files(folder):
-                if chunk:
-                    entries.append((info.st_mtime, info.st_size, path))
-                elif writer_gone(path, info):
-                    removed += unlink(path, info.st_size)
-                else:
-                    writing += info.st_size
-        total = writing + sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries):
-            if total <= self.max_bytes:
-                break
-            removed += unlink(path, size)
-            total -= size
+        with contextlib.ExitStack() as open_folders:
+            for name, fd in each_folder(self._root()):
+                fd = open_folders.enter_context(opened(os.dup(fd)))  # kept open until the chunks are removed
+                for file, info, chunk in own_files(fd):
+                    if chunk:
+                        entries.append((info.st_mtime, info.st_size, name, file, fd))
+                    elif writer_gone(fd, file, info):
+                        removed += unlink(fd, file, info.st_size)
+                    else:
+                        writing += info.st_size
+            total = writing + sum(entry[1] for entry in entries)
+            for _, size, _, file, fd in sorted(entries, key=lambda e: e[:4]):
+                if total <= self.max_bytes:
+                    break
+                removed += unlink(fd, file, size)
+                total -= size
         return removed
 
     def clear(self) -> int:
         """Remove every chunk and temporary file of the store's folder; returns the bytes removed."""
-        return clear(self.root)
+        return clear_at(self._root())
 
     # ------------------------------------------------------------------ chunks
 
-    def _path(self, key: bytes) -> Path:
-        return self.folder / f"{key.hex()}{SUFFIX}"
+    def _root(self) -> int:
+        if self._root_fd is None:
+            raise ValueError("PrefixStore: the store is closed")
+        return self._root_fd
 
-    def _read_chunk(self, key: bytes, index: int, row: np.ndarray) -> dict[str, Any] | None:
-        """The checked chunk of ``key`` (header, payload), or None: missing, or anything else than a chunk of this
-        store (then removed: a damaged file, a FIFO, a link, a file larger than a chunk can be)."""
-        path = self._path(key)
+    @contextmanager
+    def _folder(self, *, create: bool) -> Iterator[int | None]:
+        """A descriptor of this model's folder under the root's (`store_folder.open_folder`: never through a
+        link), closed on leaving; None where there is none (``create``: made if missing) or it cannot be opened
+        (a warning: the store is a cache, lookups miss and puts store nothing)."""
         try:
-            data = read_regular(path, magic=MAGIC, follow_links=False, max_bytes=self.chunks.max_bytes())
+            fd = open_folder(self._root(), self._folder_name, create=create)
+        except OSError as err:
+            log.warning("prefix store: cannot %s %s (%s); %s", "create or open" if create else "open", self.folder,
+                        err, "nothing stored" if create else "a miss")
+            fd = None
+        with opened(fd):
+            yield fd
+
+    def _read_chunk(self, fd: int, key: bytes, index: int, row: np.ndarray) -> dict[str, Any] | None:
+        """The checked chunk of ``key`` in the folder ``fd`` (header, payload), or None: missing, or anything else
+        than a chunk of this store (then removed: a damaged file, a FIFO, a link, a file larger than a chunk can
+        be)."""
+        name = _name(key)
+        try:
+            data = read_file(fd, name, magic=MAGIC, max_bytes=self.chunks.max_bytes())
         except CacheFileError as err:
             if not isinstance(err.__cause__, FileNotFoundError):
-                self._drop(path, err)
+                self._drop(fd, name, err)
             return None
         try:
             return self.chunks.check(data, key, self.namespace, index, row)
         except Exception as err:  # any parse failure (a 4,300-digit integer is a ValueError of its own)
-            self._drop(path, err)
+            self._drop(fd, name, err)
             return None
 
-    def _drop(self, path: Path, why: object) -> None:
-        log.warning("prefix store: %s is damaged (%s); removed, computing its tokens again", path.name, why)
-        unlink(path, 0)  # never follows a link: a link planted at a chunk's name is removed, not its target
+    def _drop(self, fd: int, name: str, why: object) -> None:
+        log.warning("prefix store: %s is damaged (%s); removed, computing its tokens again", name, why)
+        unlink(fd, name, 0)  # never follows a link: a link planted at a chunk's name is removed, not its target
 
-    def _adopt(self, row: np.ndarray, chunks: list[dict[str, Any]]) -> tuple[CompressedCache, list[dict[str, Any]]]:
+    def _adopt(self, fd: int | None, row: np.ndarray,
+               chunks: list[dict[str, Any]]) -> tuple[CompressedCache, list[dict[str, Any]]]:
         """A cache holding the longest run of ``chunks`` that fills, decodes and binds to ``row``'s tokens (each
         chunk that fails removed with a warning), and that run."""
         while True:
@@ -370,8 +433,10 @@ class PrefixStore:
             if bad is None:
                 return cache, chunks
             index, why = bad
-            self._drop(self.folder / f"{chunks[index]['key']}{SUFFIX}", why)
+            assert fd is not None  # chunks were read through it
+            self._drop(fd, f"{chunks[index]['key']}{SUFFIX}", why)
             chunks = chunks[:index]
+
 
 def _check_bindable(model: torch.nn.Module) -> None:
     problem = bindable(model)
@@ -380,6 +445,11 @@ def _check_bindable(model: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _name(key: bytes) -> str:
+    """The file name of the chunk of ``key`` in its namespace folder."""
+    return f"{key.hex()}{SUFFIX}"
 
 
 def _one_row(ids: torch.Tensor | list[int] | np.ndarray) -> np.ndarray:

@@ -96,25 +96,26 @@ def _forward(model: torch.nn.Module, token_ids: torch.Tensor, cache: DynamicCach
         pass
 
 
-class _FirstKeys(DynamicCache):
+class _FirstKV(DynamicCache):
     """A cache that stops the forward at the first K/V it is handed: the first attention layer's keys (after
-    its norm and RoPE, as a cache holds them), what `first_keys` returns."""
+    its norm and RoPE, as a cache holds them) and values, what `first_kv` returns."""
 
     def __init__(self, config):
         super().__init__(config=config)
-        self.captured: tuple[int, torch.Tensor] | None = None
+        self.captured: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.captured = (layer_idx, key_states.detach())
+        self.captured = (layer_idx, key_states.detach(), value_states.detach())
         raise _StopForward
 
 
-def first_keys(model: torch.nn.Module, token_ids: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """The keys the first K/V-holding layer computes for ``token_ids`` ``[batch, tokens]`` (positions from 0):
-    ``(layer index, [batch, kv heads, tokens, head dim])``, or None when no layer hands its K/V to the cache.
-    Only the layers up to that one run (the embeddings and, for Llama-style models, one K projection): any
+def first_kv(model: torch.nn.Module, token_ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """The keys and values the first K/V-holding layer computes for ``token_ids`` ``[batch, tokens]`` (positions
+    from 0): ``(layer index, keys [batch, kv heads, tokens, head dim], values [batch, kv heads, tokens, value
+    dim])``, as that layer hands them to the cache, or None when no layer hands its K/V to the cache. Only the
+    layers up to that one run (the embeddings and, for Llama-style models, one K and one V projection): any
     decoder transformers runs, through its own forward (norms, RoPE variants, embedding scales)."""
-    cache = _FirstKeys(model.config.get_text_config(decoder=True))
+    cache = _FirstKV(model.config.get_text_config(decoder=True))
     _forward(model, token_ids, cache)
     return cache.captured
 

@@ -6,11 +6,16 @@ with K/V that are not the prompt's. Tiny 6-layer Llamas, as in test_prefix_store
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,13 +38,14 @@ from test_prefix_store import (
     llama,
     open_store,
     prefill,
+    temp_files,
 )
 
 from hf_kvcompress import CompressedCache, PrefixStore
 from hf_kvcompress.cache import container, store_folder
 from hf_kvcompress.cache import store as store_module
 from hf_kvcompress.cache.binding import first_disagreement, tolerance
-from hf_kvcompress.cache.store import MARKER, clear
+from hf_kvcompress.cache.store import MARKER, clear, folder_usage
 from hf_kvcompress.cli import main
 from hf_kvcompress.errors import CacheFileError
 
@@ -102,10 +108,21 @@ def test_tolerance_separates_rounding_from_other_tokens():
     assert first_disagreement(keys, nan) == 5 and first_disagreement(nan, nan.clone()) is None
 
 
-@pytest.mark.parametrize("source", ["other ids", "one token changed", "another model"])
+def with_values_of(cache, other):
+    """``cache`` with layer 0's values replaced by ``other``'s (its layer-0 keys still the true ones)."""
+    cache.layers[0].values = other.layers[0].values.clone()
+    return cache
+
+
+@pytest.mark.parametrize("source", ["other ids", "one token changed", "another model", "layer-0 values of other ids"])
 def test_put_of_kv_that_are_not_the_ids_is_refused(tmp_path, source):
     store = open_store(tmp_path)
-    if source == "other ids":
+    what = "keys"
+    if source == "layer-0 values of other ids":  # true keys: only the values tell
+        cache = with_values_of(prefill(llama(F32), IDS[:, : 2 * CHUNK]),
+                               prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=51)))
+        what = "values"
+    elif source == "other ids":
         cache = prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=51))
     elif source == "one token changed":
         other = IDS[:, : 2 * CHUNK].clone()
@@ -114,7 +131,7 @@ def test_put_of_kv_that_are_not_the_ids_is_refused(tmp_path, source):
     else:
         cache = prefill(llama(F32, seed=1), IDS[:, : 2 * CHUNK])  # same config and shapes, other weights
     token = CHUNK + 5 if source == "one token changed" else 0
-    with pytest.raises(ValueError, match=f"layer 0's keys of token {token} are not what the model computes"):
+    with pytest.raises(ValueError, match=f"layer 0's {what} of token {token} are not what the model computes"):
         store.put(IDS[:, : 2 * CHUNK], cache)
     assert chunk_files(tmp_path) == []
     assert store.put(IDS[:, :CHUNK], prefill(llama(F32), IDS[:, :CHUNK])) == CHUNK  # the right KV still goes in
@@ -129,7 +146,7 @@ def test_put_of_a_prefix_of_a_longer_cache_stores_what_it_can(tmp_path):
     assert holds_prefix(store.cache_for(IDS), prefill(llama(F32), IDS[:, : 2 * CHUNK]), 2 * CHUNK)
 
 
-@pytest.mark.parametrize("source", ["other ids", "another model"])
+@pytest.mark.parametrize("source", ["other ids", "another model", "layer-0 values of other ids"])
 def test_planted_chunk_of_other_kv_is_a_miss_removed(tmp_path, caplog, monkeypatch, source):
     """A chunk holding another prompt's or another model's K/V under this prompt's key and ids (what a writer
     that skips the binding would leave): the lookup binds layer 0, misses, removes it, and generation goes on
@@ -137,16 +154,21 @@ def test_planted_chunk_of_other_kv_is_a_miss_removed(tmp_path, caplog, monkeypat
     store = open_store(tmp_path)
     reference = prefill(llama(F32), IDS[:, : 2 * CHUNK])
     assert store.put(IDS[:, :CHUNK], reference) == CHUNK
+    what = "keys"
     if source == "other ids":
         poison = prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=52))
-    else:
+    elif source == "another model":
         poison = prefill(llama(F32, seed=1), IDS[:, : 2 * CHUNK])
+    else:  # the true keys of every layer-0 token, another prompt's values: sealed as any chunk (its writer's)
+        poison = with_values_of(prefill(llama(F32), IDS[:, : 2 * CHUNK]),
+                                prefill(llama(F32), random_ids(1, 2 * CHUNK, seed=52)))
+        what = "values"
     monkeypatch.setattr(store_module, "binding_problem", lambda *args, **kwargs: None)
     assert store.put(IDS[:, : 2 * CHUNK], poison) == CHUNK  # chunk 1 of the poison
     monkeypatch.undo()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         continues_from(store, reference, CHUNK)
-    assert f"keys of token {CHUNK}" in one_warning(caplog, chunk_path(store, IDS, 1).name)
+    assert f"layer 0's {what} of token {CHUNK}" in one_warning(caplog, chunk_path(store, IDS, 1).name)
     assert not chunk_path(store, IDS, 1).exists() and chunk_path(store, IDS, 0).exists()
 
 
@@ -381,6 +403,68 @@ def test_argument_errors_name_the_argument(tmp_path):
     assert chunk_files(tmp_path) == []
 
 
+def test_put_of_something_that_is_not_a_cache_names_cache(tmp_path):
+    store = open_store(tmp_path)
+    for wrong in (None, 123, {"keys": IDS}, IDS):
+        with pytest.raises(TypeError, match=f"cache must be a transformers Cache .*got {type(wrong).__name__}"):
+            store.put(IDS, wrong)
+    assert chunk_files(tmp_path) == []
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder every user may enter (pytest's own are root's alone: another uid could not reach a store there)."""
+    folder = Path(tempfile.mkdtemp(prefix="hf_kvcompress-store-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+@contextlib.contextmanager
+def cannot_write(folder: Path):
+    """This process cannot write in ``folder`` (which it owns, mode 0o755) inside the block: as root, whom modes do
+    not deny, its effective uid is nobody's (65534) meanwhile; as another user, the folder's mode is 0o555."""
+    if os.geteuid() == 0:
+        os.seteuid(65534)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+
+
+def test_a_folder_that_cannot_be_written_is_named_at_construction_and_a_warning_at_put(shared_tmp, caplog):
+    """Construction that must create or mark the folder raises a ``PermissionError`` naming it; a store's folder
+    that this process can read but not write serves lookups and stores nothing (a warning, as on a full disk)."""
+    empty = shared_tmp / "empty"
+    empty.mkdir(mode=0o755)
+    with cannot_write(shared_tmp), pytest.raises(PermissionError, match=f"store's folder '{shared_tmp / 'new'}' "
+                                                 "cannot be created or opened: Permission denied"):
+        open_store(shared_tmp / "new")
+    with cannot_write(empty), pytest.raises(PermissionError, match=f"store's folder '{empty}' cannot be written "
+                                            r"\(its marker file could not be created\): Permission denied"):
+        open_store(empty)
+    assert list(empty.iterdir()) == []
+    root = shared_tmp / "store"
+    reference = prefill(llama(F32), IDS[:, : 2 * CHUNK])
+    writable = open_store(root)
+    root.chmod(0o755)
+    assert writable.put(IDS[:, :CHUNK], reference) == CHUNK
+    for folder in (root, writable.folder):  # no namespace folder can be made; then none of its files
+        with cannot_write(folder), caplog.at_level(logging.WARNING, logger=LOGGER):
+            caplog.clear()
+            store = open_store(root, secret=b"other" if folder == root else None)
+            assert store.put(IDS[:, : 2 * CHUNK], reference) == 0
+            assert "Permission denied" in caplog.text and str(store.folder) in caplog.text
+            assert holds_prefix(store.cache_for(IDS), reference, 0 if folder == root else CHUNK)
+    assert chunk_files(root) == [chunk_path(writable, IDS, 0)] and temp_files(root) == []
+
+
 # ---------------------------------------------------------------------- a keyed MAC
 
 
@@ -433,6 +517,29 @@ def test_saved_file_with_edited_ids_or_another_models_kv_is_refused(saved, tmp_p
     assert same_bits(loaded.layers[LAYERS - 1].keys, prefill(llama(F32), IDS[:, :70]).layers[LAYERS - 1].keys)
 
 
+def test_saved_file_of_another_prompts_layer0_values_is_refused(tmp_path):
+    """A file whose layer-0 keys are the true ones for its ids and whose layer-0 values are another prompt's (layer
+    0's V projection fed another prompt's during the forward that filled the cache): refused at load."""
+    model = llama(F32)
+    v_proj = model.model.layers[0].self_attn.v_proj
+    other = {}
+    handle = v_proj.register_forward_hook(lambda module, args, out: other.setdefault("values", out))
+    with torch.no_grad():
+        model(random_ids(1, 70, seed=53))
+    handle.remove()
+    handle = v_proj.register_forward_hook(lambda module, args, out: other["values"])
+    cache = CompressedCache(CONFIG, model=model)
+    try:
+        with torch.no_grad():
+            model(IDS[:, :70], cache=cache)
+    finally:
+        handle.remove()
+    assert first_disagreement(prefill(model, IDS[:, :70]).layers[0].keys, cache.layers[0].keys) is None
+    path = cache.save(tmp_path / "values.kvc")
+    with pytest.raises(CacheFileError, match="layer 0's values of token 0 are not what the model computes"):
+        CompressedCache.load(path, model=model)
+
+
 def test_saved_file_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
     fifo = tmp_path / "fifo.kvc"
     os.mkfifo(fifo)
@@ -454,3 +561,79 @@ def test_a_model_whose_first_keys_ignore_the_tokens_cannot_be_bound(tmp_path):
     with pytest.raises(ValueError, match="computes the same keys for different tokens"):
         PrefixStore(model, path=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- a folder swapped for a link meanwhile
+
+#: another process swapping ``argv[1]`` (the namespace folder) and ``argv[2]`` (a link to a folder outside the
+#: store) back and forth with one atomic exchange each (renameat2 RENAME_EXCHANGE: the folder's name is never
+#: missing, so nothing but the swap differs from a quiet store) until ``argv[3]`` exists; prints its swaps. While
+#: the folder is missing (a clear() removed it, the next put makes it again) the exchange fails and is retried.
+RACER = r"""
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+folder, link, stop = (os.fsencode(a) for a in sys.argv[1:4])
+swaps = 0
+while not os.path.exists(stop):
+    for _ in range(64):
+        if libc.renameat2(-100, folder, -100, link, 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+            swaps += 1
+        elif ctypes.get_errno() != errno.ENOENT:
+            raise OSError(ctypes.get_errno(), "renameat2")
+while swaps % 2 and libc.renameat2(-100, folder, -100, link, 2) != 0:  # the link back where it was
+    pass
+print(swaps)
+"""
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_a_namespace_folder_swapped_for_a_link_meanwhile_is_never_reached_through(tmp_path):
+    """A real racing process keeps swapping the namespace folder for a link to an outside folder while this one
+    puts, looks up, evicts (a small ``max_bytes``: the sweep of temporary files too), lists and clears: nothing in
+    the outside folder is created, changed or removed, though it holds files of the store's names (chunks of the
+    looked-up prompts, a killed writer's temporary file) that a path followed through the link would reach."""
+    store = open_store(tmp_path / "store")
+    looked = [random_ids(1, CHUNK + 1, seed=60 + i) for i in range(8)]
+    for ids in looked:
+        assert store.put(ids, prefill(llama(F32), ids[:, :CHUNK])) == CHUNK
+    store.max_bytes = 6 * chunk_path(store, looked[0], 0).stat().st_size
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for ids in looked:  # what a lookup through the link would read, find damaged and remove
+        (outside / chunk_path(store, ids, 0).name).write_bytes(b"\x89HFKVP\r\n not a chunk")
+    (outside / f".{'cd' * 8}.k2j4_x9q.tmp").write_bytes(b"\0" * 100)  # what an eviction would reclaim
+    old = time.time() - 1000
+    for path in outside.iterdir():
+        os.utime(path, (old, old))
+    before = _snapshot(outside)
+    link, stop = tmp_path / "link", tmp_path / "stop"
+    link.symlink_to(outside, target_is_directory=True)
+    racer = subprocess.Popen([sys.executable, "-c", RACER, str(store.folder), str(link), str(stop)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # 16 prompts put in turn: each put writes (the 6 chunks max_bytes holds were evicted since its last turn)
+    prompts = [random_ids(1, CHUNK, seed=100 + i) for i in range(16)]
+    caches = [prefill(llama(F32), ids) for ids in prompts]
+    deadline = time.monotonic() + 30  # bounded on a slow machine; ~5 s here
+    try:
+        for i in range(200):
+            store.put(prompts[i % len(prompts)], caches[i % len(prompts)])
+            store.cache_for(looked[i % len(looked)])
+            folder_usage(store.root)
+            store.stats()
+            if i % 50 == 49:
+                store.clear()
+            if time.monotonic() > deadline:
+                break
+    finally:
+        stop.touch()
+        out, err = racer.communicate(timeout=30)
+    assert racer.returncode == 0, err
+    assert int(out) > 1000  # the racer kept swapping throughout
+    assert link.is_symlink() and not store.folder.is_symlink()
+    after = _snapshot(outside)
+    assert after == before, f"{len(set(after) - set(before))} files created outside, " \
+                            f"{len(set(before) - set(after))} removed, " \
+                            f"{sum(after[n] != before[n] for n in set(after) & set(before))} changed"
