@@ -148,6 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .calibration import META_FILE, CalibrationError
     from .config import CompressionConfig
     from .generation import greedy_generate
+    from .models import default_model_converted
 
     try:
         config = CompressionConfig(
@@ -162,7 +163,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         calibration = Path(args.calibration).expanduser()
         if not (calibration / META_FILE).is_file():
             raise CliError(f"--calibration {args.calibration!r}: no calibration there (expected {META_FILE})")
+    converting = args.model is None and not default_model_converted()  # load_model converts it first
+    loaded = time.perf_counter()
     model, tokenizer = _load(args)
+    loaded = time.perf_counter() - loaded
     _check_positions(model, args.prompt_tokens + args.new_tokens,
                      f"--prompt-tokens {args.prompt_tokens} with --new-tokens {args.new_tokens}")
     ids = _prompt_ids(tokenizer, args, args.prompt_tokens)
@@ -171,50 +175,125 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except CalibrationError as err:
         raise CliError(str(err)) from err
     warm_up = _warm_up(model, ids, config, calibration) if args.mode != "none" else None
+    compiled = kernel_compiles()
     run = greedy_generate(model, ids, cache, args.new_tokens, progress=f"generating ({args.mode})")
-    new_text = tokenizer.decode(run.sequences[0, ids.shape[1] :], skip_special_tokens=True)
-    print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}  dtype: {args.dtype}  mode: {args.mode}")
-    print(f"threads: {args.thread_plan} (override: HF_KVCOMPRESS_THREADS=N)")
-    if args.mode == "lossless":
-        print(f"calibration: {cache.calibration_note}")
-    print(f"prompt ({ids.shape[1]} tokens), last lines:")
-    print(textwrap.indent(tokenizer.decode(ids[0, -60:]).strip(), "  | "))
-    speed = f"{run.tokens_per_second:.1f} tok/s"
-    if warm_up is not None:
-        speed += f"; before it, compile/warm-up {warm_up:.1f} s, first use only"
-    print(f"generated ({args.new_tokens} tokens, {speed}):")
-    print(textwrap.indent(new_text.strip(), "  > "))
-    stats = cache.stats()
+    compiled = kernel_compiles() - compiled  # kernels the warm-up did not reach: their compiling is in run's time
+    ref = None
     if args.check:
         ref = greedy_generate(model, ids, DynamicCache(), args.new_tokens, progress="reference (DynamicCache)")
+    new_text = tokenizer.decode(run.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+    converted = f" (first use: converted to safetensors, loaded in {loaded:.1f} s)" if converting else ""
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}{converted}  dtype: {args.dtype}  "
+          f"mode: {args.mode}")
+    print(f"threads: {args.thread_plan} (override: HF_KVCOMPRESS_THREADS=N)")
+    if args.mode == "lossless":
+        print(f"calibration: {cache.calibration_note}")  # says "fitted on first use" when this run fitted it
+    print(f"prompt ({ids.shape[1]} tokens), last lines:")
+    print(textwrap.indent(tokenizer.decode(ids[0, -60:]).strip(), "  | "))
+    print(f"generated ({args.new_tokens} tokens):")
+    print(textwrap.indent(new_text.strip(), "  > "))
+    timing = _timing(run, ref, warm_up)
+    for line in _timing_lines(timing, args.mode, compiled):
+        print(line)
+    stats = cache.stats()
+    if ref is not None:
         stats["identical_to_DynamicCache"] = bool(torch.equal(ref.sequences, run.sequences))
-        stats["DynamicCache_tokens_per_s"] = round(ref.tokens_per_second, 2)
-    stats["tokens_per_s"] = round(run.tokens_per_second, 2)
-    if warm_up is not None:
-        stats["warm_up_s"] = round(warm_up, 2)
     print("cache stats:")
     for key, value in stats.items():
         shown = f"{value:.4f}" if isinstance(value, float) else value
         print(f"  {key:>26}: {shown}")
     if args.json:
-        print(json.dumps(stats))
+        print(json.dumps({**stats, **timing}))
     return 0
 
 
-def _warm_up(model, ids: torch.LongTensor, config: CompressionConfig, calibration) -> float:
-    """Seconds of a throwaway cache like the demo's through one sealed block and one decode step: the codec's
-    one-time costs (numba compiling or loading its kernels, building its tables) land here, not in the tok/s."""
+def _timing(run, ref, warm_up: tuple[float, int] | None) -> dict[str, float | int | bool | None]:
+    """The demo's timing figures (``--json``'s keys): each cache's prefill seconds (to the first new token) and
+    decode speed (the other tokens), the decode step's ratio to DynamicCache's, and the warm-up."""
+
+    def rounded(value: float | None, digits: int) -> float | None:
+        return None if value is None else round(value, digits)
+
+    timing: dict[str, float | int | bool | None] = {
+        "tokens_per_s": round(run.tokens_per_second, 2),
+        "prefill_s": round(run.prefill_seconds, 3),
+        "decode_tokens": run.decode_tokens,
+        "decode_tokens_per_s": rounded(run.decode_tokens_per_second, 2),
+        "decode_ms_per_token": rounded(run.decode_ms_per_step, 2),
+    }
+    if ref is not None:
+        timing.update({
+            "DynamicCache_tokens_per_s": round(ref.tokens_per_second, 2),
+            "DynamicCache_prefill_s": round(ref.prefill_seconds, 3),
+            "DynamicCache_decode_tokens_per_s": rounded(ref.decode_tokens_per_second, 2),
+            "DynamicCache_decode_ms_per_token": rounded(ref.decode_ms_per_step, 2),
+        })
+        ours, theirs = run.decode_ms_per_step, ref.decode_ms_per_step
+        # how many DynamicCache decode steps one compressed step costs: what the overall tok/s hid
+        timing["decode_step_ratio"] = round(ours / theirs, 2) if ours is not None and theirs else None
+    if warm_up is not None:
+        timing["warm_up_s"] = round(warm_up[0], 2)
+        timing["warm_up_kernels_compiled"] = warm_up[1]
+    return timing
+
+
+def _timing_lines(timing: dict, mode: str, compiled: int) -> list[str]:
+    """The timing figures as a few lines: the warm-up (saying "first use" only when it compiled kernels), then
+    prefill and decode per cache, then the decode ratio."""
+    lines = []
+    if "warm_up_s" in timing:
+        first = timing["warm_up_kernels_compiled"]
+        note = f" (first use: {first} kernels compiled and cached)" if first else ""
+        lines.append(f"warm-up: {timing['warm_up_s']:.1f} s{note}")
+    later = f"; {compiled} kernels compiled during it" if compiled else ""
+    lines.append(f"timing (prefill: the prompt to the first token; decode: the {timing['decode_tokens']} tokens "
+                 f"after it{later}):")
+    rows = [(f"CompressedCache ({mode})", "")]
+    if "DynamicCache_prefill_s" in timing:
+        rows.append(("DynamicCache", "DynamicCache_"))
+    for name, prefix in rows:
+        ms, rate = timing[f"{prefix}decode_ms_per_token"], timing[f"{prefix}decode_tokens_per_s"]
+        decode = "-" if ms is None else f"{ms:.1f} ms/token ({rate:.1f} tok/s)"
+        lines.append(f"  {name:>26}: prefill {timing[f'{prefix}prefill_s']:.2f} s, decode {decode}")
+    if timing.get("decode_step_ratio") is not None:
+        lines.append(f"  {'decode step ratio':>26}: {timing['decode_step_ratio']:.2f}x DynamicCache's")
+    return lines
+
+
+def kernel_compiles() -> int:
+    """How many numba compilations the library's kernels have done in this process (their dispatchers'
+    ``stats.cache_misses``: with ``cache=True`` a signature found in the on-disk cache counts as a hit, one
+    compiled and saved as a miss). 0 while numba is not loaded: nothing can have been compiled then."""
+    if "numba" not in sys.modules:
+        return 0
+    from numba.core.dispatcher import Dispatcher
+
+    found: dict[int, Dispatcher] = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "hf_kvcompress" or name.startswith("hf_kvcompress.")):
+            for value in vars(module).values():
+                if isinstance(value, Dispatcher):
+                    found[id(value)] = value
+    return sum(sum(d.stats.cache_misses.values()) for d in found.values())
+
+
+def _warm_up(model, ids: torch.LongTensor, config: CompressionConfig, calibration) -> tuple[float, int]:
+    """Seconds of a throwaway cache like the demo's through one sealed block and one decode step, and the
+    kernels it compiled: the codec's one-time costs (numba compiling or loading its kernels, building its
+    tables) land here, not in the timing of the generation. Compiling happens where numba's on-disk cache
+    lacks a kernel (first use, or after an upgrade); otherwise it loads them, in about a second."""
     import torch
 
     from .cache import CompressedCache
 
+    compiled = kernel_compiles()
     start = time.perf_counter()
     cache = CompressedCache(config, model=model, calibration=calibration)
     with torch.inference_mode():
         prompt = ids[:, : config.block_tokens + config.residual_tokens + 1]
         out = model(prompt, cache=cache, use_cache=True)
         model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, kernel_compiles() - compiled
 
 
 def _human(size: int) -> str:

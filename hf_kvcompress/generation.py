@@ -22,19 +22,66 @@ class ProgressCriteria(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class StepClock(StoppingCriteria):
+    """Never stops generation; notes when each step ends. ``generate`` calls its stopping criteria once per
+    step, after the step's token is chosen: the first call ends the prefill (the prompt's forward and the
+    first new token), the later ones the decode steps."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None  # perf_counter() at the end of the prefill step
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.steps += 1
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @dataclass
 class GenerationRun:
-    """Token ids (and logits, when asked for) of a greedy run, its wall time and the cache it left behind."""
+    """Token ids (and logits, when asked for) of a greedy run, its wall time and the cache it left behind.
+
+    ``seconds`` splits into ``prefill_seconds`` (to the first new token: the prompt's forward, where a
+    compressed cache also seals its blocks) and `decode_seconds` (the ``steps - 1`` one-token steps after it):
+    the overall `tokens_per_second` mixes the two, so a slow decode step hides behind a long prefill."""
 
     sequences: torch.LongTensor
     seconds: float
     cache: Any
     new_tokens: int
     logits: tuple[torch.Tensor, ...] | None = None
+    #: seconds to the end of the first step (0.0 if generate ran no step)
+    prefill_seconds: float = 0.0
+    #: steps generate ran (tokens added per row): ``new_tokens``, or fewer where every row stopped early
+    steps: int = 0
 
     @property
     def tokens_per_second(self) -> float:
+        """``new_tokens`` over the whole run, prefill included."""
         return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds after the prefill step: ``seconds - prefill_seconds``."""
+        return self.seconds - self.prefill_seconds
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens of the decode steps: every step's but the first (the prefill's)."""
+        return max(self.steps - 1, 0)
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Decode steps per second (the tokens after the first one), or None where there was no decode step."""
+        if self.decode_tokens == 0:
+            return None
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("inf")
+
+    @property
+    def decode_ms_per_step(self) -> float | None:
+        """Milliseconds per decode step, or None where there was no decode step."""
+        return 1000 * self.decode_seconds / self.decode_tokens if self.decode_tokens else None
 
 
 def greedy_generate(
@@ -47,7 +94,9 @@ def greedy_generate(
     progress: str | None = None,
     **generate_kwargs: Any,
 ) -> GenerationRun:
-    """Greedy decoding of exactly ``new_tokens`` tokens with ``cache``; a tqdm bar when ``progress`` names it."""
+    """Greedy decoding of exactly ``new_tokens`` tokens with ``cache``; a tqdm bar when ``progress`` names it.
+    The run's time is split into its prefill step and its decode steps (`GenerationRun`); a
+    ``stopping_criteria`` in ``generate_kwargs`` is kept, with the step clock added to it."""
     kwargs: dict[str, Any] = {
         "max_new_tokens": new_tokens,
         "min_new_tokens": new_tokens,
@@ -59,15 +108,19 @@ def greedy_generate(
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     bar = tqdm(total=new_tokens, desc=progress, unit="tok", disable=progress is None, leave=False)
+    clock = StepClock()
     with bar, torch.inference_mode():
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(clock)
         if progress is not None:
-            kwargs["stopping_criteria"] = StoppingCriteriaList([ProgressCriteria(bar)])
+            criteria.append(ProgressCriteria(bar))
+        kwargs["stopping_criteria"] = criteria
         start = time.perf_counter()
         out = model.generate(input_ids, **kwargs)
         seconds = time.perf_counter() - start
-    if isinstance(out, torch.Tensor):
-        return GenerationRun(out, seconds, cache, new_tokens)
-    return GenerationRun(out.sequences, seconds, cache, new_tokens, getattr(out, "logits", None))
+    prefill = 0.0 if clock.first is None else clock.first - start
+    sequences, logits = (out, None) if isinstance(out, torch.Tensor) else (out.sequences, getattr(out, "logits", None))
+    return GenerationRun(sequences, seconds, cache, new_tokens, logits, prefill_seconds=prefill, steps=clock.steps)
 
 
 @torch.no_grad()

@@ -42,10 +42,16 @@ def default_gguf_path() -> Path:
     return next(p for p in files if p.name == GGUF_FILE)
 
 
+def default_model_converted() -> bool:
+    """Whether the default model's safetensors copy exists (else `default_model_dir` converts it first)."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    return (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file()
+
+
 def default_model_dir() -> Path:
     """A safetensors copy of the default model, converted from the GGUF file on first use."""
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    if default_model_converted():
         return target
     gguf = default_gguf_path()
     logger.warning("converting %s to safetensors under %s (once)", gguf.name, target)

@@ -183,3 +183,82 @@ def test_probe_layers_outside_the_model_are_refused(tmp_path, capsys, tiny_loade
 def test_a_forward_longer_than_the_models_positions_is_refused(tmp_path, capsys, tiny_loader, argv, needle):
     assert main([*argv, "--mode", "none"] if argv[0] == "demo" else [*argv, "--out", str(tmp_path / "c")]) == 2
     one_line_error(capsys, needle)
+
+
+@pytest.fixture
+def tiny_demo(tmp_path, monkeypatch, capsys):
+    """The demo on the tiny bf16 Llama with a character-level tokenizer (ids < 128) and a local text file:
+    ``run(*extra)`` returns its exit status and output."""
+    import string
+
+    import torch
+    from helpers import tiny_model
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_kvcompress import models as model_loading
+
+    vocab = {"[UNK]": 0, "<eos>": 1, "<pad>": 2}
+    for ch in sorted(set(string.printable)):
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>",
+                                        pad_token="<pad>")
+    monkeypatch.setattr(model_loading, "load_model",
+                        lambda *a, **k: (tiny_model("llama-gqa", torch.bfloat16), tokenizer))
+    text = tmp_path / "text.txt"
+    text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 4)
+
+    def run(*extra: str) -> tuple[int, str]:
+        code = main(["demo", "--dataset", str(text), "--prompt-tokens", "40", "--new-tokens", "6",
+                     "--block-tokens", "8", "--residual-tokens", "4", "--calibration", "none", *extra])
+        return code, capsys.readouterr().out
+
+    return run
+
+
+def test_demo_prints_prefill_and_decode_for_both_caches(tiny_demo):
+    """Issue 47: the overall tok/s hid a slow decode step behind the prefill; both caches' prefill seconds and
+    decode speed are printed, with the decode step's ratio, and --json has the same figures."""
+    import json
+
+    code, out = tiny_demo("--json")
+    assert code == 0
+    lines = out.splitlines()
+    timing = json.loads(lines[-1])
+    assert timing["decode_tokens"] == 5  # --new-tokens 6: the first token is the prefill's
+    for prefix in ("", "DynamicCache_"):
+        assert timing[f"{prefix}prefill_s"] > 0
+        assert timing[f"{prefix}decode_tokens_per_s"] > 0 and timing[f"{prefix}decode_ms_per_token"] > 0
+        assert f"{prefix}tokens_per_s" in timing  # kept: the whole run's
+    assert timing["decode_step_ratio"] == pytest.approx(
+        timing["decode_ms_per_token"] / timing["DynamicCache_decode_ms_per_token"], rel=0.01)
+    assert timing["identical_to_DynamicCache"] is True
+    compressed = next(x for x in lines if "CompressedCache (lossless): prefill " in x)
+    reference = next(x for x in lines if "DynamicCache: prefill " in x)
+    assert f"decode {timing['decode_ms_per_token']:.1f} ms/token" in compressed
+    assert f"prefill {timing['DynamicCache_prefill_s']:.2f} s" in reference
+    assert f"decode step ratio: {timing['decode_step_ratio']:.2f}x DynamicCache's" in out
+    assert "the 5 tokens after it" in out
+
+
+@pytest.mark.parametrize(("compiled", "converted"), [(0, True), (7, False)])
+def test_demo_says_first_use_only_when_it_was(tiny_demo, monkeypatch, compiled, converted):
+    """"first use" used to be printed on every run: now only when the warm-up compiled kernels (the counter,
+    monkeypatched here: the decision, not numba) or the default model was converted in this run."""
+    from hf_kvcompress import cli
+    from hf_kvcompress import models as model_loading
+
+    counts = iter([0, compiled, compiled, compiled])  # warm-up before / after, generation before / after
+    monkeypatch.setattr(cli, "kernel_compiles", lambda: next(counts))
+    monkeypatch.setattr(model_loading, "default_model_converted", lambda: converted)
+    code, out = tiny_demo("--no-check")
+    assert code == 0
+    (warm,) = [x for x in out.splitlines() if x.startswith("warm-up: ")]
+    if compiled:
+        assert warm.endswith(" s (first use: 7 kernels compiled and cached)"), warm
+    else:
+        assert warm.endswith(" s"), warm
+    assert ("first use: converted to safetensors" in out) is not converted
+    assert "first use only" not in out and "DynamicCache: prefill" not in out  # --no-check: no reference row
