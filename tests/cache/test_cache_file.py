@@ -432,3 +432,26 @@ def test_a_file_whose_header_declares_its_huge_size_is_refused_above_the_memory_
     with pytest.raises(CacheFileError, match=rf"{size} bytes, more than this machine could hold in memory"):
         CompressedCache.load(path)
     assert read[0] <= PREFIX_BYTES + len(blob) + 8
+
+
+def test_the_same_kv_save_to_the_same_bytes_on_another_cpu_or_thread_count(tmp_path, monkeypatch):
+    """A file names no machine (header ``reproducibility`` null), so another CPU capability, machine or thread
+    count writes the same bytes (a predictor that reruns the model records the machine: tests/cache/test_lossless.py)."""
+    import platform
+
+    model = tiny_model(MODEL, torch.bfloat16)
+    cache = CompressedCache(CONFIG, model=model)
+    with torch.no_grad():
+        model(random_ids(1, 40, seed=5), cache=cache)
+    here = {name: cache.save(tmp_path / f"{name}.kvc", predictor=name).read_bytes() for name in ("generic", "none")}
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(platform, "processor", lambda: "another")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        for name, data in here.items():
+            assert cache.save(tmp_path / "elsewhere.kvc", predictor=name).read_bytes() == data, name
+            assert read_header(tmp_path / "elsewhere.kvc")["reproducibility"] is None
+    finally:
+        torch.set_num_threads(threads)
