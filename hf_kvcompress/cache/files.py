@@ -56,7 +56,8 @@ class CacheFiles:
         The file is replaced atomically (a temporary file beside it, flushed to the disk, then renamed): a save that
         fails (a full disk, an interrupt, a killed process) leaves an existing file as it was.
         Raises ``TypeError`` for a ``path`` that is no str / os.PathLike or a ``self`` that is no `CompressedCache`
-        (a transformers ``DynamicCache``), ``ValueError`` for an empty ``path`` or a cache that cannot be saved
+        (a transformers ``DynamicCache``), ``ValueError`` for an empty ``path``, one that names a device or FIFO, or a
+        cache that cannot be saved
         (empty, lossy, or of a model that keeps recurrent states in its own modules, as RecurrentGemma) and
         ``OSError`` for a path that cannot be written (``FileNotFoundError``: no such folder;
         ``IsADirectoryError``: a folder; ``PermissionError``: a folder this process may not write), all before
@@ -126,6 +127,8 @@ def _writable(path: object) -> Path:
     target = check_path("save: path", path)
     if target.is_dir():  # before any coding: the rename would raise a bare IsADirectoryError after it
         raise IsADirectoryError(f"save: {str(target)!r} is a folder; pass a file path, e.g. {str(target / 'cache.kvc')!r}")
+    if target.exists() and not target.is_file():  # the rename would replace a device node or FIFO with a file
+        raise ValueError(f"save: {str(target)!r} is a device or FIFO, not a regular file; pass a file path")
     folder = target.parent
     if not folder.is_dir():
         raise FileNotFoundError(f"save: the folder {folder} does not exist")

@@ -199,6 +199,29 @@ def test_saving_to_a_folder_is_one_clear_error_before_any_coding(tmp_path, monke
         cache.save("nowhere/x.kvc")
 
 
+def test_saving_onto_a_device_or_into_an_unwritable_folder_is_refused_before_any_coding(tmp_path, monkeypatch):
+    """The rename onto the target would replace a device node with a file, and a folder this process may not
+    write fails only after the coding: both refused first."""
+    import os
+
+    from hf_kvcompress.cache import files
+
+    model = tiny_model("llama-gqa")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model)
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache)
+    monkeypatch.setattr(files, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
+    monkeypatch.setattr(os, "replace", lambda *a, **k: pytest.fail("replaced"))
+    with pytest.raises(ValueError, match=r"^save: '/dev/null' is a device or FIFO, not a regular file; pass a file "
+                                         r"path$"):
+        cache.save("/dev/null")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **k: False if str(path) == str(tmp_path)
+                        else real_access(path, mode, **k))  # as root every folder is writable: say this one is not
+    with pytest.raises(PermissionError, match=rf"^save: the folder {tmp_path} is not writable here"):
+        cache.save(tmp_path / "x.kvc")
+
+
 
 def _dynamic():
     from transformers import DynamicCache

@@ -4,6 +4,7 @@ a plain ``open`` would give it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -93,7 +94,7 @@ def test_a_save_that_fills_the_disk_leaves_the_old_file_as_it_was(tmp_path):
     done = _run("fsize", path)
     assert done.returncode == 3, done.stdout + done.stderr[-3000:]
     errno_, size = (int(x) for x in done.stdout.split()[1:3])
-    assert errno_ == 27 and size > 4096  # EFBIG: the new file would not fit under the limit
+    assert errno_ == errno.EFBIG and size > 4096  # the new file would not fit under the limit
     _intact(path, data, kv)
     assert _others(tmp_path, path) == []  # the temporary file is gone
 
