@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import ConfigTypeError
@@ -52,6 +54,25 @@ def check_number(where: str, value: Any, *, low: float, high: float, low_open: b
 def check_bool(where: str, value: Any) -> None:
     if not isinstance(value, bool):
         _wrong_type(where, "a bool", value)
+
+
+def check_instance(where: str, value: Any, kinds: type | tuple[type, ...], want: str, *,
+                   optional: bool = False) -> None:
+    """An instance of ``kinds`` (``want`` says what that is in words, e.g. ``"a torch.nn.Module"``); ``optional``:
+    None passes too."""
+    if not (optional and value is None) and not isinstance(value, kinds):
+        _wrong_type(where, want + (" or None" if optional else ""), value)
+
+
+def check_path(where: str, value: Any) -> Path:
+    """A file system path given as ``str`` or ``os.PathLike`` (not empty: ``""`` would name the working folder), as
+    a `Path`."""
+    if not isinstance(value, (str, os.PathLike)):
+        _wrong_type(where, "a file path (str or os.PathLike)", value)
+    text = os.fspath(value)
+    if text in ("", b""):
+        fail(where, "is empty; name a file")
+    return Path(os.fsdecode(text))
 
 
 def check_choice(where: str, value: Any, choices: Iterable[Any]) -> None:

@@ -8,22 +8,17 @@ from helpers import tiny_model
 
 #: torch's own thread count here (one per core)
 TORCH_THREADS = torch.get_num_threads()
-#: tests whose saved files record torch's thread count (`persist.reproducibility`): they run on the count the
-#: pinned files were written with (tests/fixtures/formats/*.kvc: 2 threads), whatever the machine has
-PINNED_THREADS = {"test_format_fixtures.py": 2}
 
 
 def pytest_runtest_setup(item):
     """Tiny models run on one torch thread: their operations are too small to split, and beside any other
     process on a two-core machine two OpenMP threads spin against it (a greedy run of 8 tokens took 0.02-0.2 s
     on one thread, 0.5-8 s on two). The real-model tier keeps every thread (its prefills are matrix products
-    worth splitting); the tests in `PINNED_THREADS` get the count their pinned files record. Set before the test's fixtures, so that session
-    fixtures built for the real-model tier (the default model, its calibration) get every thread too; a test
-    that sets its own count has it restored by the next test's setup."""
-    if item.path.name in PINNED_THREADS:
-        torch.set_num_threads(PINNED_THREADS[item.path.name])
-    else:
-        torch.set_num_threads(TORCH_THREADS if item.get_closest_marker("real_model") is not None else 1)
+    worth splitting). Set before the test's fixtures, so that session fixtures built for the real-model tier (the
+    default model, its calibration) get every thread too; a test that sets its own count has it restored by the
+    next test's setup. (No test needs a thread count of its own: saved files record threads only for predictors
+    that rerun the model, `persist.recorded_environment`.)"""
+    torch.set_num_threads(TORCH_THREADS if item.get_closest_marker("real_model") is not None else 1)
 
 
 def pytest_collection_modifyitems(config, items):

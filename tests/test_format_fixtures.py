@@ -13,6 +13,8 @@ from helpers import same_bits
 from safetensors.torch import load_file
 
 from hf_kvcompress import CompressedCache, codec
+from hf_kvcompress.cache.container import frame
+from hf_kvcompress.cache.persist import MAGIC
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import CodecConfig
 from hf_kvcompress.integrations.kv_chunk import ChunkCoder
@@ -71,6 +73,30 @@ def test_pinned_cache_file_loads_bit_exactly_and_resaves_byte_identically(calibr
         assert same_bits(v, expected[f"{entry['name']}/L{layer}/v"])
     again = cache.save(tmp_path / "again.kvc")
     assert again.read_bytes() == path.read_bytes()
+
+
+#: the ``reproducibility`` the pinned files recorded until 2026-12-07 (written on an AMD EPYC), when every file did
+_RECORDED = {"torch": "2.13.0+cpu", "threads": 2, "machine": "x86_64", "processor": "x86_64", "cpu_capability": "AVX512"}
+
+
+@pytest.mark.parametrize("entry", CACHES, ids=[e["name"] for e in CACHES])
+def test_a_file_that_records_its_writers_machine_loads_and_resaves_without_it(calibration, entry, tmp_path):
+    """Files written before 2026-12-07 describe the writer's machine in their header whatever the predictor: they
+    still load bit for bit, and save again to the pinned bytes, which name no machine (the same on every CPU)."""
+    path = FORMATS / f"{entry['name']}.kvc"
+    data = path.read_bytes()
+    size = int.from_bytes(data[12:16], "little")
+    header = json.loads(data[16 : 16 + size])
+    assert header["reproducibility"] is None
+    older = tmp_path / "older.kvc"
+    older.write_bytes(b"".join(frame(MAGIC, header["version"], {**header, "reproducibility": _RECORDED},
+                                     data[16 + size : -32])))
+    cache = CompressedCache.load(older, calibration=calibration if entry["calibration"] else None)
+    expected = load_file(str(FORMATS / "caches_kv.safetensors"))
+    for layer, (k, v) in enumerate(layer_kv(cache)):
+        assert same_bits(k, expected[f"{entry['name']}/L{layer}/k"])
+        assert same_bits(v, expected[f"{entry['name']}/L{layer}/v"])
+    assert cache.save(tmp_path / "again.kvc").read_bytes() == data
 
 
 def test_pinned_calibration_loads_and_its_checksum_holds(calibration):

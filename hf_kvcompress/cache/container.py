@@ -4,7 +4,7 @@ table inside it: the one place that writes and checks their bytes.
 A framed file is ``magic`` (8 bytes), the format version (u32, little endian), the header length (u32), a UTF-8
 JSON header, the payload (every stream and tensor, at the offsets the header lists, in order, without gaps), then a
 SHA-256 (or, keyed, an HMAC-SHA256) of everything before it (`frame`, `unframe`). Reads take regular files only,
-bounded (`read_regular`). The header's values are checked with the typed helpers (`check_object`, `check_int`, ...)
+bounded (`read_regular`; `read_framed`: the header first, the payload only when the sizes it declares add up). The header's values are checked with the typed helpers (`check_object`, `check_int`, ...)
 and its coded blocks (rows of streams, scales, side tensors and listed elements) against the payload
 (`check_blocks`) and against what the codec and the predictor say such a block holds (`check_block`) before anything
 is allocated or decoded. Every failure is a `CacheFileError` naming what is wrong.
@@ -75,25 +75,37 @@ def unframe(data: bytes, magic: bytes, versions: tuple[int, ...], kind: str, key
             version_note: Callable[[int], str] = lambda version: "") -> Framed:
     """Check a framed file's magic, length, version (``version_note``: why a refused one is refused) and digest,
     then parse its header; ``kind`` names the kind of file in the messages ("cache", "prefix chunk")."""
-    if not data.startswith(magic) and not magic.startswith(data):  # a prefix of the magic: truncated, below
-        raise CacheFileError(f"not an hf_kvcompress {kind} file (bad magic)")
-    if len(data) < PREFIX.size + DIGEST_BYTES:
-        raise CacheFileError(f"truncated: {len(data)} bytes")
-    _magic, version, size = PREFIX.unpack_from(data, 0)
-    if version not in versions:
-        raise CacheFileError(f"{kind} format version {version}, this library reads {list(versions)}"
-                             f"{version_note(version)}")
+    version, size = check_prefix(data, len(data), magic, versions, kind, version_note)
     if not hmac.compare_digest(digest([memoryview(data)[:-DIGEST_BYTES]], key), data[-DIGEST_BYTES:]):
         keyed = " or written without this store's secret" if key is not None else ""  # only a store keys
         raise CacheFileError(f"checksum mismatch: the file is truncated or corrupt{keyed}")
     end = PREFIX.size + size
-    if size > MAX_HEADER or end > len(data) - DIGEST_BYTES:
-        raise CacheFileError(f"header of {size} bytes does not fit a file of {len(data)}")
+    return Framed(version, parse_header(data[PREFIX.size : end]), data[end : len(data) - DIGEST_BYTES])
+
+
+def check_prefix(data: bytes | bytearray, file_bytes: int, magic: bytes, versions: tuple[int, ...], kind: str,
+                 version_note: Callable[[int], str] = lambda version: "") -> tuple[int, int]:
+    """The version and header length of a framed file of ``file_bytes`` bytes whose first bytes are ``data`` (at
+    least its prefix, if the file is that long): its magic, version and a header that fits the file checked."""
+    if not data.startswith(magic) and not magic.startswith(data):  # a prefix of the magic: truncated, below
+        raise CacheFileError(f"not an hf_kvcompress {kind} file (bad magic)")
+    if file_bytes < PREFIX.size + DIGEST_BYTES or len(data) < PREFIX.size:
+        raise CacheFileError(f"truncated: {file_bytes} bytes")
+    _magic, version, size = PREFIX.unpack_from(data, 0)
+    if version not in versions:
+        raise CacheFileError(f"{kind} format version {version}, this library reads {list(versions)}"
+                             f"{version_note(version)}")
+    if size > MAX_HEADER or PREFIX.size + size > file_bytes - DIGEST_BYTES:
+        raise CacheFileError(f"header of {size} bytes does not fit a file of {file_bytes}")
+    return version, size
+
+
+def parse_header(blob: bytes | bytearray) -> object:
+    """A framed file's JSON header, parsed (unchecked)."""
     try:  # any exception: a 4,300-digit integer is a ValueError of its own, deep nesting a RecursionError
-        header = json.loads(data[PREFIX.size : end].decode())
+        return json.loads(bytes(blob).decode())
     except Exception as err:
         raise CacheFileError(f"corrupt header ({type(err).__name__}: {err})") from err
-    return Framed(version, header, data[end : len(data) - DIGEST_BYTES])
 
 
 # ---------------------------------------------------------------------- bounded reads of regular files
@@ -112,6 +124,33 @@ def read_regular(path: Path, *, magic: bytes, follow_links: bool = True, max_byt
     finally:
         os.close(fd)
     return data
+
+
+def read_framed(path: Path, *, magic: bytes, versions: tuple[int, ...], kind: str,
+                declared_payload: Callable[[object], int], max_bytes: int,
+                version_note: Callable[[int], str] = lambda version: "") -> Framed:
+    """`unframe` of ``path``, a regular file (`open_regular`), read in two steps: its prefix and header first, then,
+    only if the payload the header declares (``declared_payload(header)``) makes up the file's size exactly and
+    the file holds at most ``max_bytes``, the rest. A sparse, padded or planted file is refused before its payload
+    is read or allocated for."""
+    fd, size = open_regular(path)
+    try:
+        head = read_exactly(fd, PREFIX.size)
+        _version, header_bytes = check_prefix(head, size, magic, versions, kind, version_note)
+        blob = read_exactly(fd, header_bytes)
+        payload = declared_payload(parse_header(blob))
+        expected = PREFIX.size + header_bytes + payload + DIGEST_BYTES
+        if expected != size:
+            raise CacheFileError(f"the header declares {payload} payload bytes, a file of {expected} bytes; this one "
+                                 f"holds {size} (truncated, padded or corrupt)")
+        if size > max_bytes:
+            raise CacheFileError(f"{size} bytes, more than this machine could hold in memory ({max_bytes})")
+        data = bytearray(size)
+        data[: len(head) + len(blob)] = head + blob
+        read_into(fd, memoryview(data)[len(head) + len(blob) :])
+    finally:
+        os.close(fd)
+    return unframe(data, magic, versions, kind, version_note=version_note)
 
 
 def open_regular(path: Path, *, follow_links: bool = True) -> tuple[int, int]:
@@ -145,6 +184,19 @@ def read_exactly(fd: int, count: int) -> bytes:
         parts.append(part)
         left -= len(part)
     return b"".join(parts)
+
+
+def read_into(fd: int, view: memoryview) -> None:
+    """Fill ``view`` from ``fd`` where it stands (no copy of a large payload); a file that ends sooner is refused."""
+    at = 0
+    while at < len(view):
+        try:
+            count = os.readv(fd, [view[at : at + (1 << 24)]])
+        except OSError as err:
+            raise CacheFileError(f"cannot read the file: {err}") from err
+        if not count:
+            raise CacheFileError(f"truncated while read: {at} of {len(view)} more bytes")
+        at += count
 
 
 

@@ -7,6 +7,7 @@ else coded here), the header, the frame (`container.frame`). The format is `pers
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
+from ..validation import check_bool, check_instance, check_path
 from ..version import __version__
+from .atomic import replace_file
 from .container import frame, write_blocks, write_tensor
 from .persist import (
     FORMAT,
@@ -35,7 +38,7 @@ from .persist import (
     VERSION,
     CompressedCache,
     load_cache,
-    reproducibility,
+    recorded_environment,
     uses_calibration,
 )
 
@@ -50,13 +53,23 @@ class CacheFiles:
         generation's blocks as they are and `load` adopts them; ``"context"`` files are smaller, with a
         calibration; ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
         resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use).
-        Raises ``ValueError`` for a cache that cannot be saved (empty, lossy, or of a model that keeps recurrent
-        states in its own modules, as RecurrentGemma) and ``OSError`` for a path that cannot be written
-        (``FileNotFoundError``: no such folder; ``IsADirectoryError``: a folder), both before any coding."""
+        The file is replaced atomically (a temporary file beside it, flushed to the disk, then renamed): a save that
+        fails (a full disk, an interrupt, a killed process) leaves an existing file as it was.
+        Raises ``TypeError`` for a ``path`` that is no str / os.PathLike or a ``self`` that is no `CompressedCache`
+        (a transformers ``DynamicCache``), ``ValueError`` for an empty ``path``, one that names a device or FIFO, or a
+        cache that cannot be saved
+        (empty, lossy, or of a model that keeps recurrent states in its own modules, as RecurrentGemma) and
+        ``OSError`` for a path that cannot be written (``FileNotFoundError``: no such folder;
+        ``IsADirectoryError``: a folder; ``PermissionError``: a folder this process may not write), all before
+        any coding; an ``OSError`` while writing (a full disk) leaves the old file untouched."""
+        check_instance("save: the cache", self, CacheFiles,
+                       "a CompressedCache (to keep a transformers DynamicCache's K/V, put it into a PrefixStore or "
+                       "fill a CompressedCache)")
+        target = _writable(path)
         name = predictor or self.config.lossless.save_predictor
         if self.calibration_pending and reads_calibration(name):
             self.resolve_calibration(predictor=name)
-        return save_cache(self, path, predictor=predictor, probe_layer=probe_layer, progress=progress)
+        return save_cache(self, target, predictor=predictor, probe_layer=probe_layer, progress=progress)
 
     @classmethod
     def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
@@ -69,7 +82,11 @@ class CacheFiles:
         as generation codes them (a ``"generic"`` file) are adopted, not re-coded. ``verify`` (default: when a
         ``model`` is given, i.e. for generating) decodes every stream once here, so that a file edited behind its
         checksum is a `CacheFileError` here, never an error inside `generate`; ``verify=False`` leaves each
-        stream's checks to its first read (`CorruptStreamError` there)."""
+        stream's checks to its first read (`CorruptStreamError` there). Arguments of the wrong type (``path`` no
+        str / os.PathLike, ``model`` no torch module, ``calibration`` no `Calibration` or path, ``config`` no
+        `CompressionConfig`, ``verify`` no bool or None) raise ``TypeError`` (an empty ``path``: ``ValueError``)
+        naming the argument, before the file is read."""
+        _check_load_arguments(path, model, calibration, config, progress, verify)
         return load_cache(path, cache_class=cls, model=model, calibration=calibration, config=config,
                           progress=progress, verify=verify)
 
@@ -98,21 +115,39 @@ def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None =
     payload = bytearray()
     entries, first = _write_layers(cache, plan, payload, progress)
     header = _header(cache, plan, entries, first, len(payload))
-    with open(target, "wb") as out:
-        for piece in frame(MAGIC, header["version"], header, payload):
-            out.write(piece)
+    replace_file(target, frame(MAGIC, header["version"], header, payload))  # all or nothing: an old file survives
     if cache.calibration is not None and not uses_calibration(cache):
         cache.calibration.release()  # heads read for this save only: generation does not hold them
     return target
 
 
-def _writable(path: str | Path) -> Path:
-    target = Path(path)
-    if target.is_dir():  # before any coding: open() would raise a bare IsADirectoryError after it
+def _writable(path: object) -> Path:
+    """``path`` as a `Path` whose folder exists and may be written here: checked before any coding, so that a save
+    that cannot succeed fails at once (its temporary file and the rename need the folder's write permission)."""
+    target = check_path("save: path", path)
+    if target.is_dir():  # before any coding: the rename would raise a bare IsADirectoryError after it
         raise IsADirectoryError(f"save: {str(target)!r} is a folder; pass a file path, e.g. {str(target / 'cache.kvc')!r}")
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"save: the folder {target.parent} does not exist")
+    if target.exists() and not target.is_file():  # the rename would replace a device node or FIFO with a file
+        raise ValueError(f"save: {str(target)!r} is a device or FIFO, not a regular file; pass a file path")
+    folder = target.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"save: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"save: the folder {folder} is not writable here (a file is written beside the target "
+                              "and renamed onto it)")
     return target
+
+
+def _check_load_arguments(path: object, model: object, calibration: object, config: object, progress: object,
+                          verify: object) -> None:
+    """`CacheFiles.load`'s arguments, by type, before the file is read (one wording: `validation`)."""
+    check_path("load: path", path)
+    check_instance("load: model", model, torch.nn.Module, "the model object (a torch.nn.Module)", optional=True)
+    check_instance("load: calibration", calibration, (Calibration, str, os.PathLike),
+                   "a Calibration or the path of a calibration folder", optional=True)
+    check_instance("load: config", config, CompressionConfig, "a CompressionConfig", optional=True)
+    check_bool("load: progress", progress)
+    check_instance("load: verify", verify, bool, "a bool", optional=True)
 
 
 def _check_states_held(cache: CompressedCache) -> None:
@@ -249,7 +284,7 @@ def _header(cache: CompressedCache, plan: _Plan, entries: list[dict[str, Any]], 
         "head_dim": None if layered else keys0.shape[3],
         "tokens": plan.tokens,
         "token_ids": token_ids.tolist() if token_ids is not None else None,
-        "reproducibility": reproducibility(),
+        "reproducibility": recorded_environment(plan.predictor),  # null unless the bits depend on this machine
         "layers": entries,
         "payload_bytes": payload_bytes,
     }

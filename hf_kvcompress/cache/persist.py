@@ -2,8 +2,9 @@
 
 File layout: a framed file (`container`: ``MAGIC``, the format version, the header length, a UTF-8 JSON header,
 the payload, a SHA-256 of everything before it; `files` writes it). The header carries the token ids, the
-config, the predictor, the model identity and calibration checksum, the library version and what the
-predictor needs to reproduce (threads, CPU). Nothing is unpickled.
+config, the predictor, the model identity and calibration checksum, the library version and, only for a predictor
+that reruns the model (its bits depend on the machine), what it needs to reproduce (threads, CPU): the same K/V
+give the same bytes on every machine otherwise. Nothing is unpickled.
 
 Version 3 holds caches whose layers all keep every token in one K/V shape (full attention). Version 4 holds
 every other layer structure: one entry per layer that holds anything, with its own K/V widths, its sliding window
@@ -21,6 +22,7 @@ float32 predictor statistics, which decode only on CPUs that round like the writ
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +54,12 @@ from .container import (
     check_object,
     check_str,
     check_tensor,
+    open_regular,
     read_blocks,
-    read_regular,
+    read_exactly,
+    read_framed,
     read_row,
     read_tensor,
-    unframe,
 )
 
 
@@ -90,7 +93,8 @@ VERSIONS = (VERSION, LAYERED)
 
 
 def reproducibility() -> dict[str, Any]:
-    """What a model-running predictor's bits depend on besides the inputs."""
+    """What a model-running predictor's bits depend on besides the inputs: recorded in the files of such predictors
+    only (`recorded_environment`), to say why one does not decode elsewhere."""
     return {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -98,6 +102,13 @@ def reproducibility() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+def recorded_environment(predictor: Predictor) -> dict[str, Any] | None:
+    """The header's ``reproducibility``: this machine's description (`reproducibility`) for a predictor whose bits
+    depend on it (one that reruns the model at load: not `practical_in_generation`), else None, so that the same K/V
+    give the same file on every CPU ('generic', 'none', 'context', ... code alike everywhere)."""
+    return None if predictor.practical_in_generation else reproducibility()
 
 
 def uses_calibration(cache: CompressedCache) -> bool:
@@ -199,8 +210,9 @@ def _load(path: Path, cache_class, model, calibration, config, progress, verify:
         if model is not None:
             _check_binding(target, model, reading.token_ids)
     except PredictorMismatchError as err:
-        here = reproducibility()
-        why = (f"saved with {header['reproducibility']}, loading with {here}" if header["reproducibility"] != here
+        here, saved_with = reproducibility(), header["reproducibility"]
+        why = (f"the file records no environment, loading with {here}" if saved_with is None
+               else f"saved with {saved_with}, loading with {here}" if saved_with != here
                else f"the file's environment record equals this one ({here})")
         raise CacheFileError(
             f"the '{reading.name}' predictor does not reproduce here ({why}), or the file was edited and its checksum "
@@ -508,15 +520,21 @@ def _restore_state(layer: LinearAttentionCacheLayerMixin, state: dict[str, Any],
 
 
 def _read(path: Path) -> _Saved:
-    """Read the file (a regular file; its first bytes must be a cache file's before the rest is read); verify
-    magic, version and the SHA-256 over everything (`container.unframe`); check the header."""
-    data = read_regular(path, magic=MAGIC)
-    if data[:8] == LEGACY_MAGIC:
+    """Read the file (a regular file: its prefix and header first, the payload only if the sizes the header
+    declares make up the file and it fits in memory, `container.read_framed`); verify magic, version and the
+    SHA-256 over everything (`container.unframe`); check the header."""
+    fd, _size = open_regular(path)
+    try:
+        first = read_exactly(fd, len(LEGACY_MAGIC))
+    finally:
+        os.close(fd)
+    if first == LEGACY_MAGIC:
         raise CacheFileError(
             "cache file format version 1 (saved by an earlier hf_kvcompress; its header is not checksummed): "
             f"this library reads version {VERSION} only; re-save the cache"
         )
-    framed = unframe(data, MAGIC, VERSIONS, "cache", version_note=_refused_version)
+    framed = read_framed(path, magic=MAGIC, versions=VERSIONS, kind="cache", declared_payload=_declared_payload,
+                         max_bytes=max_file_bytes(), version_note=_refused_version)
     try:
         saved = _check_header(framed.header, framed.payload)
     except CacheFileError:
@@ -526,6 +544,20 @@ def _read(path: Path) -> _Saved:
     if saved.header["version"] != framed.version:
         raise CacheFileError(f"the header says version {saved.header['version']}, the file's prefix {framed.version}")
     return saved
+
+
+def _declared_payload(header: object) -> int:
+    """The payload size a parsed, unchecked header declares (`_check_header` checks the rest)."""
+    return check_int(check_object(header, "header", None).get("payload_bytes"), "payload_bytes", 0)
+
+
+def max_file_bytes() -> int:
+    """The largest cache file `load` reads: the machine's memory (a larger one could not be loaded; a sparse or
+    planted file that claims more is refused before anything is read or allocated)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): 64 GiB
+        return 64 << 30
 
 
 def _refused_version(version: int) -> str:
@@ -555,7 +587,8 @@ def _check_header(header: object, payload: bytes) -> _Saved:
         check_str(h["calibration_sha256"], "calibration_sha256")
     if h["dtype"] not in DTYPES:
         raise CacheFileError(f"unknown dtype {h['dtype']!r}")
-    check_object(h["reproducibility"], "reproducibility", None)
+    if h["reproducibility"] is not None:  # files of predictors that rerun the model; earlier files record it always
+        check_object(h["reproducibility"], "reproducibility", None)
     n_layers, rows = check_int(h["kv_layers"], "kv_layers", 1, 1 << 20), check_int(h["rows"], "rows", 1)
     tokens = check_int(h["tokens"], "tokens", 1)
     if h["version"] == LAYERED:

@@ -197,3 +197,76 @@ def test_saving_to_a_folder_is_one_clear_error_before_any_coding(tmp_path, monke
     assert str(info.value) == "save: '.' is a folder; pass a file path, e.g. 'cache.kvc'"
     with pytest.raises(FileNotFoundError, match=r"^save: the folder nowhere does not exist$"):
         cache.save("nowhere/x.kvc")
+
+
+def test_saving_onto_a_device_or_into_an_unwritable_folder_is_refused_before_any_coding(tmp_path, monkeypatch):
+    """The rename onto the target would replace a device node with a file, and a folder this process may not
+    write fails only after the coding: both refused first."""
+    import os
+
+    from hf_kvcompress.cache import files
+
+    model = tiny_model("llama-gqa")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model)
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache)
+    monkeypatch.setattr(files, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
+    monkeypatch.setattr(os, "replace", lambda *a, **k: pytest.fail("replaced"))
+    with pytest.raises(ValueError, match=r"^save: '/dev/null' is a device or FIFO, not a regular file; pass a file "
+                                         r"path$"):
+        cache.save("/dev/null")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **k: False if str(path) == str(tmp_path)
+                        else real_access(path, mode, **k))  # as root every folder is writable: say this one is not
+    with pytest.raises(PermissionError, match=rf"^save: the folder {tmp_path} is not writable here"):
+        cache.save(tmp_path / "x.kvc")
+
+
+
+def _dynamic():
+    from transformers import DynamicCache
+
+    dynamic = DynamicCache()
+    dynamic.update(*kv(), 0)
+    return dynamic
+
+
+#: (call on a cache and its saved file, the error type, the whole message's start)
+_BAD_ARGUMENTS = {
+    "save(123)": (lambda cache, path: cache.save(123), TypeError,
+                  r"save: path must be a file path \(str or os.PathLike\), got int 123$"),
+    "save('')": (lambda cache, path: cache.save(""), ValueError, r"save: path is empty; name a file$"),
+    "save(DynamicCache)": (lambda cache, path: CompressedCache.save(_dynamic(), path.with_name("d.kvc")), TypeError,
+                           r"save: the cache must be a CompressedCache \(to keep a transformers DynamicCache's K/V, "
+                           r"put it into a PrefixStore or fill a CompressedCache\), got DynamicCache "),
+    "load(None)": (lambda cache, path: CompressedCache.load(None), TypeError,
+                   r"load: path must be a file path \(str or os.PathLike\), got NoneType None$"),
+    "load(model=123)": (lambda cache, path: CompressedCache.load(path, model=123), TypeError,
+                        r"load: model must be the model object \(a torch.nn.Module\) or None, got int 123$"),
+    "load(verify='yes')": (lambda cache, path: CompressedCache.load(path, verify="yes"), TypeError,
+                           r"load: verify must be a bool or None, got str 'yes'$"),
+    "load(calibration=123)": (lambda cache, path: CompressedCache.load(path, calibration=123), TypeError,
+                              r"load: calibration must be a Calibration or the path of a calibration folder or None, "
+                              r"got int 123$"),
+    "load(config=dict)": (lambda cache, path: CompressedCache.load(path, config={"mode": "none"}), TypeError,
+                          r"load: config must be a CompressionConfig or None, got dict"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_ARGUMENTS))
+def test_save_and_load_arguments_of_the_wrong_type_name_the_argument(tmp_path, monkeypatch, case):
+    """Each a TypeError (an empty path: a ValueError) naming the argument and what it must be, raised before the
+    file is read or anything is coded."""
+    from hf_kvcompress.cache import files, persist
+
+    model = tiny_model("llama-gqa")
+    cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=8, residual_tokens=4), model=model)
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache)
+    path = cache.save(tmp_path / "x.kvc")
+    monkeypatch.setattr(files, "make_predictor", lambda *a, **k: pytest.fail("coding started"))
+    monkeypatch.setattr(persist, "_read", lambda *a, **k: pytest.fail("the file was read"))
+    call, error, message = _BAD_ARGUMENTS[case]
+    with pytest.raises(error, match="^" + message):
+        call(cache, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.kvc"]

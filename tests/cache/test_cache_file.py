@@ -1,6 +1,6 @@
 """Saved cache files: every damaged or edited file raises CacheFileError or loads bit-identically.
 
-Plain damage (bit flips, truncations) must fail the whole-file checksum; edits with the checksum recomputed
+Plain damage must fail the whole-file checksum (bit flips) or the size the header declares (truncations); edits with the checksum recomputed
 ("resealed") exercise the structural checks behind it. ``KVC_FUZZ_CASES`` sets the number of random damaged
 files of the fuzz test (default 300 in CI; the issue's acceptance run used 1,000+)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import struct
 
@@ -25,6 +26,7 @@ from hf_kvcompress.errors import CorruptStreamError, PredictorMismatchError
 MODEL = "llama-gqa"
 CONFIG = CompressionConfig(mode="lossless", block_tokens=16, residual_tokens=4)
 FUZZ_CASES = int(os.environ.get("KVC_FUZZ_CASES", "300"))
+PREFIX_BYTES = 16  # magic, version, header length
 
 
 
@@ -81,8 +83,8 @@ def test_intact_file_loads_exactly(tmp_path):
     per_layer = stream_bytes(header)
     assert sum(p["k"] + p["v"] + p["side"] for p in per_layer) == header["payload_bytes"] + sum(
         len(row["scales"]) for entry in header["layers"] for block in entry["blocks"] for row in block["rows"])
-    (tmp_path / "case.kvc").write_bytes(data[:-1])
-    with pytest.raises(CacheFileError, match="checksum"):
+    (tmp_path / "case.kvc").write_bytes(data[:-1])  # refused before its payload is read: the sizes do not add up
+    with pytest.raises(CacheFileError, match="truncated"):
         read_header(tmp_path / "case.kvc")
 
 
@@ -369,3 +371,87 @@ def test_forged_listed_elements_are_refused(tmp_path, monkeypatch):
     (tmp_path / "y.kvc").write_bytes(seal(header, payload))
     with pytest.raises(CacheFileError, match="listed elements must be int32"):
         CompressedCache.load(tmp_path / "y.kvc", calibration=fitted())
+
+
+def _count_reads(monkeypatch) -> list[int]:
+    """Bytes read by ``os.read`` / ``os.readv`` from now on (a test's file reads)."""
+    read = [0]
+    real_read, real_readv = os.read, os.readv
+
+    def counted_read(fd, count):
+        part = real_read(fd, count)
+        read[0] += len(part)
+        assert read[0] < 64 << 20, "read tens of MiB of a file that should have been refused from its header"
+        return part
+
+    def counted_readv(fd, buffers):
+        count = real_readv(fd, buffers)
+        read[0] += count
+        return count
+
+    monkeypatch.setattr(os, "read", counted_read)
+    monkeypatch.setattr(os, "readv", counted_readv)
+    return read
+
+
+@pytest.mark.parametrize("kept", ["magic", "prefix", "prefix and header"])
+def test_a_sparse_6_gib_file_is_refused_from_its_header_before_its_payload_is_read(tmp_path, monkeypatch, kept):
+    """A sparse file that starts as a cache file does (its magic; its prefix; its real prefix and header) and is
+    6 GiB long: refused with a CacheFileError having read at most its first bytes (never a MemoryError or GiBs
+    allocated)."""
+    data = original()[0]
+    header_end = PREFIX_BYTES + struct.unpack_from("<I", data, 12)[0]
+    path = tmp_path / "sparse.kvc"
+    with path.open("wb") as out:
+        out.write(data[: {"magic": 8, "prefix": PREFIX_BYTES, "prefix and header": header_end}[kept]])
+        out.truncate(6 << 30)
+    read = _count_reads(monkeypatch)
+    with pytest.raises(CacheFileError) as info:
+        CompressedCache.load(path)
+    assert read[0] <= header_end + 8, read[0]  # its prefix and header (and, first, 8 bytes: a version 1 file?)
+    if kept == "prefix and header":
+        assert f"a file of {len(data)} bytes; this one holds {6 << 30}" in str(info.value)
+    with pytest.raises(CacheFileError):
+        read_header(path)
+
+
+def test_a_file_whose_header_declares_its_huge_size_is_refused_above_the_memory_cap(tmp_path, monkeypatch):
+    """A sparse file larger than this machine's memory whose header declares exactly its size (payload_bytes
+    edited to match): the sizes add up, the cap refuses it before the payload is read."""
+    header, _payload = split(original()[0])
+    size = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + (1 << 30)  # this machine's memory + 1 GiB
+    for _ in range(3):  # the header's own length depends on the number's digits: a fixed point in two steps
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        header["payload_bytes"] = size - PREFIX_BYTES - len(blob) - DIGEST
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    path = tmp_path / "huge.kvc"
+    with path.open("wb") as out:
+        out.write(seal(blob, b"")[:PREFIX_BYTES + len(blob)])
+        out.truncate(size)
+    read = _count_reads(monkeypatch)
+    with pytest.raises(CacheFileError, match=rf"{size} bytes, more than this machine could hold in memory"):
+        CompressedCache.load(path)
+    assert read[0] <= PREFIX_BYTES + len(blob) + 8
+
+
+def test_the_same_kv_save_to_the_same_bytes_on_another_cpu_or_thread_count(tmp_path, monkeypatch):
+    """A file names no machine (header ``reproducibility`` null), so another CPU capability, machine or thread
+    count writes the same bytes (a predictor that reruns the model records the machine: tests/cache/test_lossless.py)."""
+    import platform
+
+    model = tiny_model(MODEL, torch.bfloat16)
+    cache = CompressedCache(CONFIG, model=model)
+    with torch.no_grad():
+        model(random_ids(1, 40, seed=5), cache=cache)
+    here = {name: cache.save(tmp_path / f"{name}.kvc", predictor=name).read_bytes() for name in ("generic", "none")}
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(platform, "processor", lambda: "another")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        for name, data in here.items():
+            assert cache.save(tmp_path / "elsewhere.kvc", predictor=name).read_bytes() == data, name
+            assert read_header(tmp_path / "elsewhere.kvc")["reproducibility"] is None
+    finally:
+        torch.set_num_threads(threads)

@@ -112,6 +112,14 @@ def saved(tmp_path):
     return cache.save(tmp_path / "saved.kvc", predictor="probe", probe_layer=1), model
 
 
+def test_a_file_of_a_predictor_that_reruns_the_model_records_the_machine(saved):
+    """Its bits depend on the machine's kernels: the header says which ones (`persist.reproducibility`), for the
+    refusal's message where it does not reproduce; other files name no machine (tests/cache/test_cache_file.py)."""
+    from hf_kvcompress.cache.persist import read_header, reproducibility
+
+    assert read_header(saved[0])["reproducibility"] == reproducibility()
+
+
 def test_refuses_another_model(saved):
     path, _ = saved
     other = tiny_model("llama-mqa", torch.bfloat16)
