@@ -134,21 +134,26 @@ class Validated:
 # argparse's one-line usage error and exit status 2 at parse time, before any model loads, in the wording above.
 
 
-def int_arg(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type`` taking one integer in ``[minimum, maximum]`` (`check_int`'s bounds)."""
+def _arg(convert: Callable[[str], Any], expected: str, check: Callable[[Any], object]) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert`` the text (else "expected ``expected``"), then ``check`` the value."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text.strip())
+            value = convert(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         try:
-            check_int("value", value, minimum=minimum, maximum=maximum)
+            check(value)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return value
 
     return parse
+
+
+def int_arg(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` taking one integer in ``[minimum, maximum]`` (`check_int`'s bounds)."""
+    return _arg(int, "an integer", lambda value: check_int("value", value, minimum=minimum, maximum=maximum))
 
 
 def int_list_arg(*, minimum: int | None = None, maximum: int | None = None) -> Callable[[str], tuple[int, ...]]:
@@ -166,16 +171,4 @@ def int_list_arg(*, minimum: int | None = None, maximum: int | None = None) -> C
 
 def number_arg(*, low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
     """An argparse ``type`` taking one finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        try:
-            check_number("value", value, low=low, high=high, low_open=low_open)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        return value
-
-    return parse
+    return _arg(float, "a number", lambda value: check_number("value", value, low=low, high=high, low_open=low_open))

@@ -36,12 +36,13 @@ from .container import (
     check_int,
     check_object,
     frame,
+    open_regular,
     read_blocks,
     read_exactly,
     unframe,
     write_blocks,
 )
-from .store_folder import open_file, open_folder, open_root, opened, own_files
+from .store_folder import open_folder, open_root, opened, own_files
 
 MAGIC = b"\x89HFKVP\r\n"
 FORMAT = "hf_kvcompress.prefix_chunk"
@@ -296,7 +297,7 @@ def _newest_header(folder_fd: int) -> str | None:
     chunks = [(info.st_mtime, name) for name, info, chunk in own_files(folder_fd) if chunk]
     for _, name in sorted(chunks, reverse=True)[:1]:
         try:
-            fd, _size = open_file(folder_fd, name)  # regular files only: no link, no FIFO to block on
+            fd, _size = open_regular(name, follow_links=False, dir_fd=folder_fd)  # no link, no FIFO to block on
             try:
                 magic, _version, size = PREFIX.unpack(read_exactly(fd, PREFIX.size))
                 if magic != MAGIC or size > 1 << 24:  # a header holds ids and block entries: far below 16 MiB

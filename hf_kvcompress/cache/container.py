@@ -111,10 +111,12 @@ def parse_header(blob: bytes | bytearray) -> object:
 # ---------------------------------------------------------------------- bounded reads of regular files
 
 
-def read_regular(path: Path, *, magic: bytes, follow_links: bool = True, max_bytes: int | None = None) -> bytes:
-    """The bytes of ``path``, a regular file (`open_regular`) of at most ``max_bytes``: only its prefix when it
-    does not start with ``magic`` (`unframe` refuses it; a large foreign file is never read whole)."""
-    fd, size = open_regular(path, follow_links=follow_links)
+def read_regular(path: Path | str, *, magic: bytes, follow_links: bool = True, max_bytes: int | None = None,
+                 dir_fd: int | None = None) -> bytes:
+    """The bytes of ``path``, a regular file (`open_regular`; ``dir_fd``: a name in that folder) of at most
+    ``max_bytes``: only its prefix when it does not start with ``magic`` (`unframe` refuses it; a large foreign
+    file is never read whole)."""
+    fd, size = open_regular(path, follow_links=follow_links, dir_fd=dir_fd)
     try:
         if max_bytes is not None and size > max_bytes:  # a sparse or planted file: never read
             raise CacheFileError(f"{size} bytes, more than such a file holds here ({max_bytes})")
@@ -153,12 +155,13 @@ def read_framed(path: Path, *, magic: bytes, versions: tuple[int, ...], kind: st
     return unframe(data, magic, versions, kind, version_note=version_note)
 
 
-def open_regular(path: Path, *, follow_links: bool = True) -> tuple[int, int]:
-    """An open descriptor of ``path`` and its size, if it is a regular file: a FIFO, device or folder there is
-    refused without blocking or reading (``follow_links=False``: a symbolic link too). Raises `CacheFileError`."""
+def open_regular(path: Path | str, *, follow_links: bool = True, dir_fd: int | None = None) -> tuple[int, int]:
+    """An open descriptor of ``path`` (``dir_fd``: relative to that folder's descriptor, as the prefix store opens
+    its files) and its size, if it is a regular file: a FIFO, device or folder there is refused without blocking
+    or reading (``follow_links=False``: a symbolic link too). Raises `CacheFileError`."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as err:  # ELOOP: a link where links are refused
         raise CacheFileError(f"cannot read the file ({type(err).__name__}: {err.strerror})") from err
     try:

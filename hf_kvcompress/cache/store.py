@@ -51,6 +51,7 @@ from ..version import __version__
 from .binding import bindable, binding_problem
 from .cache import CompressedCache
 from .chunks import FORMAT, MAGIC, VERSION, BadChunk, Chunks, folder_model, layer_kv
+from .container import read_regular
 from .store_folder import (
     MARKER,
     SUFFIX,
@@ -63,7 +64,6 @@ from .store_folder import (
     open_folder,
     opened,
     own_files,
-    read_file,
     touch_chain,
     unlink,
     write_atomic,
@@ -399,7 +399,7 @@ class PrefixStore:
         be)."""
         name = _name(key)
         try:
-            data = read_file(fd, name, magic=MAGIC, max_bytes=self.chunks.max_bytes())
+            data = read_regular(name, magic=MAGIC, follow_links=False, max_bytes=self.chunks.max_bytes(), dir_fd=fd)
         except CacheFileError as err:
             if not isinstance(err.__cause__, FileNotFoundError):
                 self._drop(fd, name, err)

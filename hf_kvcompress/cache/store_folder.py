@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from ..downloads import cache_dir
-from ..errors import CacheFileError
-from .container import PREFIX, read_exactly
 
 log = logging.getLogger("hf_kvcompress.cache.store")  # the store's one logger: its warnings name the store
 
@@ -237,41 +235,6 @@ def is_regular(folder_fd: int, name: str) -> bool:
         return stat.S_ISREG(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
-
-
-def open_file(folder_fd: int, name: str) -> tuple[int, int]:
-    """An open descriptor of the file ``name`` in the folder ``folder_fd`` and its size, if it is a regular file:
-    a link, FIFO, device or folder there is refused without following, blocking or reading. Raises
-    `CacheFileError` (from the ``OSError``: ``FileNotFoundError`` when there is none)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(name, flags, dir_fd=folder_fd)
-    except OSError as err:  # ELOOP: a link
-        raise CacheFileError(f"cannot read the file ({type(err).__name__}: {err.strerror})") from err
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CacheFileError("not a regular file (a FIFO, device or folder)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, info.st_size
-
-
-def read_file(folder_fd: int, name: str, *, magic: bytes, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``name`` in ``folder_fd`` (`open_file`) of at most ``max_bytes``: only its
-    prefix when it does not start with ``magic`` (a large foreign file is never read whole), as
-    `container.read_regular` reads a path."""
-    fd, size = open_file(folder_fd, name)
-    try:
-        if size > max_bytes:  # a sparse or planted file: never read
-            raise CacheFileError(f"{size} bytes, more than such a file holds here ({max_bytes})")
-        data = read_exactly(fd, min(size, PREFIX.size))
-        if data.startswith(magic):
-            data += read_exactly(fd, size - len(data))
-    finally:
-        os.close(fd)
-    return data
 
 
 def writer_gone(folder_fd: int, name: str, info: os.stat_result) -> bool:
