@@ -67,7 +67,8 @@ def main() -> None:
             nearest[i] = per.min()
         prompt = relative(keys if name == "keys" else values, other)
         out[name] = {"same_max": float(got.max()), "nearest_token_min": float(nearest.min()),
-                     "nearest_token_median": float(nearest.median()), "other_prompt_median": float(prompt.median()),
+                     "nearest_token_median": float(nearest.median()),
+                     "nearest_token_within_tolerance": float((nearest <= tolerance(keys.dtype)).float().mean()), "other_prompt_median": float(prompt.median()),
                      "other_prompt_within_tolerance": float((prompt <= tolerance(keys.dtype)).float().mean()), "tolerance": tolerance(keys.dtype)}
         print(name, {k: round(v, 5) for k, v in out[name].items()})
     target = Path(__file__).resolve().parents[1] / "results" / "store_binding" / "margin.json"
