@@ -362,8 +362,17 @@ def _installed(name: str) -> str:
         return "not installed"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (the command, the problem, where the options are) and exit
+    status 2, as `CliError`'s are; the usage itself is what ``--help`` shows. Subcommands' parsers are of this class
+    too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (options: {self.prog} --help)\n")
+
+
 def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
-    parser = argparse.ArgumentParser(prog="hf-kvcompress", description="KV-cache compression for transformers")
+    parser = Parser(prog="hf-kvcompress", description="KV-cache compression for transformers")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks")
     parser.add_argument("--version", action="version",
                         version=f"hf-kvcompress {__version__} (transformers {_installed('transformers')}, "

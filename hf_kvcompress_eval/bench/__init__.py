@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
+from hf_kvcompress.cli import Parser
 from hf_kvcompress.threads import torch_threads
 
 from .common import add_common_arguments
@@ -47,8 +48,8 @@ def _docstring(name: str) -> str | None:
 
 
 def bench_parser(name: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"hf-kvcompress bench {name}", description=_docstring(name),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=f"hf-kvcompress bench {name}", description=_docstring(name),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser, name)
     OPTIONS[name][0](parser)
     return parser
