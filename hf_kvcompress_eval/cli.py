@@ -21,8 +21,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "eval",
         help="measure what compression costs: lossless and lossy tables, plots and JSON in a results folder",
-        # a user measured the quick suite at 11.3 min on 2 cores at load 2-6 (issue 47), ~5 min idle
-        description="Run an evaluation suite (quick: ~5-12 min on 2 CPU cores, depending on their load; full: about "
+        # the quick suite: 6.7 min on 2 cores at load ~1 (2026-12-07, calibration fit included), 11.3 min at load
+        # 2-6 (issue 47)
+        description="Run an evaluation suite (quick: ~7-12 min on 2 CPU cores, depending on their load; full: about "
         "an hour) and write "
         "results.json, report.md and PNG plots into the results folder.",
     )
