@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from codec_testutil import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError, Marginal
@@ -108,7 +110,10 @@ def test_default_stream_bytes_are_stable():
     """The full layout of the default config is unchanged by the compact / mean_steps additions, and
     format version 2 differs from version 1 only in its version field and window CRC seeds: written back
     as version 1, a stream has the digest of one written before all three (and still decodes)."""
-    x, mean, std = realistic((1, 2, 64, 64), seed=11)
+    # the inputs as committed: `realistic`'s torch.randn draws other bits under other CPU kernels (AVX2 / AVX-512
+    # against ATEN_CPU_CAPABILITY=default), the stream of the same inputs is the same bytes everywhere
+    inputs = load_file(str(Path(__file__).resolve().parents[1] / "fixtures" / "stable_stream_input.safetensors"))
+    x, mean, std = inputs["x"], inputs["mean"], inputs["std"]
     blob = codec.encode(x, mean, std, CodecConfig(coder="ans"))
     assert hashlib.sha256(blob).hexdigest() == STABLE_SHA256
     old = as_version1(blob, x, mean, std, None)
