@@ -128,19 +128,18 @@ def read_regular(path: Path | str, *, magic: bytes, follow_links: bool = True, m
     return data
 
 
-def read_framed(path: Path, *, magic: bytes, versions: tuple[int, ...], kind: str,
-                declared_payload: Callable[[object], int], max_bytes: int,
-                version_note: Callable[[int], str] = lambda version: "") -> Framed:
+def read_framed(path: Path, *, magic: bytes, versions: tuple[int, ...], kind: str, payload_field: str,
+                max_bytes: int, version_note: Callable[[int], str] = lambda version: "") -> Framed:
     """`unframe` of ``path``, a regular file (`open_regular`), read in two steps: its prefix and header first, then,
-    only if the payload the header declares (``declared_payload(header)``) makes up the file's size exactly and
-    the file holds at most ``max_bytes``, the rest. A sparse, padded or planted file is refused before its payload
-    is read or allocated for."""
+    only if the payload the header declares (its field ``payload_field``; the caller checks the rest) makes up the
+    file's size exactly and the file holds at most ``max_bytes``, the rest. A sparse, padded or planted file is
+    refused before its payload is read or allocated for."""
     fd, size = open_regular(path)
     try:
         head = read_exactly(fd, PREFIX.size)
         _version, header_bytes = check_prefix(head, size, magic, versions, kind, version_note)
         blob = read_exactly(fd, header_bytes)
-        payload = declared_payload(parse_header(blob))
+        payload = check_int(check_object(parse_header(blob), "header", None).get(payload_field), payload_field, 0)
         expected = PREFIX.size + header_bytes + payload + DIGEST_BYTES
         if expected != size:
             raise CacheFileError(f"the header declares {payload} payload bytes, a file of {expected} bytes; this one "

@@ -533,7 +533,7 @@ def _read(path: Path) -> _Saved:
             "cache file format version 1 (saved by an earlier hf_kvcompress; its header is not checksummed): "
             f"this library reads version {VERSION} only; re-save the cache"
         )
-    framed = read_framed(path, magic=MAGIC, versions=VERSIONS, kind="cache", declared_payload=_declared_payload,
+    framed = read_framed(path, magic=MAGIC, versions=VERSIONS, kind="cache", payload_field="payload_bytes",
                          max_bytes=max_file_bytes(), version_note=_refused_version)
     try:
         saved = _check_header(framed.header, framed.payload)
@@ -544,11 +544,6 @@ def _read(path: Path) -> _Saved:
     if saved.header["version"] != framed.version:
         raise CacheFileError(f"the header says version {saved.header['version']}, the file's prefix {framed.version}")
     return saved
-
-
-def _declared_payload(header: object) -> int:
-    """The payload size a parsed, unchecked header declares (`_check_header` checks the rest)."""
-    return check_int(check_object(header, "header", None).get("payload_bytes"), "payload_bytes", 0)
 
 
 def max_file_bytes() -> int:
