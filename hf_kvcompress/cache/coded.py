@@ -303,8 +303,9 @@ class LosslessCoding(BlockCodec):
         if self._ahead is not None:
             self._ahead.job.cancel()
             self._ahead = None
-        entries, self.pool.nbytes, self.pool.sealed_raw_bytes, chain, self._highest, self._passed_layers = state
-        self.pool.entries, self._chain = dict(entries), dict(chain)
+        # the checkpoint's own copies: a step that fails again takes a new checkpoint first
+        self.pool.entries, self.pool.nbytes, self.pool.sealed_raw_bytes, self._chain, self._highest, \
+            self._passed_layers = state
         self.predictor.forget_state()
 
     def forget(self) -> None:

@@ -106,11 +106,10 @@ class _Plan:
     token_ids: torch.Tensor | None
 
 
-def save_cache(cache: CompressedCache, path: str | Path, predictor: str | None = None, probe_layer: int | None = None,
+def save_cache(cache: CompressedCache, target: Path, predictor: str | None = None, probe_layer: int | None = None,
                progress: bool = False) -> Path:
-    """Write ``cache`` to ``path`` as one file, every token coded with ``predictor`` (default: the config's
-    ``save_predictor``)."""
-    target = _writable(path)
+    """Write ``cache`` to ``target`` (a path `_writable` checked) as one file, every token coded with ``predictor``
+    (default: the config's ``save_predictor``)."""
     plan = _plan(cache, predictor, probe_layer)
     payload = bytearray()
     entries, first = _write_layers(cache, plan, payload, progress)
