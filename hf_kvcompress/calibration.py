@@ -318,10 +318,11 @@ class Calibration:
 
 # ---------------------------------------------------------------------- the model's default calibration
 
-#: what a first-use calibration fits: the `context` heads (what `cache.save` codes with) on 8,192 tokens of
-#: the calibration text, 1,024 at a time. On SmolLM2-135M: 26 CPU-s, 20.6 MB of heads, a 400-token prompt
-#: saved at 8.28 bits/scalar (16,384 tokens: 8.25; 2,048: 8.48); docs/lossless.md "Calibration on first use"
-FIRST_USE_TOKENS, FIRST_USE_CHUNK, FIRST_USE_PREDICTORS = 8192, 1024, ("context",)
+#: what a first-use calibration fits: the `below` heads (what calibrated storage codes with:
+#: `predictors.registry.CALIBRATED_STORAGE` reads them) on 8,192 tokens of the calibration text, 1,024 at a time.
+#: On SmolLM2-135M: 22 CPU-s, 10.8 MB of heads (results/predictors/issue34_frontier_final.md); a predictor named by
+#: the user is fitted beside them; docs/lossless.md "Calibration on first use"
+FIRST_USE_TOKENS, FIRST_USE_CHUNK, FIRST_USE_PREDICTORS = 8192, 1024, ("below",)
 
 
 def calibration_dir(model: torch.nn.Module | str) -> Path:

@@ -8,7 +8,7 @@ import json
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar
 
-from .codec import DEFAULT_CODER, GENERATION_CODER, CodecConfig
+from .codec import CodecConfig
 from .jsonconfig import JsonConfig
 from .lossy import methods as _lossy_methods  # noqa: F401 (the registry line: LossyConfig checks names against it)
 from .lossy.settings import LossyConfig
@@ -50,20 +50,21 @@ class LosslessConfig(JsonConfig):
             calibration's per-channel statistics). ``"probe"`` / ``"twin"`` are refused here: they rerun the model
             to decode every block, so they are for storage only (``save_predictor`` or
             ``cache.save(path, predictor=...)``).
-        save_predictor: the predictor `CompressedCache.save` codes files with unless told otherwise: ``"generic"``
-            (the blocks generation codes: `load` adopts them without decoding, the first token of a 2,048-token
-            prefix comes 12x sooner than from a ``"context"`` file, which is 24 % smaller: docs/prefix_store.md);
-            any of `PREDICTORS`, ``"probe"`` / ``"twin"`` included.
+        save_predictor: the predictor `CompressedCache.save` codes files with unless told otherwise. ``"auto"``
+            (the default): calibrated storage, `predictors.registry.CALIBRATED_STORAGE`, where the cache's
+            calibration (given, or the model's saved one: found, never fitted by a save) has the heads it reads
+            and every layer holds every token; else ``"generic"`` (the blocks generation codes: `load` adopts
+            them without decoding). ``"generic"`` turns calibrated storage off; any of `PREDICTORS` names one,
+            ``"probe"`` / ``"twin"`` included (docs/lossless.md "Save / load").
         probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
         window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
             codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
-            source for their choices and bounds. ``coder`` None (the default) becomes `codec.GENERATION_CODER`,
-            ``"huff"``, with the ``"generic"`` predictor: the sign and exponent Huffman-coded per stream, mantissa
-            raw, decoded ~10x faster than ``"lanes"`` (the codec's own default, compiled interleaved rANS) for
-            ~0.28 bit/scalar more; a decode step decodes every block, so it takes the speed (docs/results/codec.md
-            13). With every other predictor it becomes ``"lanes"``: they are chosen for their rate, which
-            ``"huff"`` (contexts from mean / std, no finer model) would not use. Saves that code the tokens again (another
-            predictor than generation's) use ``"lanes"`` whatever this says (`CompressedCache.save`); files saved
+            source for their choices and bounds. ``coder`` None (the default) becomes the predictor's own coder
+            (`Predictor.coder`): ``"huff"`` for ``"generic"`` (sign and exponent Huffman-coded per stream,
+            mantissa raw, decoded ~10x faster than ``"lanes"`` for ~0.28 bit/scalar more: a decode step decodes
+            every block, so it takes the speed, docs/results/codec.md 13), the rate's coder for the predictors
+            chosen for their rate (docs/codec.md "Three coders" says which codes what). Saves that code the tokens
+            again use the predictor's `Predictor.storage_coder` whatever this says; files saved
             with ``"lanes"`` or ``"ans"`` still load (docs/results/codec.md 12.3). The other four differ from
             `CodecConfig`'s on purpose: the codec's are those of the ``ans`` format's first streams (which record only the
             fields that differ from them, so they keep their bytes), these the settings measured best inside
@@ -96,7 +97,8 @@ class LosslessConfig(JsonConfig):
     """
 
     predictor: str = checked("generic", check_choice, choices=predictor_registry.NAMES)
-    save_predictor: str = checked("generic", check_choice, choices=predictor_registry.NAMES)
+    save_predictor: str = checked(predictor_registry.AUTO, check_choice,
+                                  choices=(predictor_registry.AUTO, *predictor_registry.NAMES))
     probe_layer: int = checked(8, check_int, minimum=1)
     window: str = "fixed"
     fixed_window: int = 65536
@@ -116,8 +118,8 @@ class LosslessConfig(JsonConfig):
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
         validate(self, owner)  # the declared checks (`checked`); the codec's fields are `CodecConfig`'s (below)
-        if self.coder is None:  # the speed where statistics are per channel, the rate where a predictor models more
-            object.__setattr__(self, "coder", GENERATION_CODER if self.predictor == "generic" else DEFAULT_CODER)
+        if self.coder is None:  # the predictor's own choice (`Predictor.coder`)
+            object.__setattr__(self, "coder", predictor_registry.predictor_class(self.predictor).coder)
         if self.predictor in self.STORAGE_ONLY:
             fail(f"{owner}.predictor", f"cannot be {self.predictor!r}: it reruns the model to decode every block, "
                                       "which is impractical at every step of generate() (storage only); generate "

@@ -435,6 +435,17 @@ class CompressedCache(CacheFiles, Cache):
             self._calibration_pending = False  # after the lookup: one interrupted midway is tried again
         return self.calibration
 
+    def storage_calibration(self, predictors: tuple[str, ...]) -> Calibration | None:
+        """The calibration calibrated storage may use (`predictors.registry.storage_predictor`): the cache's own,
+        or for a pending ``calibration="auto"`` the model's saved one when it has the heads of ``predictors``
+        (found, never fitted: a default save must not wait minutes for a fit; `resolve_calibration` fits)."""
+        if self._calibration_pending and self.model is not None:
+            found, note = calibration_for(self.model, predictors=predictors, fit=False)
+            if found is not None:
+                self.calibration, self.calibration_note = found, note
+                self._calibration_pending = False
+        return self.calibration
+
     def layer(self, layer_idx: int) -> CompressedLayer:
         """The `CompressedLayer` at ``layer_idx`` (a clear error where there is none)."""
         self._check_layer_idx(layer_idx)
@@ -470,7 +481,8 @@ class CompressedCache(CacheFiles, Cache):
 
 #: ``stats()["calibration"]`` of an ``"auto"`` calibration still to be resolved (`CompressedCache.resolve_calibration`):
 #: the in-generation predictor reads none, the default save predictor does / does not
-PENDING_NOTE = "auto: found or fitted on first save (generation does not use one)"
+PENDING_NOTE = ("auto: looked up at the first save (found for calibrated storage, or fitted for a predictor named "
+                "there; generation does not use one)")
 PENDING_ON_REQUEST_NOTE = ("auto: found or fitted only for a save with a predictor that uses one (neither generation "
                            "nor the default save predictor does)")
 

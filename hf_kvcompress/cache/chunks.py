@@ -6,6 +6,7 @@ and filling a cache from checked chunks (adopted as they are, or decoded once). 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -20,11 +21,12 @@ from transformers.cache_utils import Cache
 
 from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration, calibration_for
-from ..config import CompressionConfig
+from ..config import CompressionConfig, LosslessConfig
 from ..errors import CacheFileError
 from ..identity import kv_shape, layer_types
 from ..layer import CompressedLayer
 from ..predictors import make_predictor
+from ..predictors.registry import AUTO, CALIBRATED_STORAGE, predictor_class, storage_predictor
 from ..predictors.rerun import layer_device
 from .binding import binding_problem
 from .cache import CompressedCache
@@ -62,13 +64,29 @@ class Chunks:
         self.model = model
         self.config = config
         self.chunk_tokens = chunk_tokens
-        self.predictor = predictor
+        self._requested = predictor
         self._secret = secret
         self._calibration = calibration
+        self._predictor: str | None = None
+
+    @property
+    def predictor(self) -> str:
+        """The predictor chunks are coded with: the store's, `predictors.registry.AUTO` resolved
+        (`storage_predictor`: calibrated storage where the model's calibration, given or found, allows it)."""
+        if self._predictor is None:
+            if self._requested == AUTO:
+                if self._calibration is None:  # found, never fitted: a store's first put must not wait for a fit
+                    heads = make_predictor(CALIBRATED_STORAGE).heads_name
+                    self._calibration, _ = calibration_for(self.model, predictors=(heads,), fit=False)
+                self._predictor = storage_predictor(AUTO, self._calibration)
+            else:
+                self._predictor = self._requested
+        return self._predictor
 
     @property
     def calibration(self) -> Calibration | None:
-        """The calibration chunks are coded with (a calibrated predictor: found or fitted on first use)."""
+        """The calibration chunks are coded with (a calibrated predictor: given, found, or fitted on first use
+        where the store names the predictor)."""
         if self.predictor != "generic" and self._calibration is None:
             self._calibration, _ = calibration_for(self.model, predictors=(self.predictor,))
         return self._calibration
@@ -98,8 +116,17 @@ class Chunks:
         """A block codec of the store's settings over ``blocks`` (the layer-below lookup of `context`); portable:
         chunks are read by other processes (and machines: LMCache tiers)."""
         predictor = make_predictor(self.predictor, calibration=self.calibration, portable=True)
-        return BlockCodec.over(self.config.lossless, predictor, self.calibration,
+        return BlockCodec.over(self.settings, predictor, self.calibration,
                                lambda layer, start: blocks.get((layer, start)))
+
+    @property
+    def settings(self) -> LosslessConfig:
+        """The lossless settings chunks are coded with: the caches' (generation's blocks, adopted as they are), with
+        the predictor's `Predictor.storage_coder` where chunks code with another predictor than generation."""
+        settings = self.config.lossless
+        if self.predictor == settings.predictor:
+            return settings
+        return dataclasses.replace(settings, coder=predictor_class(self.predictor).storage_coder)
 
     def encode(self, cache: Cache, index: int, key: bytes, namespace: bytes, row: np.ndarray,
                whole: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bytes:

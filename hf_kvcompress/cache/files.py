@@ -18,7 +18,6 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration
-from ..codec import DEFAULT_CODER
 from ..config import CompressionConfig
 from ..identity import model_identity
 from ..layer import CompressedLayer
@@ -26,7 +25,7 @@ from ..layer.hybrid import state_tensors
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
-from ..predictors.registry import reads_calibration
+from ..predictors.registry import AUTO, CALIBRATED_STORAGE, reads_calibration, storage_predictor
 from ..validation import check_bool, check_instance, check_path
 from ..version import __version__
 from .atomic import replace_file
@@ -49,10 +48,13 @@ class CacheFiles:
     def save(self: Any, path: str | Path, *, predictor: str | None = None, probe_layer: int | None = None,
              progress: bool = False) -> Path:
         """Write the whole cache (token ids, config, calibration fingerprint, streams) to one file, every
-        token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"generic"``: the file takes
-        generation's blocks as they are and `load` adopts them; ``"context"`` files are smaller, with a
-        calibration; ``"probe"``/``"twin"`` rerun the model here and at load). A predictor that reads a calibration first
-        resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on first use).
+        token coded with ``predictor`` (default: ``LosslessConfig.save_predictor``, ``"auto"``: calibrated storage,
+        `predictors.registry.CALIBRATED_STORAGE`, where the cache's calibration, or the model's saved one, has its
+        heads and every layer holds every token, else ``"generic"``). ``predictor="generic"`` turns calibrated
+        storage off: the file then takes generation's blocks as they are and `load` adopts them; another name codes
+        with it (``"probe"``/``"twin"`` rerun the model here and at load). A named predictor that reads a
+        calibration first resolves a pending ``calibration="auto"`` (`resolve_calibration`: found, or fitted on
+        first use); ``"auto"`` only finds one.
         The file is replaced atomically (a temporary file beside it, flushed to the disk, then renamed): a save that
         fails (a full disk, an interrupt, a killed process) leaves an existing file as it was.
         Raises ``TypeError`` for a ``path`` that is no str / os.PathLike or a ``self`` that is no `CompressedCache`
@@ -66,10 +68,13 @@ class CacheFiles:
                        "a CompressedCache (to keep a transformers DynamicCache's K/V, put it into a PrefixStore or "
                        "fill a CompressedCache)")
         target = _writable(path)
+        check_instance("save: predictor", predictor, str, "a predictor name", optional=True)
         name = predictor or self.config.lossless.save_predictor
-        if self.calibration_pending and reads_calibration(name):
+        if name == AUTO:
+            name = _auto_predictor(self)
+        elif self.calibration_pending and reads_calibration(name):
             self.resolve_calibration(predictor=name)
-        return save_cache(self, target, predictor=predictor, probe_layer=probe_layer, progress=progress)
+        return save_cache(self, target, predictor=name, probe_layer=probe_layer, progress=progress)
 
     @classmethod
     def load(cls, path: str | Path, *, model: torch.nn.Module | None = None,
@@ -137,6 +142,14 @@ def _writable(path: object) -> Path:
     return target
 
 
+def _auto_predictor(cache: CompressedCache) -> str:
+    """What a save codes with by default (`LosslessConfig.save_predictor` ``"auto"``): calibrated storage where
+    the cache's calibration (or the model's saved one) allows it and the file is of version 3, else ``"generic"``."""
+    heads = make_predictor(CALIBRATED_STORAGE, calibration=None).heads_name
+    calibration = cache.storage_calibration((heads,)) if _fits_version_3(cache) else None
+    return storage_predictor(AUTO, calibration)
+
+
 def _check_load_arguments(path: object, model: object, calibration: object, config: object, progress: object,
                           verify: object) -> None:
     """`CacheFiles.load`'s arguments, by type, before the file is read (one wording: `validation`)."""
@@ -176,6 +189,8 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
         raise ValueError("save: only caches that hold their tokens exactly (no lossy summary)")
     settings = cache.config.lossless
     name = predictor or settings.save_predictor
+    if name == AUTO:
+        name = _auto_predictor(cache)
     k = probe_layer or settings.probe_layer
     # portable: the file is read on other machines
     chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k, portable=True)
@@ -199,7 +214,7 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
     if cache.lossless is None or not coding.codes_like(cache.lossless):
         # the file codes every token again: for size (the codec's default coder), not for decode speed (a generation
         # coder such as ``huff``); a save that codes as generation keeps generation's blocks and their coder
-        coding = BlockCodec.over(dataclasses.replace(settings, coder=DEFAULT_CODER), chosen, cache.calibration,
+        coding = BlockCodec.over(dataclasses.replace(settings, coder=chosen.storage_coder), chosen, cache.calibration,
                                  lambda layer, start: blocks.get((layer, start)))
     if not chosen.practical_in_generation:
         coding.extras_source = chosen.model_extras(token_ids)

@@ -47,6 +47,7 @@ from ..config import CompressionConfig
 from ..errors import CacheFileError
 from ..identity import layer_types, model_identity
 from ..layer import CompressedLayer
+from ..predictors.registry import AUTO
 from ..version import __version__
 from .binding import bindable, binding_problem
 from .cache import CompressedCache
@@ -82,7 +83,9 @@ DEFAULT_MAX_BYTES = 8 << 30
 #: LMCache's and vLLM's default chunk size: a chunk of this store and one of an LMCache deployment cover the same
 #: tokens
 DEFAULT_CHUNK_TOKENS = 256
-PREDICTORS = ("generic", "context", "below")
+#: the predictors a store may name: `AUTO` (calibrated storage where the model's calibration allows it, the default),
+#: ``"generic"`` (turns it off) and the calibrated ones whose blocks need no model rerun
+PREDICTORS = (AUTO, "generic", "context", "below")
 
 
 @dataclass
@@ -117,10 +120,11 @@ class PrefixStore:
             `MARKER` file); several models may share one.
         max_bytes: bound on the folder's chunk bytes (default `DEFAULT_MAX_BYTES` or a quarter of the free disk).
         chunk_tokens: tokens per chunk, a multiple of the cache's ``block_tokens`` (128).
-        predictor: ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding), ``"below"`` (the
-            layer below through the calibration's maps, a kind at a time: docs/results/lossless.md "Calibrated
-            coding in batches (issue 34)") or ``"context"``
-            (the model's calibration, found or fitted on first use: ~0.52x raw, transcoded on lookup).
+        predictor: ``"auto"`` (the default: calibrated storage, `predictors.registry.CALIBRATED_STORAGE`, where
+            ``calibration`` or the model's saved calibration, found and never fitted here, has its heads; else
+            ``"generic"``), ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding; turns
+            calibrated storage off), ``"below"`` or ``"context"`` (the model's calibration, found or fitted on first
+            use: ~0.52x raw, transcoded on lookup); docs/prefix_store.md "Calibrated chunks".
         config: the lossless configuration of the caches `cache_for` returns (default ``CompressionConfig()``).
         secret: bytes that key an HMAC-SHA256 over every chunk instead of the plain SHA-256, for a folder that
             others can write (docs/prefix_store.md "Trust"); stores with other secrets never share chunks.
@@ -132,7 +136,7 @@ class PrefixStore:
     """
 
     def __init__(self, model: torch.nn.Module, *, path: str | os.PathLike | None = None,
-                 max_bytes: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, predictor: str = "generic",
+                 max_bytes: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, predictor: str = AUTO,
                  config: CompressionConfig | None = None, calibration: Calibration | None = None,
                  secret: bytes | None = None):
         if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "get_text_config"):
@@ -163,7 +167,6 @@ class PrefixStore:
         self.model = model
         self.config = config
         self.chunk_tokens = chunk_tokens
-        self.predictor = predictor
         self._secret = secret
         self._root_fd: int | None = None
         _check_bindable(model)
@@ -201,6 +204,11 @@ class PrefixStore:
         return self.chunks.calibration
 
     @property
+    def predictor(self) -> str:
+        """The predictor chunks are coded with (``"auto"`` resolved on first use: `Chunks.predictor`)."""
+        return self.chunks.predictor
+
+    @property
     def folder(self) -> Path:
         """This model's (and settings') chunks (a path for people and listings: the store itself opens the name
         under its root's descriptor, `_folder`)."""
@@ -223,7 +231,7 @@ class PrefixStore:
                 "predictor": self.predictor,
                 "chunk_tokens": self.chunk_tokens,
                 # what the chunks' bytes depend on; not workers, decoded_budget, save_predictor, residual_tokens
-                "codec": {name: getattr(self.config.lossless, name) for name in self.config.lossless.CODEC_FIELDS},
+                "codec": {name: getattr(self.chunks.settings, name) for name in self.config.lossless.CODEC_FIELDS},
                 "block_tokens": self.config.block_tokens,
                 "calibration": calibration.meta["tensors_sha256"] if calibration is not None else None,
             }

@@ -183,6 +183,12 @@ class Predictor(ABC):
     needs_calibration: ClassVar[bool] = False
     #: `Calibration.fit` fits heads for it (see `linear.CalibratedLinearPredictor`)
     fitted_by_calibration: ClassVar[bool] = False
+    #: the coder its blocks are coded with in generation when `LosslessConfig.coder` names none (one decision
+    #: per predictor, from the measured frontier: docs/codec.md "Three coders")
+    coder: ClassVar[str] = "lanes"
+    #: the coder a file or a stored chunk codes its tokens with when they are coded again (not generation's
+    #: blocks taken as they are): for size (docs/codec.md "Three coders")
+    storage_coder: ClassVar[str] = "lanes"
 
     def __init__(self, *, portable: bool = False):
         #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every

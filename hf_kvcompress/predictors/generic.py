@@ -127,6 +127,7 @@ class GenericPredictor(Predictor):
 
     name = "generic"
     exact_everywhere = True
+    coder = "huff"  # per-channel statistics: the decode step takes the speed (docs/results/codec.md 13)
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return block_stats(keys, values)

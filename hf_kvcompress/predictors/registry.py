@@ -22,6 +22,28 @@ STORAGE_ONLY: tuple[str, ...] = tuple(n for n, cls in PREDICTORS.items() if not 
 FITTED: tuple[str, ...] = tuple(n for n, cls in PREDICTORS.items() if cls.fitted_by_calibration)
 
 
+#: the storage paths' default name (`LosslessConfig.save_predictor`, `PrefixStore`'s ``predictor``): calibrated
+#: storage where a calibration allows it (`storage_predictor`)
+AUTO = "auto"
+#: what calibrated storage codes with: the point of the measured frontier chosen for files and stored chunks
+#: (docs/results/lossless.md, "Calibrated storage (issue 48)"): the `below` maps on integer grids, whose statistics
+#: every CPU computes alike, so a file or chunk is coded once, with no settled listing
+CALIBRATED_STORAGE = "below"
+
+
+def storage_predictor(name: str, calibration, *, every_token_everywhere: bool = True) -> str:
+    """The predictor a storage path (a save, a store's chunks) codes with: ``name`` itself, or for `AUTO`
+    `CALIBRATED_STORAGE` where ``calibration`` holds the heads it reads and ``every_token_everywhere`` (every
+    layer holds every token: it reads the layer below), else ``"generic"``."""
+    if name != AUTO:
+        predictor_class(name)  # an unknown name: ValueError naming the choices
+        return name
+    if calibration is None or not every_token_everywhere:
+        return "generic"
+    heads = make_predictor(CALIBRATED_STORAGE, calibration=calibration).heads_name
+    return CALIBRATED_STORAGE if heads in calibration.predictors else "generic"
+
+
 def predictor_class(name: str) -> type[Predictor]:
     """The class registered as ``name`` (ValueError naming the choices otherwise)."""
     if name not in PREDICTORS:
@@ -31,7 +53,10 @@ def predictor_class(name: str) -> type[Predictor]:
 
 def reads_calibration(name: str) -> bool:
     """Whether the predictor called ``name`` codes with a calibration when it has one (``context``, ``none``,
-    ``probe``, ``twin``); ``generic``, ``framed`` and ``self`` never read one."""
+    ``probe``, ``twin``; `AUTO`, calibrated storage, where one is found); ``generic``, ``framed`` and ``self`` never
+    read one."""
+    if name == AUTO:
+        return True
     cls = predictor_class(name)
     return bool(cls.fitted_by_calibration or cls.needs_calibration)
 

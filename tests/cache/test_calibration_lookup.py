@@ -46,15 +46,15 @@ def test_first_use_fits_saves_and_later_caches_find_it(user_cache, model, fits, 
     with torch.no_grad():
         model(random_ids(1, 40), cache=cache)
     cache.save(tmp_path / "first.kvc")
-    assert fits == [["context"]]
+    assert fits == [["below", "context"]]
     assert folder.is_relative_to(user_cache) and (folder / META_FILE).is_file() and (folder / TENSORS_FILE).is_file()
     assert cache.stats()["calibration"] == f"fitted on first use, saved to {folder}"
     assert f"saved to {folder}" in capsys.readouterr().err  # the one-line note
-    assert cache.calibration.predictors == ["context"]
+    assert cache.calibration.predictors == ["below", "context"]  # the first-use heads and the named ones
 
     again = CompressedCache(LOSSLESS, model=model)
     assert again.resolve_calibration() is again.calibration
-    assert fits == [["context"]]  # found, not fitted again
+    assert fits == [["below", "context"]]  # found, not fitted again
     assert again.stats()["calibration"] == str(folder)
     assert again.calibration.digest == cache.calibration.digest
 
@@ -75,7 +75,7 @@ def test_first_use_fits_saves_and_later_caches_find_it(user_cache, model, fits, 
     assert read_header(path)["predictor"]["name"] == "context"
     assert again.stats()["calibration_bytes"] == 0
     loaded = CompressedCache.load(path, model=model)
-    assert fits == [["context"]]
+    assert fits == [["below", "context"]]
     for a, b in zip(again.kv_layers(), loaded.kv_layers()):
         assert torch.equal(a.keys.view(torch.int16), b.keys.view(torch.int16))
         assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))

@@ -54,13 +54,13 @@ def test_the_default_cache_looks_nothing_up_at_construction(user_cache, model, l
     for config in (CompressionConfig(mode="lossless"), LOSSLESS):
         cache = CompressedCache(config, model=model)
         assert lookups == [] and cache.calibration is None and cache.calibration_pending
-        assert cache.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
+        assert cache.stats()["calibration"] == PENDING_NOTE  # the default save looks one up (never fits it)
     assert not (user_cache / "calibrations").exists()
     assert "hf_kvcompress:" not in capsys.readouterr().err  # no first-use line, no progress bar
 
     cache = filled(LOSSLESS, model, tokens=70)  # sealed blocks, coded without a calibration
     stats = cache.stats()
-    assert lookups == [] and stats["predictor"] == "generic" and stats["calibration"] == PENDING_ON_REQUEST_NOTE
+    assert lookups == [] and stats["predictor"] == "generic" and stats["calibration"] == PENDING_NOTE
     assert stats["calibration_bytes"] == 0 and stats["held_bytes"] == held_bytes_walked(cache)
 
 
@@ -96,7 +96,7 @@ def test_the_first_save_looks_up_once(user_cache, model, lookups, tmp_path, caps
     assert lookups == [model] and not cache.calibration_pending
     assert f"saved to {folder}" in capsys.readouterr().err  # the first-use line, at the save
     assert cache.stats()["calibration"] == f"fitted on first use, saved to {folder}"
-    assert cache.calibration.predictors == ["context"]
+    assert cache.calibration.predictors == ["below", "context"]  # the first-use heads and the named ones
     header = read_header(first)
     assert header["predictor"]["name"] == "context" and header["calibration_sha256"] == cache.calibration.digest
     stats = cache.stats()  # the heads read for the save are dropped again: generation does not hold them
@@ -117,7 +117,7 @@ def test_the_first_save_looks_up_once(user_cache, model, lookups, tmp_path, caps
 def test_a_generic_save_never_looks_up(user_cache, model, lookups, tmp_path):
     cache = filled(LOSSLESS, model)
     path = cache.save(tmp_path / "generic.kvc", predictor="generic")
-    assert lookups == [] and cache.calibration_pending and cache.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
+    assert lookups == [] and cache.calibration_pending and cache.stats()["calibration"] == PENDING_NOTE
     assert read_header(path)["calibration_sha256"] is None
     loaded = CompressedCache.load(path, model=model)  # a file without a calibration: loaded without one
     assert lookups == [] and loaded.calibration is None and not loaded.calibration_pending
@@ -126,6 +126,10 @@ def test_a_generic_save_never_looks_up(user_cache, model, lookups, tmp_path):
     assert generic.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
     generic.save(tmp_path / "default.kvc")
     assert lookups == [] and not (user_cache / "calibrations").exists()
+    filled(LOSSLESS, model).save(tmp_path / "auto.kvc")  # calibrated storage looks one up, never fits one
+    assert len(lookups) == 1 and not (user_cache / "calibrations").exists()
+    assert read_header(tmp_path / "auto.kvc")["predictor"]["name"] == "generic"
+    lookups.clear()
     path = generic.save(tmp_path / "asked.kvc", predictor="context")  # a save that asks for one resolves it
     assert lookups == [model] and read_header(path)["calibration_sha256"] == generic.calibration.digest
 
@@ -170,5 +174,5 @@ def test_an_interrupted_lookup_stays_pending(user_cache, model, monkeypatch):
     cache = CompressedCache(LOSSLESS, model=model)
     with pytest.raises(KeyboardInterrupt):
         cache.resolve_calibration()
-    assert cache.calibration_pending and cache.calibration is None and cache.stats()["calibration"] == PENDING_ON_REQUEST_NOTE
+    assert cache.calibration_pending and cache.calibration is None and cache.stats()["calibration"] == PENDING_NOTE
     assert cache.resolve_calibration() is not None and len(calls) == 2 and not cache.calibration_pending

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import read_header
 from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.predictors.registry import CALIBRATED_STORAGE
 from hf_kvcompress_eval.env import walk_held_bytes
 
 LAYERS = 6
@@ -165,21 +166,28 @@ def test_crop_then_continue_is_identical(budget):
     assert held == walked
 
 
-def test_defaults_generate_and_save_with_block_statistics(tmp_path):
-    """The default file holds the blocks generation codes (loads adopt them, docs/prefix_store.md); a calibrated
-    save is asked for by name."""
+def test_defaults_generate_with_block_statistics_and_save_calibrated(tmp_path):
+    """Generation codes with block statistics; the default file is calibrated storage where the cache has a
+    calibration with its heads (docs/lossless.md "Save / load"), generation's blocks as they are with
+    ``predictor="generic"`` (loads adopt them, docs/prefix_store.md)."""
     config = CompressionConfig(mode="lossless")
     assert (config.block_tokens, config.residual_tokens) == (128, 0)
-    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "generic", "huff")
+    assert (config.lossless.predictor, config.lossless.save_predictor, config.lossless.coder) == ("generic", "auto", "huff")
     cache = CompressedCache(CompressionConfig(mode="lossless", block_tokens=BLOCK), model=model6(),
                             calibration=calibration6())
     assert cache.lossless.predictor.name == "generic" and cache.lossless.depth == 0
     ids = prefill(cache, 40)
-    path = cache.save(tmp_path / "g.kvc")
+    path = cache.save(tmp_path / "g.kvc", predictor="generic")
     header = read_header(path)
     assert header["predictor"]["name"] == "generic" and header["calibration_sha256"] is None
-    calibrated = cache.save(tmp_path / "c.kvc", predictor="context")
-    assert read_header(calibrated)["calibration_sha256"] == calibration6().digest
+    calibrated = cache.save(tmp_path / "c.kvc")
+    header = read_header(calibrated)
+    assert header["predictor"]["name"] == CALIBRATED_STORAGE
+    assert header["calibration_sha256"] == calibration6().digest
+    uncalibrated = CompressedCache(CompressionConfig(mode="lossless", block_tokens=BLOCK), model=model6(),
+                                   calibration=None)
+    prefill(uncalibrated, 40)
+    assert read_header(uncalibrated.save(tmp_path / "u.kvc"))["predictor"]["name"] == "generic"  # nothing changes
     for saved in (path, calibrated):
         loaded = CompressedCache.load(saved, model=model6(), calibration=calibration6())
         for a, b in zip(cache.kv_layers(), loaded.kv_layers()):

@@ -87,8 +87,9 @@ def test_bad_settings_name_the_field_at_construction(settings, field):
 
 
 def test_json_written_before_loads_and_a_default_config_writes_the_same_bytes():
-    assert CompressionConfig().to_json() == DEFAULT_JSON
-    assert CompressionConfig.from_json(DEFAULT_JSON) == CompressionConfig()
+    # the default config of before, but for calibrated storage by default since (issue 48: "auto")
+    assert CompressionConfig().to_json() == DEFAULT_JSON.replace('"save_predictor": "generic"', '"save_predictor": "auto"')
+    assert CompressionConfig.from_json(DEFAULT_JSON) == CompressionConfig(lossless={"save_predictor": "generic"})
     summary = LossyConfig.from_dict(OLD_SUMMARY)
     assert summary.settings == SummarySettings(1.5, 0.2, "entropy", False, 0.01) and summary.entry_format == "int8"
     assert summary.to_dict() == OLD_SUMMARY and list(summary.to_dict()) == list(OLD_SUMMARY)
