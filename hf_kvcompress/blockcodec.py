@@ -203,26 +203,29 @@ class BlockCodec:
             # from), each block's tensors contiguous
             kb, vb = (t.cpu().unflatten(2, (count, tokens)).permute(2, 0, 1, 3, 4).contiguous() for t in (keys, values))
             side = self.predictor.blocks_side_data(layer, kb.flatten(0, 1), vb.flatten(0, 1), starts)
+            # each block's own tensors (what its session finishes with): the pool and the chain memo then share
+            # them (`owned`) instead of copying a view of all of them each
+            own = [(k.clone(), v.clone()) for k, v in zip(kb, vb)]
             config = self.codec_for(layer)
             stacked = None
             if self.extras_source is None and self.depth == 0 and kb.shape[-1] == vb.shape[-1]:
                 stacked = self.predictor.predict_blocks(side, count, heads)
             if stacked is not None:  # sessions that are `PlainSession`s with nothing below (`record_decoded`)
                 coded = encode_stacked(kb, vb, *stacked, config, self.workers)
-                finished = [LayerValues(kb[i], vb[i], torch.ones(batch, tokens)) for i in range(count)]
+                finished = [LayerValues(k, v, torch.ones(batch, tokens)) for k, v in own]
             else:
                 sessions = [self.predictor.session(self._inputs(layer, at, tokens, batch, _rows(side, i, batch)))
                             for i, at in enumerate(starts)]
-                coded = encode_blocks([EncodeItem(session, kb[i], vb[i], config) for i, session in enumerate(sessions)],
+                coded = encode_blocks([EncodeItem(session, *own[i], config) for i, session in enumerate(sessions)],
                                       self.workers)
-                finished = [session.finish(kb[i], vb[i]) for i, session in enumerate(sessions)]
+                finished = [session.finish(*own[i]) for i, session in enumerate(sessions)]
             blocks = []
             for i, at in enumerate(starts):
                 rows = [CodedRow(coded[i].blobs[b], coded[i].codes[b],
                                  {name: t[i * batch + b].clone() for name, t in side.items()}, _listing(coded[i], b))
                         for b in range(batch)]
                 block = CodedBlock(layer, at, tokens, rows, heads, dim, kb.dtype, device, value_dim=vb.shape[-1])
-                self._sealed(block, kb[i], vb[i], finished[i])
+                self._sealed(block, *own[i], finished[i])
                 blocks.append(block)
         return blocks
 
