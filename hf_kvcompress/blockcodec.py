@@ -30,6 +30,7 @@ from .blockcoder import (
     compact,
     decode_blocks,
     encode_blocks,
+    encode_stacked,
     one_thread,
     scale_factors,
 )
@@ -178,18 +179,60 @@ class BlockCodec:
     def encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
         """Code ``keys`` / ``values`` (``[rows, heads, tokens, width]``) of ``layer`` starting at text position
         ``start``; the block's decoded tensors will go to ``keys``' device."""
+        return self.encode_blocks(layer, keys, values, start, keys.shape[-2])[0]
+
+    def encode_blocks(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int,
+                      tokens: int) -> list[CodedBlock]:
+        """`encode_block` of consecutive blocks of ``tokens`` each: ``keys`` / ``values`` ``[rows, heads, count *
+        tokens, width]`` from text position ``start`` (a prefill or a load seals many at once). Coded in one pass:
+        their side data in one call (`Predictor.blocks_side_data`), their statistics in one call where the
+        predictor predicts blocks together (`Predictor.predict_blocks`: `blockcoder.encode_stacked`, every stream
+        scaled at once), else a session per block; every block's streams in one codec call per shape. A
+        self-fitting predictor codes them one by one (a block's session reads what the earlier ones fitted)."""
+        total = keys.shape[-2]
+        if tokens <= 0 or total % tokens or not total:
+            raise ValueError(f"layer {layer}: {total} tokens are not whole blocks of {tokens}")
+        if self.predictor.self_fitting and total > tokens:
+            return [self.encode_blocks(layer, keys[..., at : at + tokens, :], values[..., at : at + tokens, :],
+                                       start + at, tokens)[0] for at in range(0, total, tokens)]
         with one_thread():
-            batch, heads, tokens, dim = keys.shape
-            device = keys.device  # where the block's decoded tensors go (the codec works on host copies)
-            keys, values = owned(keys.cpu()), owned(values.cpu())  # never pin the residual the block came from
-            side = self.predictor.block_side_data(layer, keys, values, start)
-            session = self.predictor.session(self._inputs(layer, start, tokens, batch, side))
-            [coded] = encode_blocks([EncodeItem(session, keys, values, self.codec_for(layer))], self.workers)
-            rows = [CodedRow(coded.blobs[b], coded.codes[b], {name: t[b].clone() for name, t in side.items()},
-                             _listing(coded, b)) for b in range(batch)]
-            block = CodedBlock(layer, start, tokens, rows, heads, dim, keys.dtype, device, value_dim=values.shape[-1])
-            self._keep(block, session.finish(keys, values))
-        return block
+            batch, heads, _, dim = keys.shape
+            count, device = total // tokens, keys.device  # where the blocks' decoded tensors go
+            starts = [start + i * tokens for i in range(count)]
+            # block-major host copies [blocks, rows, heads, tokens, width] (never pinning the residual they came
+            # from), each block's tensors contiguous
+            kb, vb = (t.cpu().unflatten(2, (count, tokens)).permute(2, 0, 1, 3, 4).contiguous() for t in (keys, values))
+            side = self.predictor.blocks_side_data(layer, kb.flatten(0, 1), vb.flatten(0, 1), starts)
+            # each block's own tensors (what its session finishes with): the pool and the chain memo then share
+            # them (`owned`) instead of copying a view of all of them each
+            own = [(k.clone(), v.clone()) for k, v in zip(kb, vb)]
+            config = self.codec_for(layer)
+            stacked = None
+            if self.extras_source is None and self.depth == 0 and kb.shape[-1] == vb.shape[-1]:
+                stacked = self.predictor.predict_blocks(side, count, heads)
+            if stacked is not None:  # sessions that are `PlainSession`s with nothing below (`record_decoded`)
+                coded = encode_stacked(kb, vb, *stacked, config, self.workers)
+                finished = [LayerValues(k, v, torch.ones(batch, tokens)) for k, v in own]
+            else:
+                sessions = [self.predictor.session(self._inputs(layer, at, tokens, batch, _rows(side, i, batch)))
+                            for i, at in enumerate(starts)]
+                coded = encode_blocks([EncodeItem(session, *own[i], config) for i, session in enumerate(sessions)],
+                                      self.workers)
+                finished = [session.finish(*own[i]) for i, session in enumerate(sessions)]
+            blocks = []
+            for i, at in enumerate(starts):
+                rows = [CodedRow(coded[i].blobs[b], coded[i].codes[b],
+                                 {name: t[i * batch + b].clone() for name, t in side.items()}, _listing(coded[i], b))
+                        for b in range(batch)]
+                block = CodedBlock(layer, at, tokens, rows, heads, dim, kb.dtype, device, value_dim=vb.shape[-1])
+                self._sealed(block, *own[i], finished[i])
+                blocks.append(block)
+        return blocks
+
+    def _sealed(self, block: CodedBlock, keys: torch.Tensor, values: torch.Tensor, finished: LayerValues) -> None:
+        """Bookkeeping of a block just coded from ``keys`` / ``values``: what its session finished is kept as a
+        decode's would be (a cache's coding counts its raw bytes first)."""
+        self._keep(block, finished)
 
     def decoded(self, block: CodedBlock) -> LayerValues:
         """The block's exact keys and values (and surprise) on the host, decoding it (and what it needs) if not
@@ -427,6 +470,11 @@ class BlockCodec:
 def flat_values(values: LayerValues) -> LayerValues:
     """``values`` without its ``below`` chain, every tensor owned (what the chain memo and the cache's pool keep)."""
     return LayerValues(owned(values.keys), owned(values.values), owned(values.surprise), None)
+
+
+def _rows(side: dict[str, torch.Tensor], block: int, batch: int) -> dict[str, torch.Tensor]:
+    """Block ``block``'s rows of side data stacked block-major (``[blocks * batch, ...]``)."""
+    return {name: t[block * batch : (block + 1) * batch] for name, t in side.items()}
 
 
 def _listing(coded: CodedStreams, row: int) -> torch.Tensor | None:

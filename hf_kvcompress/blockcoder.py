@@ -78,9 +78,31 @@ def scale_factors(codes: np.ndarray) -> torch.Tensor:
 def choose_scale(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> int:
     """The quarter-octave std scale that fits this stream's residuals (outliers clipped at 5 sigma, which
     the mixture's wide component and escape pay for anyway)."""
+    z2 = _clipped_square(x, mean, std)
+    return scale_code(float(z2.mean()) if z2.numel() else 1.0)
+
+
+def choose_scales(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> np.ndarray:
+    """`choose_scale` of many streams at once: ``x`` ``[..., tokens, width]`` (each stream's elements contiguous,
+    as `choose_scale` reads one), ``mean`` / ``std`` broadcastable to it; int64 codes ``[...]``. The same codes: the
+    elementwise maths is IEEE, each stream's mean one contiguous row reduced as a stream alone is, and the log
+    the same Python ``math.log2`` (`scale_code`)."""
+    z2 = _clipped_square(x, mean, std)
+    lead = z2.shape[:-2]
+    if not z2.shape[-1] * z2.shape[-2]:
+        return np.full(lead, scale_code(1.0), dtype=np.int64)
+    ms = z2.flatten(-2).mean(-1)
+    return np.array([scale_code(v) for v in ms.reshape(-1).tolist()], dtype=np.int64).reshape(lead)
+
+
+def _clipped_square(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Each element's squared z-score against ``mean`` / ``std``, clipped at 25 (5 sigma; NaN and inf count 25)."""
     z = (x.to(torch.float32) - mean) / std.clamp_min(1e-30)
-    z2 = torch.nan_to_num(z.square(), nan=25.0, posinf=25.0).clamp(max=25.0)
-    ms = float(z2.mean()) if z2.numel() else 1.0
+    return torch.nan_to_num(z.square(), nan=25.0, posinf=25.0).clamp(max=25.0)
+
+
+def scale_code(ms: float) -> int:
+    """The scale code of a stream whose clipped mean squared z-score is ``ms``: ``round(2 log2 ms)``, clipped."""
     if ms <= 0.0:
         return SCALE_MIN
     return int(min(SCALE_MAX, max(SCALE_MIN, round(2.0 * math.log2(ms)))))
@@ -269,6 +291,41 @@ def encode_blocks(items: list[EncodeItem], threads: int = 1) -> list[CodedStream
             for head in range(item.keys.shape[1]):
                 item.session.observe(kind, head, (item.keys if kind == "k" else item.values)[:, head])
     return out
+
+
+def encode_stacked(keys: torch.Tensor, values: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                   config: CodecConfig, threads: int = 1) -> list[CodedStreams]:
+    """`encode_blocks` of same-shaped blocks whose statistics were predicted together (`Predictor.predict_blocks`:
+    sessions that are `independent`, not `portable`, keys and values of one width), the inverse of
+    `decode_stacked`: ``keys`` / ``values`` ``[blocks, rows, heads, tokens, width]``, ``mean`` / ``std`` ``[blocks,
+    2 * heads, rows, 1 or tokens, width]`` in `stream_order` (std unscaled). Every stream is scaled at once
+    (`choose_scales`) and all of them go to one codec call: the bytes `encode_blocks` gives each block through its
+    session, without Python per stream."""
+    count, rows, heads, tokens, width = keys.shape
+    # [blocks, streams, rows, tokens, width]: each stream's elements contiguous, as `encode_blocks` reads them
+    x = torch.stack([keys, values], 1).transpose(2, 3).reshape(count, 2 * heads, rows, tokens, width)
+    codes = choose_scales(x, mean, std)
+    lead = (count, 2 * heads, rows)
+    # channel-major statistics compacted per stream (`_scaled`'s ``compact``), the std scaled by its float32 factor
+    blobs = encode_streams(x.view(-1, tokens, width).transpose(1, 2), _per_stream(mean.transpose(-1, -2), lead),
+                           _per_stream(std.transpose(-1, -2), lead) * scale_factors(codes).view(-1, 1, 1), config,
+                           threads=threads)
+    out = []
+    for i in range(count):
+        block = codes[i].T  # [rows, streams]
+        at = i * 2 * heads * rows
+        out.append(CodedStreams([array("b", block[b].tolist()) for b in range(rows)],
+                                [blobs[at + b : at + 2 * heads * rows : rows] for b in range(rows)]))
+    return out
+
+
+def _per_stream(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """Statistics ``[*lead, width, 1 or tokens]`` (leading dims broadcastable to ``lead``) as one ``[streams,
+    ...]`` tensor, each stream's two trailing dims `compact` as `_scaled` makes them (a broadcast dim cut to 1)."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for stride, size in zip(t.stride()[-2:], t.shape[-2:]))
+    t = t[(..., *index)]
+    return t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:])
 
 
 def decode_blocks(items: list[DecodeItem], threads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

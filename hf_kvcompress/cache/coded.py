@@ -75,9 +75,9 @@ class LosslessCoding(BlockCodec):
     def sealed_raw_bytes(self, value: int) -> None:
         self.pool.sealed_raw_bytes = value
 
-    def encode_block(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedBlock:
+    def _sealed(self, block: CodedBlock, keys: torch.Tensor, values: torch.Tensor, finished: LayerValues) -> None:
         self.pool.sealed_raw_bytes += (keys.numel() + values.numel()) * keys.element_size()  # before the pool sees it
-        return super().encode_block(layer, keys, values, start)
+        super()._sealed(block, keys, values, finished)
 
     def read_layers(self, layers: list[list[Block]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """`read_all` of several layers' blocks, bottom layer first. When the predictor reads no layer below and is
@@ -328,6 +328,9 @@ class CodedStorage(Storage):
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, *, start: int) -> CodedBlock:
         return self.coding.encode_block(self.layer, keys, values, start)
+
+    def hold_blocks(self, keys: torch.Tensor, values: torch.Tensor, *, start: int, tokens: int) -> list[CodedBlock]:
+        return self.coding.encode_blocks(self.layer, keys, values, start, tokens)
 
     def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.coding.read_all(blocks)

@@ -309,15 +309,19 @@ class CompressedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ internals
 
     def _seal_full_blocks(self) -> None:
-        while self.seals and self.residual_length >= self.residual_tokens + self.block_tokens:
-            n = self.block_tokens
-            start = self.seen_tokens - self.residual_length
-            block = self.storage.hold(self.residual_keys[..., :n, :], self.residual_values[..., :n, :], start=start)
-            self.blocks.append(block)
-            self.block_starts.append(start)
-            # copies: a slice would keep the whole pre-seal residual alive
-            self.residual_keys = owned(self.residual_keys[..., n:, :])
-            self.residual_values = owned(self.residual_values[..., n:, :])
+        """Seal every full block the residual holds beyond ``residual_tokens``, all in one `Storage.hold_blocks`
+        call: a prefill or a load seals many at once, which a coding storage codes in one batch."""
+        count = (self.residual_length - self.residual_tokens) // self.block_tokens if self.seals else 0
+        if count <= 0:
+            return
+        n = count * self.block_tokens
+        start = self.seen_tokens - self.residual_length
+        self.blocks.extend(self.storage.hold_blocks(self.residual_keys[..., :n, :], self.residual_values[..., :n, :],
+                                                    start=start, tokens=self.block_tokens))
+        self.block_starts.extend(range(start, start + n, self.block_tokens))
+        # copies: a slice would keep the whole pre-seal residual alive
+        self.residual_keys = owned(self.residual_keys[..., n:, :])
+        self.residual_values = owned(self.residual_values[..., n:, :])
 
     def _drop_out_of_window(self, force: bool = False) -> None:
         """Hook: drop what no future query can reach (nothing on a full-attention layer)."""

@@ -50,6 +50,13 @@ class Storage(ABC):
         """Seal ``keys``/``values`` (``[batch, kv_heads, tokens, head_dim]``) that begin at text position
         ``start``."""
 
+    def hold_blocks(self, keys: torch.Tensor, values: torch.Tensor, *, start: int, tokens: int) -> list[Block]:
+        """Seal ``keys``/``values`` (``[batch, kv_heads, count * tokens, head_dim]``, beginning at text position
+        ``start``) as ``count`` blocks of ``tokens`` each, in order: what `hold` of each gives (a storage may seal
+        them in one batch; this one holds them one by one)."""
+        return [self.hold(keys[..., at : at + tokens, :], values[..., at : at + tokens, :], start=start + at)
+                for at in range(0, keys.shape[-2], tokens)]
+
     def read_all(self, blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``block.read()`` of each block, in order (a storage may read a layer's blocks in one batch)."""
         return [block.read() for block in blocks]

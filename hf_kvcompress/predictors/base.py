@@ -289,6 +289,16 @@ class Predictor(ABC):
         depends on the positions overrides this; `side_data` then gives the shapes)."""
         return self.side_data(layer, keys, values)
 
+    def blocks_side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                         starts: list[int]) -> dict[str, torch.Tensor]:
+        """`block_side_data` of ``len(starts)`` same-shaped blocks at once: ``keys`` / ``values`` their rows
+        block-major (``[blocks * batch, heads, tokens, width]``), each side tensor likewise. Block by block here; a
+        predictor whose side data is per row and position-free computes them in one pass."""
+        batch = keys.shape[0] // len(starts)
+        parts = [self.block_side_data(layer, keys[i * batch : (i + 1) * batch], values[i * batch : (i + 1) * batch],
+                                      at) for i, at in enumerate(starts)]
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
     def model_extras(self, token_ids: torch.Tensor) -> ExtrasSource | None:
         """Inputs computed by rerunning (part of) the model on the cached tokens, or None if not needed."""
         return None

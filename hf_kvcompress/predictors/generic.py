@@ -135,6 +135,12 @@ class GenericPredictor(Predictor):
     def session(self, inputs: BlockInputs) -> PredictorSession:
         return BlockStatsSession(inputs)
 
+    def blocks_side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                         starts: list[int]) -> dict[str, torch.Tensor]:
+        # per row and position-free: every block's rows in one pass (each row's statistics reduce its tokens
+        # alone, as a block on its own does)
+        return block_stats(keys, values)
+
     def below_depth(self) -> int:
         return 0
 

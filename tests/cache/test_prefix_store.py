@@ -496,15 +496,17 @@ def test_put_refuses_a_lossy_cache(tmp_path):
 
 @pytest.fixture
 def encodes(monkeypatch) -> list[int]:
-    """Blocks coded (`BlockCodec.encode_block` calls) from now on."""
+    """The layer of each block coded from now on (`BlockCodec.encode_blocks`, which `encode_block` and a layer's
+    seal go through)."""
     calls = []
-    original = BlockCodec.encode_block
+    original = BlockCodec.encode_blocks
 
     def counting(self, *args, **kwargs):
-        calls.append(args[0])
-        return original(self, *args, **kwargs)
+        blocks = original(self, *args, **kwargs)
+        calls.extend(args[0] for _ in blocks)
+        return blocks
 
-    monkeypatch.setattr(BlockCodec, "encode_block", counting)
+    monkeypatch.setattr(BlockCodec, "encode_blocks", counting)
     return calls
 
 
