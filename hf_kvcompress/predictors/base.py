@@ -183,6 +183,9 @@ class Predictor(ABC):
     needs_calibration: ClassVar[bool] = False
     #: `Calibration.fit` fits heads for it (see `linear.CalibratedLinearPredictor`)
     fitted_by_calibration: ClassVar[bool] = False
+    #: the name of another predictor whose calibration head set it codes with (None: its own name): a fit asked
+    #: for it fits that head set, and a calibration with that head set serves it (`registry.head_set`)
+    reads_heads_of: ClassVar[str | None] = None
 
     def __init__(self, *, portable: bool = False):
         #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every
