@@ -206,4 +206,4 @@ def det_sincos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     quadrant = n & 3
     sin = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [s, c, -s], -c)
     cos = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [c, -s, -c], s)
-    return np.where(x < 0, -sin, sin), cos
+    return np.where(np.signbit(x), -sin, sin), cos  # sin(-0.0) = -0.0
