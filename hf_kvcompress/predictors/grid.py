@@ -12,8 +12,10 @@ mean from integers:
 - ``q @ qW`` is then a sum of integers of at most ``127 * 127``: a float32 product is exact, whatever the order, as
   long as every partial sum stays below 2^24, i.e. for up to `EXACT_FEATURES` features (longer sums go in chunks of
   that many, added in float64 in a fixed order: integers below 2^53, exact);
-- the mean is ``bias + 2^(T_j-7) * sum`` in float64 (the power of two exact, the one addition correctly rounded),
-  rounded once to float32. The bias is added apart, unquantized, so the column's 7 bits go to the features.
+- the mean is ``sum * 2^(T_j-7) + bias`` in float32: the integer sum and its power-of-two scaling are exact, the
+  addition one correctly rounded operation (in float64, then rounded to float32, where the scale is beyond float32's
+  range or the sum took several chunks). The bias is added apart, unquantized: the column's 7 bits go to the
+  features.
 
 RoPE tables come from `codec.detmath.det_sincos` (angles ``position * inv_freq`` are exact in float64) rounded once
 to float32; rotations are separate float32 multiplies and adds. The surprise (`below`'s per-token std multiplier)
@@ -112,10 +114,8 @@ def level_multipliers(alphas: list[float]) -> torch.Tensor:
 def squared_error_sums(errors: torch.Tensor) -> torch.Tensor:
     """``errors`` ``[..., heads, tokens, dim]`` (float32 standardised errors) -> int64 ``[..., tokens]``: the sum of
     their squares on the fixed-point grid (NaN counts 0, each square at most `E2_CAP`): exact in any order."""
-    squares = errors * errors
-    squares = torch.where(squares.isnan(), 0.0, squares).clamp(max=E2_CAP)
-    fixed = torch.floor(squares * 2.0**E2_BITS).to(torch.int64)
-    return fixed.sum(dim=(-3, -1))
+    fixed = (errors * errors).clamp_(max=E2_CAP).mul_(2.0**E2_BITS).floor_().nan_to_num_(nan=0.0)
+    return fixed.to(torch.int64).sum(dim=(-3, -1))
 
 
 def pow2(k: torch.Tensor) -> torch.Tensor:
@@ -129,12 +129,13 @@ def quantize_features(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[rows, tokens, features]`` (finite float32) -> integers ``|q| <= Q_MAX`` (float32) and the int64
     exponents ``E`` ``[rows, 1, features]`` with ``x ~ q * 2^(E - 7)``: per row and channel, from `torch.frexp` of
     the channel's largest ``|x|`` (exact operations: frexp, a power-of-two scaling, round half to even, clamp)."""
-    _, exponent = torch.frexp(x.abs().amax(dim=1, keepdim=True))
+    low, high = torch.aminmax(x, dim=1, keepdim=True)  # max |x| without an |x| tensor
+    _, exponent = torch.frexp(torch.maximum(high, -low))
     shift = 7 - exponent.to(torch.int64)  # -121 (2^128 > max) .. 155 (the smallest subnormal)
     scaled = x * pow2(shift.clamp(max=127)).to(torch.float32)
     if bool((shift > 127).any()):  # a channel of subnormals: the scale beyond float32's range, applied in two steps
-        scaled = scaled * pow2((shift - 127).clamp(min=0)).to(torch.float32)
-    return torch.round(scaled).clamp(-Q_MAX, Q_MAX), exponent.to(torch.int64)
+        scaled.mul_(pow2((shift - 127).clamp(min=0)).to(torch.float32))
+    return scaled.round_().clamp_(-Q_MAX, Q_MAX), exponent.to(torch.int64)
 
 
 def exact_float32_matmul() -> bool:
@@ -153,25 +154,40 @@ def grid_means(q: torch.Tensor, exponent: torch.Tensor, weight: torch.Tensor) ->
             f"calibrated head expects {weight.shape[0]} features, the grid predictor builds {1 + n}: the calibration "
             "was fitted with other predictor features; recalibrate (hf-kvcompress calibrate)"
         )
-    bias = weight[0].to(torch.float64)
     if n == 0:
-        return bias.to(torch.float32).expand(rows, tokens, -1).clamp(-F32_MAX, F32_MAX)
+        return weight[0].to(torch.float32).expand(rows, tokens, -1).clamp(-F32_MAX, F32_MAX)
     folded = weight[1:].to(torch.float64).unsqueeze(0) * pow2(exponent - 7).transpose(1, 2)  # exact
     _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))  # [rows, 1, out]
-    column = column.to(torch.int64)
-    qw = torch.round(folded * pow2(7 - column)).clamp(-Q_MAX, Q_MAX)
-    if not exact_float32_matmul():  # a reduced-precision float32 mode: float64 products are exact too
-        sums = torch.bmm(q.to(torch.float64), qw)
-    elif n <= EXACT_FEATURES:
-        sums = torch.bmm(q, qw.to(torch.float32)).to(torch.float64)
-    else:  # chunks of exact float32 sums, added in float64 in order (integers < 2^53)
-        qw32 = qw.to(torch.float32)
-        sums = torch.bmm(q[..., :EXACT_FEATURES], qw32[:, :EXACT_FEATURES]).to(torch.float64)
+    shift = column.to(torch.int64) - 7
+    qw = torch.round(folded * pow2(-shift)).clamp(-Q_MAX, Q_MAX)
+    if n > EXACT_FEATURES:  # chunks of exact float32 sums (float64 in a reduced-precision mode), added in order
+        sums = _integer_products(q[..., :EXACT_FEATURES], qw[:, :EXACT_FEATURES]).to(torch.float64)
         for start in range(EXACT_FEATURES, n, EXACT_FEATURES):
             end = start + EXACT_FEATURES
-            sums = sums + torch.bmm(q[..., start:end], qw32[:, start:end]).to(torch.float64)
-    means = bias + sums * pow2(column - 7)  # one rounding (the addition), then one to float32
-    return means.to(torch.float32).clamp(-F32_MAX, F32_MAX)
+            sums = sums + _integer_products(q[..., start:end], qw[:, start:end]).to(torch.float64)
+        return _scaled_in_float64(sums, shift, weight[0])
+    # |sums| < 2^24: exact in float32, and so is sums * 2^shift for a scale float32 holds (the bias added in one
+    # rounding); a column whose scale it does not hold (weights beyond ~2^-126 or 2^127) goes through float64
+    sums = _integer_products(q, qw).to(torch.float32)
+    within = (shift >= -126) & (shift <= 127)
+    outside = None if bool(within.all()) else _scaled_in_float64(sums.to(torch.float64), shift, weight[0])
+    means = sums.mul_(pow2(shift.clamp(-126, 127)).to(torch.float32)).add_(weight[0].to(torch.float32))
+    if outside is not None:
+        means = torch.where(within, means, outside)
+    return means.clamp_(-F32_MAX, F32_MAX)
+
+
+def _integer_products(q: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """``q @ qw`` of integer-valued operands (``[rows, tokens, <= EXACT_FEATURES]``, float64 ``qw``): float32 products
+    (exact: every partial sum < 2^24), or float64 ones under a reduced-precision float32 mode (exact too)."""
+    if exact_float32_matmul():
+        return torch.bmm(q, qw.to(torch.float32))
+    return torch.bmm(q.to(torch.float64), qw)
+
+
+def _scaled_in_float64(sums: torch.Tensor, shift: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``bias + sums * 2^shift`` in float64 (the power of two exact, the addition one rounding), then float32."""
+    return (sums * pow2(shift) + bias.to(torch.float64)).to(torch.float32).clamp(-F32_MAX, F32_MAX)
 
 
 class ExactRopeFrame(RopeFrame):

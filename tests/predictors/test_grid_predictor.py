@@ -111,19 +111,29 @@ def test_one_infinite_error_saturates_its_tokens_surprise():
 # ---------------------------------------------------------------------- exact products
 
 
-def test_grid_means_are_exact_integer_sums_in_chunks_and_reduced_precision_modes():
-    """2,500 features (three chunks of `EXACT_FEATURES`): the float32 products equal a float64 reference exactly,
-    under every thread count and a reduced-precision float32 matmul mode."""
+def reference_means(q, exponent, weight, float64: bool) -> torch.Tensor:
+    """`grid_means` written out: float64 integer products, scaled and biased in float32 (``float64``: in float64,
+    rounded once to float32)."""
+    folded = weight[1:].double().unsqueeze(0) * grid.pow2(exponent - 7).transpose(1, 2)
+    _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))
+    shift = column.long() - 7
+    sums = torch.bmm(q.double(), torch.round(folded * grid.pow2(-shift)).clamp(-127, 127))
+    if float64:
+        return (sums * grid.pow2(shift) + weight[0].double()).float().clamp(-grid.F32_MAX, grid.F32_MAX)
+    return (sums.float() * grid.pow2(shift).float() + weight[0]).clamp(-grid.F32_MAX, grid.F32_MAX)
+
+
+@pytest.mark.parametrize("features", [900, 2500])  # one exact float32 product; three chunks of `EXACT_FEATURES`
+def test_grid_means_are_exact_integer_sums_under_any_threads_and_reduced_precision(features):
+    """The float32 products equal a float64 reference exactly, under every thread count and a reduced-precision
+    float32 matmul mode; features spanning 2^-100..2^100 (every channel its own scale)."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 300, 2500, generator=g) * torch.logspace(-30, 30, 2500)
-    weight = torch.randn(2501, 96, generator=g)
+    x = torch.randn(2, 300, features, generator=g) * torch.logspace(-30, 30, features)
+    weight = torch.randn(features + 1, 96, generator=g)
     q, exponent = grid.quantize_features(x)
     assert q.abs().max() <= grid.Q_MAX and torch.equal(q, q.round())
     assert (q.abs().amax(dim=1) >= 64).all()  # every channel uses its 7 bits
-    folded = weight[1:].double().unsqueeze(0) * grid.pow2(exponent - 7).transpose(1, 2)
-    _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))
-    qw = torch.round(folded * grid.pow2(7 - column.long())).clamp(-127, 127)
-    want = (weight[0].double() + torch.bmm(q.double(), qw) * grid.pow2(column.long() - 7)).float()
+    want = reference_means(q, exponent, weight, features > grid.EXACT_FEATURES)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 4):
@@ -135,8 +145,24 @@ def test_grid_means_are_exact_integer_sums_in_chunks_and_reduced_precision_modes
     finally:
         torch.set_num_threads(threads)
         torch.set_float32_matmul_precision("highest")
-    with pytest.raises(ValueError, match="expects 2501 features"):
+    with pytest.raises(ValueError, match=f"expects {features + 1} features"):
         grid.grid_means(q[..., 1:], exponent[..., 1:], weight)
+
+
+def test_columns_scaled_beyond_float32_go_through_float64():
+    """Weights of 2^120 on features of 2^100 (a column scale near 2^213), and of 2^-30 on features of 2^-100 (near
+    2^-137): those columns in float64 (the huge one clamped to float32's largest), the others in float32."""
+    g = torch.Generator().manual_seed(2)
+    for size, scale, want_big in ((2.0**100, 2.0**120, True), (2.0**-100, 2.0**-30, False)):
+        q, exponent = grid.quantize_features(torch.randn(1, 20, 8, generator=g) * size)
+        weight = torch.randn(9, 2, generator=g)
+        weight[1:, 0] *= scale
+        weight[0, 0] = 0.0
+        got = grid.grid_means(q, exponent, weight)
+        assert (got[..., 0].abs() == grid.F32_MAX).all() if want_big else (got[..., 0].abs() < 2.0**-100).all()
+        assert (got[..., 0] != 0).all()
+        assert same_bits(got[..., 0], reference_means(q, exponent, weight, True)[..., 0])
+        assert same_bits(got[..., 1], reference_means(q, exponent, weight, False)[..., 1])
 
 
 def test_quantizing_subnormal_and_huge_channels_is_exact():
