@@ -36,7 +36,7 @@ import torch
 from ..codec.detmath import SINCOS_LIMIT, det_exp, det_sincos
 from .base import BlockInputs, LayerValues, PredictorSession, register
 from .below import BelowPredictor, PhasedHeads
-from .linear import F32_MAX, SURPRISE_RANGE, finite_features, nan_as_zero
+from .linear import F32_MAX, SURPRISE_RANGE, finite_features
 from .rope import RopeFrame
 
 #: the most features whose float32 integer dot product is exact: every partial sum of products ``|q q'| <= 127^2``
@@ -126,11 +126,15 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_features(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[rows, tokens, features]`` (finite float32) -> integers ``|q| <= Q_MAX`` (float32) and the int64
-    exponents ``E`` ``[rows, 1, features]`` with ``x ~ q * 2^(E - 7)``: per row and channel, from `torch.frexp` of
-    the channel's largest ``|x|`` (exact operations: frexp, a power-of-two scaling, round half to even, clamp)."""
-    low, high = torch.aminmax(x, dim=1, keepdim=True)  # max |x| without an |x| tensor
-    _, exponent = torch.frexp(torch.maximum(high, -low))
+    """``x`` ``[rows, tokens, features]`` (float32; NaN and infinities read as 0, as `linear.finite_features`) ->
+    integers ``|q| <= Q_MAX`` (float32) and the int64 exponents ``E`` ``[rows, 1, features]`` with
+    ``x ~ q * 2^(E - 7)``: per row and channel, from `torch.frexp` of the channel's largest ``|x|`` (exact
+    operations: frexp, a power-of-two scaling, round half to even, clamp)."""
+    top = x.abs().amax(dim=1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):  # checked on the maxima: a pass over x only where one is not finite
+        x = finite_features(x)
+        top = x.abs().amax(dim=1, keepdim=True)
+    _, exponent = torch.frexp(top)
     shift = 7 - exponent.to(torch.int64)  # -121 (2^128 > max) .. 155 (the smallest subnormal)
     scaled = x * pow2(shift.clamp(max=127)).to(torch.float32)
     if bool((shift > 127).any()):  # a channel of subnormals: the scale beyond float32's range, applied in two steps
@@ -145,10 +149,13 @@ def exact_float32_matmul() -> bool:
             and getattr(mkldnn, "fp32_precision", "none") in ("none", "ieee"))
 
 
-def grid_means(q: torch.Tensor, exponent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``[1, features] @ weight`` as `quantize_features` saw them (``q``, ``exponent`` ``[rows, tokens | 1, n]``;
-    ``weight`` ``[1 + n, out]``, row 0 the bias): float32 ``[rows, tokens, out]``, the same bits on every CPU."""
-    rows, tokens, n = q.shape
+def grid_means(pieces: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Tensor) -> torch.Tensor:
+    """``[1, features] @ weight`` of features as `quantize_features` gave them, piece by piece (``pieces``: ``q``
+    ``[rows, tokens, n_i]`` and its exponents ``[rows, 1, n_i]``, in the order of the weight's rows; ``weight``
+    ``[1 + sum n_i, out]``, row 0 the bias): float32 ``[rows, tokens, out]``, the same bits on every CPU."""
+    rows, tokens = pieces[0][0].shape[:2]
+    widths = [q.shape[-1] for q, _ in pieces]
+    n = sum(widths)
     if weight.shape[0] != 1 + n:
         raise ValueError(
             f"calibrated head expects {weight.shape[0]} features, the grid predictor builds {1 + n}: the calibration "
@@ -156,19 +163,28 @@ def grid_means(q: torch.Tensor, exponent: torch.Tensor, weight: torch.Tensor) ->
         )
     if n == 0:
         return weight[0].to(torch.float32).expand(rows, tokens, -1).clamp(-F32_MAX, F32_MAX)
+    exponent = torch.cat([e for _, e in pieces], dim=-1)
     folded = weight[1:].to(torch.float64).unsqueeze(0) * pow2(exponent - 7).transpose(1, 2)  # exact
     _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))  # [rows, 1, out]
     shift = column.to(torch.int64) - 7
     qw = torch.round(folded * pow2(-shift)).clamp(-Q_MAX, Q_MAX)
     if n > EXACT_FEATURES:  # chunks of exact float32 sums (float64 in a reduced-precision mode), added in order
+        q = torch.cat([q for q, _ in pieces], dim=-1)
         sums = _integer_products(q[..., :EXACT_FEATURES], qw[:, :EXACT_FEATURES]).to(torch.float64)
         for start in range(EXACT_FEATURES, n, EXACT_FEATURES):
             end = start + EXACT_FEATURES
             sums = sums + _integer_products(q[..., start:end], qw[:, start:end]).to(torch.float64)
         return _scaled_in_float64(sums, shift, weight[0])
-    # |sums| < 2^24: exact in float32, and so is sums * 2^shift for a scale float32 holds (the bias added in one
-    # rounding); a column whose scale it does not hold (weights beyond ~2^-126 or 2^127) goes through float64
-    sums = _integer_products(q, qw).to(torch.float32)
+    # every partial sum of the pieces together stays below 2^24: exact in float32 in any order, so the pieces are
+    # summed one after the other (no concatenated copy)
+    sums, row = None, 0
+    for (q, _), width in zip(pieces, widths, strict=True):
+        if width:
+            sums = _integer_products(q, qw[:, row : row + width], sums)
+        row += width
+    sums = sums.to(torch.float32)
+    # sums * 2^shift is exact in float32 for a scale float32 holds (the bias then added in one rounding); a column
+    # whose scale it does not hold (folded weights beyond ~2^-119 .. 2^134) goes through float64
     within = (shift >= -126) & (shift <= 127)
     outside = None if bool(within.all()) else _scaled_in_float64(sums.to(torch.float64), shift, weight[0])
     means = sums.mul_(pow2(shift.clamp(-126, 127)).to(torch.float32)).add_(weight[0].to(torch.float32))
@@ -177,12 +193,15 @@ def grid_means(q: torch.Tensor, exponent: torch.Tensor, weight: torch.Tensor) ->
     return means.clamp_(-F32_MAX, F32_MAX)
 
 
-def _integer_products(q: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
-    """``q @ qw`` of integer-valued operands (``[rows, tokens, <= EXACT_FEATURES]``, float64 ``qw``): float32 products
-    (exact: every partial sum < 2^24), or float64 ones under a reduced-precision float32 mode (exact too)."""
+def _integer_products(q: torch.Tensor, qw: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``into + q @ qw`` of integer-valued operands (``[rows, tokens, <= EXACT_FEATURES]``, float64 ``qw``): float32
+    products (exact while every partial sum stays below 2^24), or float64 ones under a reduced-precision float32
+    mode (exact too)."""
     if exact_float32_matmul():
-        return torch.bmm(q, qw.to(torch.float32))
-    return torch.bmm(q.to(torch.float64), qw)
+        qw = qw.to(torch.float32)
+    else:
+        q = q.to(torch.float64)
+    return torch.bmm(q, qw) if into is None else torch.baddbmm(into.to(qw.dtype), q, qw)
 
 
 def _scaled_in_float64(sums: torch.Tensor, shift: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -244,8 +263,7 @@ class GridLayer:
         if below[0] is not None:
             keys = self._unrotate(torch.stack([b.keys for b in below]).to(torch.float32))
             values = torch.stack([b.values for b in below]).to(torch.float32)
-            base = finite_features(torch.cat([self._flat(keys), self._flat(values)], dim=-1))
-            self.base = quantize_features(base)
+            self.base = quantize_features(torch.cat([self._flat(keys), self._flat(values)], dim=-1))
             self.level_below = level_of_surprise(torch.stack([b.surprise for b in below]).reshape(self.rows, -1))
         else:
             empty = torch.zeros(self.rows, self.tokens, 0)
@@ -279,9 +297,8 @@ class GridLayer:
         if kind == "v" and self.own_keys is None:
             raise RuntimeError("predict('v', ...) before every key head was observed")
         heads, dim, blocks, batch, tokens = self.count, self.dim, self.blocks, self.batch, self.tokens
-        q, exponent = self.base if kind == "k" else tuple(torch.cat([a, b], dim=-1)
-                                                         for a, b in zip(self.base, self.own_keys, strict=True))
-        framed = grid_means(q, exponent, self.heads.weight[kind])  # [rows, tokens, heads * dim]
+        pieces = [self.base] if kind == "k" else [self.base, self.own_keys]
+        framed = grid_means(pieces, self.heads.weight[kind])  # [rows, tokens, heads * dim]
         mean = framed.view(blocks, batch, tokens, heads, dim).transpose(2, 3)  # [blocks, batch, heads, tokens, dim]
         sigma = self.heads.sigma[kind]
         variance = (sigma * sigma)[:, None, :]  # [heads, 1, dim]
@@ -307,9 +324,9 @@ class GridLayer:
         stacked = torch.stack([seen[i] for i in range(self.blocks)]).to(torch.float32)  # [blocks, batch, heads, ...]
         framed = self._unrotate(stacked) if kind == "k" else stacked
         if kind == "k":
-            self.own_keys = quantize_features(finite_features(self._flat(framed)))
+            self.own_keys = quantize_features(self._flat(framed))
         predicted = self._phase[kind][0].view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
-        errors = (nan_as_zero(framed) - predicted) / self.heads.sigma[kind][:, None, :]
+        errors = (framed - predicted) / self.heads.sigma[kind][:, None, :]  # a NaN element counts 0
         self.errors[kind] = squared_error_sums(errors).reshape(self.rows, self.tokens)
 
     def finish(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:

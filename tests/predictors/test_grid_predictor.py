@@ -138,15 +138,19 @@ def test_grid_means_are_exact_integer_sums_under_any_threads_and_reduced_precisi
     try:
         for count in (1, 2, 4):
             torch.set_num_threads(count)
-            assert same_bits(grid.grid_means(q, exponent, weight), want)
+            assert same_bits(grid.grid_means([(q, exponent)], weight), want)
+        # in pieces (as values read the layer below, then this layer's keys): the same integer sums
+        pieces = [(q[..., :300], exponent[..., :300]), (q[..., 300:], exponent[..., 300:])]
+        assert same_bits(grid.grid_means(pieces, weight), want)
         torch.set_float32_matmul_precision("medium")
         assert not grid.exact_float32_matmul()
-        assert same_bits(grid.grid_means(q, exponent, weight), want)
+        assert same_bits(grid.grid_means([(q, exponent)], weight), want)
+        assert same_bits(grid.grid_means(pieces, weight), want)
     finally:
         torch.set_num_threads(threads)
         torch.set_float32_matmul_precision("highest")
     with pytest.raises(ValueError, match=f"expects {features + 1} features"):
-        grid.grid_means(q[..., 1:], exponent[..., 1:], weight)
+        grid.grid_means([(q[..., 1:], exponent[..., 1:])], weight)
 
 
 def test_columns_scaled_beyond_float32_go_through_float64():
@@ -158,7 +162,7 @@ def test_columns_scaled_beyond_float32_go_through_float64():
         weight = torch.randn(9, 2, generator=g)
         weight[1:, 0] *= scale
         weight[0, 0] = 0.0
-        got = grid.grid_means(q, exponent, weight)
+        got = grid.grid_means([(q, exponent)], weight)
         assert (got[..., 0].abs() == grid.F32_MAX).all() if want_big else (got[..., 0].abs() < 2.0**-100).all()
         assert (got[..., 0] != 0).all()
         assert same_bits(got[..., 0], reference_means(q, exponent, weight, True)[..., 0])
@@ -171,6 +175,8 @@ def test_quantizing_subnormal_and_huge_channels_is_exact():
     x = torch.tensor([[[2.0**-149, 3 * 2.0**125, 0.0], [-(2.0**-148), -(2.0**126) - 2.0**103, 0.0]]])
     q, exponent = grid.quantize_features(x)
     assert exponent.tolist() == [[[-147, 127, 0]]]
+    x[0, 0, 2], x[0, 1, 2] = float("nan"), float("inf")  # read as 0
+    assert same_bits(grid.quantize_features(x)[0], q)
     assert q.tolist() == [[[32.0, 96.0, 0.0], [-64.0, -64.0, 0.0]]]  # -(2^126 + 2^103) / 2^120 rounds to -64
 
 
