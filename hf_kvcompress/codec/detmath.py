@@ -1,4 +1,5 @@
-"""Bit-reproducible float64 ``exp``, ``erfc``, ``sin`` and ``cos`` in numpy, for building the coding tables and the `grid` predictor's RoPE tables.
+"""Bit-reproducible float64 ``exp``, ``erfc``, ``sin`` and ``cos`` in numpy: the coding tables, and the `grid`
+predictor's RoPE tables and surprise multipliers.
 
 Why not ``math.erfc`` / ``torch.special.erfc`` / numpy's ``exp``: their results may differ in the last bit
 between libms, CPUs and SIMD paths, and one flipped bit can flip an integer table frequency, which breaks
@@ -134,9 +135,9 @@ _S = (-1.66666666666666324348e-01, 8.33333333332248946124e-03, -1.98412698298579
 _C = (4.16666666666666019037e-02, -1.38888888888741095749e-03, 2.48015872894767294178e-05,
       -2.75573143513906633035e-07, 2.08757232129817482790e-09, -1.13596475577881948265e-11)
 
-#: the largest |x| `det_sincos` takes: fdlibm's "medium" range reduction (|x| <= 2^19 pi/2, the high word
-#: 0x413921fb), where n < 2^20 makes every n * part of pi/2 exact; beyond it fdlibm switches to the Payne-Hanek
-#: reduction, which is not ported
+#: the largest |x| `det_sincos` takes (~2^20 pi/2 = 1,647,099): fdlibm's "medium" range reduction (high word
+#: <= 0x413921fb), where n < 2^20 keeps every n * (33-bit part of pi/2) exact; beyond it fdlibm switches to the
+#: Payne-Hanek reduction, which is not ported
 SINCOS_LIMIT = _bits(0x413921FB00000000)
 
 

@@ -49,6 +49,16 @@ def test_a_fit_asked_for_grid_fits_below_once():
     assert GridPredictor(calibration()).heads_name == "below"
 
 
+def test_a_saved_below_calibration_serves_grid_without_a_fit(tmp_path, monkeypatch):
+    from hf_kvcompress import calibration as calibration_module
+
+    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(tmp_path))
+    calibration().save(calibration_module.calibration_dir(model6()))
+    monkeypatch.setattr(Calibration, "fit", lambda *a, **k: pytest.fail("fitted again"))
+    found, note = calibration_module.calibration_for(model6(), predictors=("grid",), fit=True)
+    assert found is not None and found.predictors == ["below"] and note == str(calibration_module.calibration_dir(model6()))
+
+
 # ---------------------------------------------------------------------- detmath sin / cos
 
 
@@ -76,7 +86,7 @@ def test_det_sincos_is_within_an_ulp_of_libm_and_pinned():
 
 def test_the_rope_tables_refuse_positions_beyond_the_exact_range():
     frame = GridPredictor(calibration()).frame
-    cos, sin = frame.cos_sin(torch.arange(5, 9))
+    cos, _ = frame.cos_sin(torch.arange(5, 9))
     assert cos.dtype == torch.float32 and torch.allclose(cos, calibration().rope_frame().cos_sin(torch.arange(5, 9))[0])
     with pytest.raises(ValueError, match="beyond"):
         frame.cos_sin(torch.tensor([2_000_000]))
@@ -203,7 +213,7 @@ def run_blocks(sessions, blocks) -> list[torch.Tensor]:
     heads = calibration().meta["model"]["kv_heads"]
     out: list[list[torch.Tensor]] = [[] for _ in blocks]
     for kind in "kv":
-        for i, (session, (_, keys, values)) in enumerate(zip(sessions, blocks, strict=True)):
+        for i, session in enumerate(sessions):
             out[i] += list(session.predict_kind(kind, heads))
         for session, (_, keys, values) in zip(sessions, blocks, strict=True):
             session.observe_kind(kind, keys if kind == "k" else values)
