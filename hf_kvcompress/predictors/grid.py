@@ -44,7 +44,7 @@ from .rope import RopeFrame
 EXACT_FEATURES = 1040
 #: bits of a quantized feature or weight besides its sign: ``|q| <= Q_MAX = 127`` at scale ``2^(E - GRID_BITS)``
 #: (what keeps 1,040 products' sums exact in float32; SmolLM2, 2,048 held-out tokens, lanes: 8.580 bits/scalar
-#: against `below`'s float means' 8.551)
+#: against `below`'s float means' 8.551; 9 bits would give 8.555 with float64 products: experiments/grid_rate.py)
 GRID_BITS = 7
 Q_MAX = 2**GRID_BITS - 1
 #: fixed-point bits of a standardised squared error (the surprise sums them in int64)
