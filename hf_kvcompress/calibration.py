@@ -38,7 +38,7 @@ from .errors import CalibrationError
 from .identity import ModelIdentity, model_fingerprint, model_identity
 from .predictors.base import BlockInputs, ExtrasSource, LayerValues
 from .predictors.linear import CalibratedLinearPredictor, FeatureBuilder, StreamHead, Surprise
-from .predictors.registry import FITTED, PREDICTORS
+from .predictors.registry import FITTED, PREDICTORS, head_set
 from .predictors.rerun import run_decoder
 from .predictors.rope import RopeFrame
 from .validation import check_int, fail
@@ -265,10 +265,12 @@ class Calibration:
         """Fit a calibration of ``model`` on ``tokens`` tokens of text (default: the Shakespeare
         calibration split), processed in independent chunks of ``chunk`` tokens. ``ids`` (``[1, n]``)
         replaces the text by given token ids (``tokenizer`` may then be None); ``predictors`` are names from
-        `registry.FITTED` (``probe`` fits one head set per layer of ``probe_layers``)."""
+        `registry.FITTED` (``probe`` fits one head set per layer of ``probe_layers``; ``grid`` fits ``below``'s,
+        `registry.head_set`)."""
         unknown = sorted(set(predictors) - set(FITTED))
         if unknown:
             raise ValueError(f"Calibration.fit: unknown predictor(s) {unknown}")
+        predictors = tuple(dict.fromkeys(head_set(name) for name in predictors))  # grid: below's heads, once
         if tokens < chunk or chunk < 16:
             raise ValueError(f"Calibration.fit: need tokens >= chunk >= 16, got tokens={tokens}, chunk={chunk}")
         started = time.perf_counter()
@@ -361,6 +363,7 @@ def calibration_for(
         if not fit:
             return None, f"none: the saved one is unusable ({err})"
         _note(f"the calibration in {folder} is unusable ({err}); fitting a new one", progress)
+    predictors = tuple(dict.fromkeys(head_set(name) for name in predictors))  # the head sets they read
     missing = [p for p in predictors if existing is None or p not in existing.predictors]
     if not missing:
         return existing, str(folder)

@@ -1,4 +1,5 @@
-"""Bit-reproducible float64 ``exp`` and ``erfc`` in numpy, for building the coding tables.
+"""Bit-reproducible float64 ``exp``, ``erfc``, ``sin`` and ``cos`` in numpy: the coding tables, and the `grid`
+predictor's RoPE tables and surprise multipliers.
 
 Why not ``math.erfc`` / ``torch.special.erfc`` / numpy's ``exp``: their results may differ in the last bit
 between libms, CPUs and SIMD paths, and one flipped bit can flip an integer table frequency, which breaks
@@ -114,3 +115,96 @@ def det_erfc_nonneg(x: np.ndarray) -> np.ndarray:
         e = det_exp(-z * z - 0.5625) * det_exp((z - xs) * (z + xs) + r / sd)
         out[m] = e / xs
     return out  # x >= 28: 0
+
+
+# ---------------------------------------------------------------------- sin / cos (fdlibm k_sin.c, k_cos.c, e_rem_pio2.c)
+
+
+def _bits(word: int) -> float:
+    """The float64 whose IEEE bits are ``word`` (fdlibm states its constants by their bits)."""
+    return float(np.array([word], dtype=np.uint64).view(np.float64)[0])
+
+
+# pi/2 in three 33-bit parts and their tails (e_rem_pio2.c): n * part is exact for n < 2^20
+_INV_PIO2 = _bits(0x3FE45F306DC9C883)
+_PIO2 = ((_bits(0x3FF921FB54400000), _bits(0x3DD0B4611A626331)),
+         (_bits(0x3DD0B4611A600000), _bits(0x3BA3198A2E037073)),
+         (_bits(0x3BA3198A2E000000), _bits(0x397B839A252049C1)))
+_S = (-1.66666666666666324348e-01, 8.33333333332248946124e-03, -1.98412698298579493134e-04,
+      2.75573137070700676789e-06, -2.50507602534068634195e-08, 1.58969099521155010221e-10)
+_C = (4.16666666666666019037e-02, -1.38888888888741095749e-03, 2.48015872894767294178e-05,
+      -2.75573143513906633035e-07, 2.08757232129817482790e-09, -1.13596475577881948265e-11)
+
+#: the largest |x| `det_sincos` takes (~2^20 pi/2 = 1,647,099): fdlibm's "medium" range reduction (high word
+#: <= 0x413921fb), where n < 2^20 keeps every n * (33-bit part of pi/2) exact; beyond it fdlibm switches to the
+#: Payne-Hanek reduction, which is not ported
+SINCOS_LIMIT = _bits(0x413921FB00000000)
+
+
+def _exponent(x: np.ndarray) -> np.ndarray:
+    """The biased IEEE exponent of float64 ``x`` (fdlibm's ``(high word >> 20) & 0x7ff``)."""
+    return ((x.view(np.uint64) >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64)
+
+
+def _rem_pio2(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``t >= 0`` as ``n pi/2 + (y0 + y1)``: fdlibm's medium case (Cody-Waite with a second and third part of pi/2
+    where the first cancels more than 16 / 49 bits); |t| <= pi/4 gives n = 0, y0 = t, y1 = 0."""
+    n = np.trunc(t * _INV_PIO2 + 0.5)
+    j = _exponent(t)
+    (p1, p1t), (p2, p2t), (p3, p3t) = _PIO2
+    r = t - n * p1
+    w = n * p1t
+    y0 = r - w
+    second = (j - _exponent(y0)) > 16
+    t2 = r
+    r2 = t2 - n * p2
+    w2 = n * p2t - ((t2 - r2) - n * p2)
+    y02 = r2 - w2
+    third = second & ((j - _exponent(y02)) > 49)
+    t3 = r2
+    r3 = t3 - n * p3
+    w3 = n * p3t - ((t3 - r3) - n * p3)
+    y03 = r3 - w3
+    r = np.where(third, r3, np.where(second, r2, r))
+    w = np.where(third, w3, np.where(second, w2, w))
+    y0 = np.where(third, y03, np.where(second, y02, y0))
+    y1 = (r - y0) - w
+    small = t <= _bits(0x3FE921FB54442D18)  # pi/4: no reduction
+    return (np.where(small, 0.0, n).astype(np.int64), np.where(small, t, y0), np.where(small, 0.0, y1))
+
+
+def _kernel_sin(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """fdlibm ``__kernel_sin(x, y, iy=1)`` on |x| <= pi/4 (the tail form serves y = 0 too)."""
+    z = x * x
+    v = z * x
+    r = _S[1] + z * (_S[2] + z * (_S[3] + z * (_S[4] + z * _S[5])))
+    return x - ((z * (0.5 * y - v * r) - y) - v * _S[0])
+
+
+def _kernel_cos(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """fdlibm ``__kernel_cos`` on |x| <= pi/4."""
+    z = x * x
+    r = z * (_C[0] + z * (_C[1] + z * (_C[2] + z * (_C[3] + z * (_C[4] + z * _C[5])))))
+    ax = np.abs(x)
+    # qx: x/4 with the low word cleared (fdlibm INSERT_WORDS(qx, ix - 0x00200000, 0)), 0.28125 above 0.78125
+    qx = (ax.view(np.uint64) & np.uint64(0xFFFFFFFF00000000)).view(np.float64) * 0.25
+    qx = np.where(ax > _bits(0x3FE9000000000000), 0.28125, qx)
+    near = 1.0 - (0.5 * z - (z * r - x * y))
+    far = (1.0 - qx) - ((0.5 * z - qx) - (z * r - x * y))
+    return np.where(ax < _bits(0x3FD3333300000000), near, far)  # |x| < 0.3
+
+
+def det_sincos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sin x, cos x)`` for float64 ``|x| <= SINCOS_LIMIT`` (within an ulp of the true values, fdlibm's
+    algorithm), the same bits on every platform; ValueError for non-finite or larger arguments."""
+    x = np.asarray(x, dtype=np.float64)
+    t = np.abs(x)
+    if not bool(np.all(t <= SINCOS_LIMIT)):  # NaN fails the comparison too
+        raise ValueError(f"det_sincos: arguments must be finite with |x| <= {SINCOS_LIMIT:.6g} (fdlibm's medium "
+                         "range reduction), got one beyond")
+    n, y0, y1 = _rem_pio2(t)
+    s, c = _kernel_sin(y0, y1), _kernel_cos(y0, y1)
+    quadrant = n & 3
+    sin = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [s, c, -s], -c)
+    cos = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [c, -s, -c], s)
+    return np.where(np.signbit(x), -sin, sin), cos  # sin(-0.0) = -0.0

@@ -184,11 +184,14 @@ class Predictor(ABC):
     #: `Calibration.fit` fits heads for it (see `linear.CalibratedLinearPredictor`)
     fitted_by_calibration: ClassVar[bool] = False
     #: the coder its blocks are coded with in generation when `LosslessConfig.coder` names none (one decision
-    #: per predictor, from the measured frontier: docs/codec.md "Three coders")
+    #: per predictor, from the measured frontier: docs/codec.md "The coders")
     coder: ClassVar[str] = "lanes"
     #: the coder a file or a stored chunk codes its tokens with when they are coded again (not generation's
-    #: blocks taken as they are): for size (docs/codec.md "Three coders")
+    #: blocks taken as they are): for size (docs/codec.md "The coders")
     storage_coder: ClassVar[str] = "lanes"
+    #: the name of another predictor whose calibration head set it codes with (None: its own name): a fit asked
+    #: for it fits that head set, and a calibration with that head set serves it (`registry.head_set`)
+    reads_heads_of: ClassVar[str | None] = None
 
     def __init__(self, *, portable: bool = False):
         #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every

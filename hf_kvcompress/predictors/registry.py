@@ -8,7 +8,7 @@ import torch
 
 # The registry line: importing a predictor module registers its class (`base.register`); a new predictor is a new
 # module named here.
-from . import below, context, framed, generic, none, probe, selffit, twin  # noqa: F401
+from . import below, context, framed, generic, grid, none, probe, selffit, twin  # noqa: F401
 from .base import REGISTERED, Predictor
 
 #: name -> class, in name order (the order of error messages, config choices and `Calibration.fit`'s head sets)
@@ -49,6 +49,12 @@ def predictor_class(name: str) -> type[Predictor]:
     if name not in PREDICTORS:
         raise ValueError(f"unknown predictor {name!r}; choose one of {list(NAMES)}")
     return PREDICTORS[name]
+
+
+def head_set(name: str) -> str:
+    """The calibration head set the predictor called ``name`` codes with: its own name, or the one it reads of
+    another (``grid`` reads ``below``'s: `Predictor.reads_heads_of`), so a fit asked for it fits that one."""
+    return predictor_class(name).reads_heads_of or name
 
 
 def reads_calibration(name: str) -> bool:

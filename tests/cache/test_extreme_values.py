@@ -16,7 +16,7 @@ from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.predictors import below, linear
 
 LAYERS, HEADS, DIM, TOKENS = 6, 2, 16, 40
-CALIBRATED = ("none", "context", "below")
+CALIBRATED = ("none", "context", "below", "grid")
 SAVED = ("generic", "framed", "self", *CALIBRATED)
 
 
