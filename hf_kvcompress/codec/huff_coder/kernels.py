@@ -39,11 +39,12 @@ _FNV = np.uint64(0x100000001B3)
 def code_lengths(counts, max_len):
     """Length-limited Huffman code lengths of the symbols with ``counts > 0`` (0 for the others): Huffman by the
     two-queue method, then lengths over ``max_len`` clipped and the Kraft sum repaid by lengthening the least
-    frequent codes still shorter than ``max_len``. One used symbol gets length 1."""
+    frequent codes still shorter than ``max_len``. One used symbol gets length 1; more than 2^max_len used symbols
+    have no such code: all lengths 0 (the caller stores the stream)."""
     lengths = np.zeros(counts.size, np.int64)
     used = np.flatnonzero(counts > 0)
     n = used.size
-    if n == 0:
+    if n == 0 or n > (1 << max_len):
         return lengths
     if n == 1:
         lengths[used[0]] = 1
@@ -660,6 +661,8 @@ def mhuff_encode_stream(bits, ctx, ew, mw, k, max_len):
     for t in range(4):
         lengths[t] = code_lengths(counts[t], max_len)
         codes[t] = canonical_codes(lengths[t], max_len)[0]
+        if np.count_nonzero(counts[t]) > (1 << max_len):  # no code of max_len bits: the caller stores the stream
+            return np.zeros(1, np.uint64), np.int64(-1), lengths
     words = np.zeros((bits.size * (max_len + mw - k)) // 64 + 2, np.uint64)
     nbits = pack(bits, syms, codes.reshape(-1), lengths.reshape(-1), mw - k, words)
     return words, nbits, lengths

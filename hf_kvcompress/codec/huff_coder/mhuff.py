@@ -1,5 +1,5 @@
 """The ``mhuff`` coder (`CodecConfig(coder="mhuff")`): `huff` for a calibrated predictor's per-element statistics
-(`below`'s). Each element's sign, exponent and top `K_BITS` mantissa bits are one Huffman symbol against the
+(`below`'s). Each element's sign, exponent and top `K_BITS` (2) mantissa bits are one Huffman symbol against the
 exponent and top bits of ``max(|mean|, std)`` (the sign against the mean's), coded with one of four tables per
 stream chosen by the element's class (the exponent gap of ``max(|mean|, std)`` over ``std``, clipped to 3: how far
 the mean stands above its spread); the other mantissa bits are stored as they are. The huff family's pieces
@@ -23,12 +23,13 @@ from ..symbols import Format
 from . import huff, kernels
 
 MAGIC = b"\x89KM"
-#: top mantissa bits in the symbol. SmolLM2 `below` statistics (experiments/mhuff_rate.py, bf16, real bytes):
-#: k=3 8.64 bits/scalar, k=2 8.67 (huff 9.36); float16 / float32 take as many
-K_BITS = 3
-#: longest code: 4 tables of 2^MAX_LEN entries per stream (experiments/mhuff_rate.py: 11 bits codes as small as 12
-#: within 0.01 bit/scalar, and halves 12's table building)
-MAX_LEN = 11
+#: top mantissa bits in the symbol. SmolLM2 `below` statistics (experiments/mhuff_rate.py, bf16, real bytes with
+#: tables and headers): k=2 8.591 bits/scalar, k=3 8.613 (its entropy is 0.08 lower, its tables cost more; huff
+#: 9.219, lanes 8.298); float16 / float32 take as many
+K_BITS = 2
+#: longest code: 4 tables of 2^MAX_LEN entries per stream to build per stream (experiments/mhuff_rate.py: 11 or 12
+#: bits code 8.587 bits/scalar, 10 bits 8.591 with half 11's table entries)
+MAX_LEN = 10
 #: tables per stream: classes 0..3
 CLASSES = 4
 
