@@ -4,7 +4,9 @@ and ``lanes``?
 One layer's key blocks at 2,048 tokens as `below` hands them to the codec: 48 bf16 streams of 64 channels x 128
 tokens around per-element means with per-element spreads (experiments/huff_element_speed.py's synthetic data),
 decoded with those statistics by `codec.decode_batch` on one thread, the minimum of ``--repeats`` runs each, with
-mhuff at codes of 10 and 11 bits. Answer (2 shared cores, load ~2): see the printed table; docs/codec.md's mhuff row.
+mhuff at codes of 10 and 11 bits. Answer (2 cores shared, load ~3): huff 2.9-3.2 ms, mhuff 5.5-5.6 ms (11-bit codes
+5.7-5.9), lanes 29-31 ms; mhuff's time is its decode loop (3.6 ms against huff's 1.7: four 4 KiB tables per stream),
+not its tables (0.15 ms) or contexts.
 
     python experiments/mhuff_speed.py [--repeats 15]
 """
