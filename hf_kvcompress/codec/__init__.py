@@ -1,11 +1,12 @@
 """Model-independent lossless codec for float tensors given a predicted mean and spread.
 
 ``encode(x, mean, std)`` codes every element under a bin-integrated Gaussian mixture (integer tables chosen
-from (mean, std) with exact integer arithmetic); ``decode`` returns a bit-identical tensor. Three coders
+from (mean, std) with exact integer arithmetic); ``decode`` returns a bit-identical tensor. Four coders
 implement it (`interface.Coder`, registered in `coders`): ``lanes`` (the default; compiled interleaved rANS,
 `encode_batch` / `decode_batch` code many streams per call), ``ans`` (constriction's ANS coder over
 independently decodable adaptive windows) and ``huff`` (generation's: sign and exponent Huffman-coded against a
-context from mean / std, mantissa raw, ~10x ``lanes``'s decode speed): ``CodecConfig(coder=...)``. See docs/codec_format.md for the formats and
+context from mean / std, mantissa raw, ~10x ``lanes``'s decode speed), with ``mhuff`` beside it (for per-element statistics: the top
+mantissa bits in the symbol too, four tables per stream): ``CodecConfig(coder=...)``. See docs/codec_format.md for the formats and
 the arithmetic.
 """
 

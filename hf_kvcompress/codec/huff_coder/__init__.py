@@ -1,4 +1,5 @@
-"""The ``huff`` coder: Huffman-coded sign and exponent per stream, mantissa raw, a fast compiled decoder
-(`huff.HuffCoder`)."""
+"""The huff family: ``huff`` (Huffman-coded sign and exponent per stream, mantissa raw, a fast compiled decoder:
+`huff.HuffCoder`) and ``mhuff`` (sign, exponent and top mantissa bits, four tables per stream, for per-element
+statistics: `mhuff.MHuffCoder`)."""
 
-from . import huff  # noqa: F401 (registers the coder)
+from . import huff, mhuff  # noqa: F401 (registers the coders)

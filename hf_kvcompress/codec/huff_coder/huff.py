@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -61,6 +61,30 @@ _ERRORS = {
 }
 
 
+class Layout(NamedTuple):
+    """What a stream's kernels need of its format: ``ntab`` code tables of ``alphabet`` symbols (an offset of
+    ``ew`` bits and a sign-xor bit), ``raw`` bits after each code, ``width`` bits an element, codes up to
+    ``max_len`` bits."""
+
+    ntab: int
+    alphabet: int
+    ew: int
+    raw: int
+    width: int
+    max_len: int
+
+
+class Spec(NamedTuple):
+    """One coder of this family (huff, mhuff): its name, magic bytes, `Layout` per dtype code, contexts and
+    per-stream encoder ``(bits, ctx, rows, run, layout) -> (words, nbits, lengths [ntab, alphabet])``."""
+
+    name: str
+    magic: bytes
+    layouts: dict
+    contexts: Callable
+    encode_stream: Callable
+
+
 class Header(NamedTuple):
     fmt: Format
     shape: tuple[int, ...]
@@ -79,8 +103,8 @@ class Contexts(NamedTuple):
     run: int
 
 
-def _corrupt(msg: str) -> CorruptStreamError:
-    return CorruptStreamError(f"corrupt huff codec stream: {msg}")
+def _corrupt(msg: str, name: str = "huff") -> CorruptStreamError:
+    return CorruptStreamError(f"corrupt {name} codec stream: {msg}")
 
 
 def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, shape: tuple[int, ...],
@@ -95,7 +119,7 @@ def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, s
     mean = zero if mean32 is None else mean32
     std = zero if std32 is None else std32
     if any(c != 1 for t in (mean, std) for c in t.shape[1:][-1:]) and m:  # varies along the last dim: per element
-        return _element_contexts(mean, std, fmt, shape, n_streams)
+        return element_contexts(mean, std, fmt, shape, n_streams)
     a = np.maximum(np.abs(mean), std)
     ref = (a.view(np.uint32) >> 23) & 0xFF
     if fmt.code == 2:
@@ -115,22 +139,26 @@ def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, s
     return Contexts(ctx, crow, rows, run)
 
 
-def _element_contexts(mean: np.ndarray, std: np.ndarray, fmt: Format, shape: tuple[int, ...],
-                      n_streams: int) -> Contexts:
-    """`contexts` of statistics that vary along a row's last dim: one context per element, in one compiled pass
-    (`kernels.element_contexts`; the same values as the numpy form)."""
+def element_contexts(mean: np.ndarray, std: np.ndarray, fmt: Format, shape: tuple[int, ...], n_streams: int,
+                     fill: Callable | None = None) -> Contexts:
+    """One context per element from statistics ``[N or 1, *broadcastable]`` (zero arrays for missing ones), in
+    one compiled pass: ``fill(mean [N or 1, m or 1], std [...], out [N or 1, m])`` (default huff's
+    `kernels.element_contexts`, the same values as the numpy form of `contexts`)."""
     lead = max(mean.shape[0], std.shape[0])
     flat = [t.reshape(1, 1) if t.size == 1 else np.broadcast_to(t, (t.shape[0], *shape)).reshape(t.shape[0], -1)
             for t in (mean, std)]  # a copy only where a statistic broadcasts inside a stream
     ctx = np.empty((lead, math.prod(shape)), np.uint32)
-    kernels.element_contexts(*flat, fmt.code == 2, FIELDS[fmt.code][0], ctx)
+    if fill is None:
+        kernels.element_contexts(*flat, fmt.code == 2, FIELDS[fmt.code][0], ctx)
+    else:
+        fill(*flat, ctx)
     crow = np.arange(n_streams, dtype=np.int64) if lead > 1 else np.zeros(n_streams, np.int64)
     return Contexts(ctx, crow, ctx.shape[1], 1)
 
 
-def _prefix(fmt: Format, shape: tuple[int, ...], has_mean: bool, has_std: bool) -> bytes:
+def _prefix(fmt: Format, shape: tuple[int, ...], has_mean: bool, has_std: bool, magic: bytes = MAGIC) -> bytes:
     flags = fmt.code | (4 if has_mean else 0) | (8 if has_std else 0)
-    return MAGIC + bytes((flags, len(shape))) + b"".join(varint_bytes(d) for d in shape)
+    return magic + bytes((flags, len(shape))) + b"".join(varint_bytes(d) for d in shape)
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:
@@ -142,6 +170,11 @@ def _bits(x: torch.Tensor) -> np.ndarray:
 
 
 def encode_batch_impl(x: torch.Tensor, mean, std, threads: int | None = None) -> list[bytes]:
+    return encode_family(x, mean, std, SPEC)
+
+
+def encode_family(x: torch.Tensor, mean, std, spec: Spec, threads: int | None = None) -> list[bytes]:
+    """`Coder.encode_batch` of a coder of this family (``spec``)."""
     check_tensor(x)
     check_threads(threads)
     fmt = format_of(x.dtype)
@@ -150,17 +183,19 @@ def encode_batch_impl(x: torch.Tensor, mean, std, threads: int | None = None) ->
     xshape = tuple(x.shape)
     shape = xshape[1:]
     mean32, std32 = check_stats(mean, std, xshape)
-    ew, mw = FIELDS[fmt.code]
-    cx = contexts(mean32, std32, fmt, shape, xshape[0])
+    lay = spec.layouts[fmt.code]
+    cx = spec.contexts(mean32, std32, fmt, shape, xshape[0])
     fps = np.empty(xshape[0], np.uint32)
     kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
-    prefix = _prefix(fmt, shape, mean32 is not None, std32 is not None)
+    prefix = _prefix(fmt, shape, mean32 is not None, std32 is not None, spec.magic)
     out = []
     for s, bits in enumerate(_bits(x)):
-        words, nbits, lengths = kernels.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, ew, mw)
-        coded = [length_segments(lengths), varint_bytes(int(nbits)), words.view(np.uint8)[: (int(nbits) + 7) // 8]]
-        if bits.size and sum(len(c) for c in coded) >= bits.nbytes + 6:  # no gain: stored (codec_format.md 13)
-            coded = [varint_bytes(0), varint_bytes(8 * bits.nbytes), bits.astype(bits.dtype.newbyteorder("<"))]
+        words, nbits, lengths = spec.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, lay)
+        coded = [*map(length_segments, lengths), varint_bytes(max(int(nbits), 0)),
+                 words.view(np.uint8)[: (int(nbits) + 7) // 8]]  # nbits -1: no code of max_len bits exists
+        if bits.size and (nbits < 0 or sum(len(c) for c in coded) >= bits.nbytes + 3 + 3 * lay.ntab):  # stored
+            coded = [varint_bytes(0)] * lay.ntab + [varint_bytes(8 * bits.nbytes),
+                                                    bits.astype(bits.dtype.newbyteorder("<"))]
         body = b"".join((prefix, struct.pack("<I", int(fps[s])), *(bytes(c) if not isinstance(c, bytes) else c
                                                                     for c in coded)))
         out.append(body + struct.pack("<I", zlib.crc32(body)))
@@ -184,22 +219,24 @@ def length_segments(lengths: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def parse_prefix(blob) -> Header:
-    """The checked magic, flags and shape of a stream."""
+def parse_prefix(blob, spec: Spec | None = None) -> Header:
+    """The checked magic, flags and shape of a stream (of ``spec``'s coder, default huff)."""
+    spec = spec or SPEC
+    name = spec.name
     buf = bytes(blob[: 5 + 9 * 32])
-    if len(buf) < 5 or buf[:3] != MAGIC:
-        raise _corrupt("not a huff stream (magic bytes)")
+    if len(buf) < 5 or buf[:3] != spec.magic:
+        raise _corrupt(f"not a {name} stream (magic bytes)", name)
     flags, ndim = buf[3], buf[4]
     if flags & 0xF0 or (flags & 3) not in FORMATS_BY_CODE:
-        raise _corrupt(f"unknown flags {flags:#x}")
+        raise _corrupt(f"unknown flags {flags:#x}", name)
     if ndim > 32:
-        raise _corrupt(f"{ndim} dims")
+        raise _corrupt(f"{ndim} dims", name)
     shape, at = [], 5
     for _ in range(ndim):
         v, shift = 0, 0
         while True:
             if at >= len(buf) or shift > 56:
-                raise _corrupt("header cut short")
+                raise _corrupt("header cut short", name)
             byte = buf[at]
             at += 1
             v |= (byte & 0x7F) << shift
@@ -208,7 +245,7 @@ def parse_prefix(blob) -> Header:
                 break
         shape.append(v)
     if math.prod(shape) > 1 << 40:
-        raise _corrupt(f"shape {shape} too large")
+        raise _corrupt(f"shape {shape} too large", name)
     return Header(FORMATS_BY_CODE[flags & 3], tuple(shape), bool(flags & 4), bool(flags & 8), buf[:at])
 
 
@@ -226,7 +263,7 @@ class _Parsed(NamedTuple):
     stored: np.ndarray
 
 
-def _parse_all(blobs: Sequence, head: Header, check: np.ndarray) -> _Parsed:
+def _parse_all(blobs: Sequence, head: Header, check: np.ndarray, spec: Spec) -> _Parsed:
     """Every stream joined in one 8-byte aligned buffer (padded for the decoder's reads past a damaged stream's
     end), its header fields parsed and checked (the crc32 where the mask ``check`` is set)."""
     n = len(blobs)
@@ -242,26 +279,27 @@ def _parse_all(blobs: Sequence, head: Header, check: np.ndarray) -> _Parsed:
     b8[:total] = np.frombuffer(b"".join(blobs), np.uint8)
     fields = [np.zeros(n, t) for t in (np.uint32, np.int64, np.int64, np.int64, np.bool_)]
     m = math.prod(head.shape)
-    bad = kernels.parse_headers(b8, start, sizes, np.frombuffer(head.prefix, np.uint8), m, *FIELDS[head.fmt.code],
-                                *fields)
+    lay = spec.layouts[head.fmt.code]
+    bad = kernels.parse_headers(b8, start, sizes, np.frombuffer(head.prefix, np.uint8), m, lay.ntab, lay.alphabet,
+                                lay.width, lay.raw, lay.max_len, *fields)
     if bad >= 0:
-        other = parse_prefix(blobs[bad])  # the clearer error first: another shape, dtype or statistics
+        other = parse_prefix(blobs[bad], spec)  # the clearer error first: another shape, dtype or statistics
         if other.prefix != head.prefix:
             raise ValueError(f"codec.decode_batch: stream {bad} holds {other.fmt.name} {other.shape} (mean "
                              f"{other.has_mean}, std {other.has_std}), stream 0 {head.fmt.name} {head.shape} (mean "
                              f"{head.has_mean}, std {head.has_std}); a batch needs one shape, dtype and stats")
-        raise _corrupt(f"stream {bad}: its header or length does not add up")
+        raise _corrupt(f"stream {bad}: its header or length does not add up", spec.name)
     for i in np.flatnonzero(check).tolist():
         lo, hi = int(start[i]), int(start[i] + sizes[i])
         if hi - lo < 4 or zlib.crc32(b8[lo : hi - 4]) != int(b8[hi - 4 : hi].view("<u4")[0]):
-            raise _corrupt(f"stream {i}: crc32 does not match")
+            raise _corrupt(f"stream {i}: crc32 does not match", spec.name)
     return _Parsed(b8, b64, *fields)
 
 
 def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = None, threads: int | None = None,
-                      verify: bool | Sequence[bool] = True) -> torch.Tensor:
+                      verify: bool | Sequence[bool] = True, spec: Spec | None = None) -> torch.Tensor:
     threads = check_threads(threads)
-    job = DecodeJob(blobs, mean, std, out, verify, chunks=threads)
+    job = DecodeJob(blobs, mean, std, out, verify, chunks=threads, spec=spec)
     return job.start(threads - 1).finish() if threads > 1 else job.finish()
 
 
@@ -269,21 +307,23 @@ class DecodeJob(ChunkedJob):
     """One `decode_batch`, parsed and checked here, whose kernel runs in chunks of streams (multiples of four,
     `interface.ChunkedJob`): the cache's decode ahead (`Coder.start_decode_batch`) and `decode_batch` itself."""
 
-    def __init__(self, blobs: Sequence, mean, std, out: torch.Tensor | None, verify, chunks: int = 1):
+    def __init__(self, blobs: Sequence, mean, std, out: torch.Tensor | None, verify, chunks: int = 1,
+                 spec: Spec | None = None):
+        spec = spec or SPEC
         if not isinstance(blobs, (list, tuple)) or not blobs:
             raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
-        head = parse_prefix(blobs[0])
+        head = parse_prefix(blobs[0], spec)
         check = verify_mask(verify, len(blobs))
         if check[0]:  # before its shape is believed; not again with the others
             if not _crc_ok(blobs[0]):
-                raise _corrupt("stream 0: crc32 does not match")
+                raise _corrupt("stream 0: crc32 does not match", spec.name)
             check[0] = 0
         fmt, shape, n = head.fmt, head.shape, len(blobs)
         xshape = (n, *shape)
         check_out(out, fmt, xshape)
         mean32, std32 = _decode_stats(mean, std, xshape, head)
-        parsed = _parse_all(blobs, head, check)
-        cx = contexts(mean32, std32, fmt, shape, n)
+        parsed = _parse_all(blobs, head, check, spec)
+        cx = spec.contexts(mean32, std32, fmt, shape, n)
         fps = np.empty(n, np.uint32)
         kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
         wrong = np.flatnonzero(fps != parsed.fp)
@@ -291,13 +331,14 @@ class DecodeJob(ChunkedJob):
             raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
                                          "encoder's (their contexts' fingerprint does not match)")
         host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
-        ew, mw = FIELDS[fmt.code]
-        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, 2 << ew,
-                cx.ctx, cx.crow, cx.rows, cx.run, ew, mw, flat, base, a_step, b_step, np.zeros(n, np.int32))
+        lay = spec.layouts[fmt.code]
+        args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, lay.alphabet,
+                lay.ntab, lay.max_len, cx.ctx, cx.crow, cx.rows, cx.run, lay.ew, lay.raw, flat, base, a_step,
+                b_step, np.zeros(n, np.int32))
         groups = -(-n // 4) if math.prod(shape) else 0
         k = max(1, min(chunks, groups))
         self._setup(kernels.decode_streams, args, sorted({min(n, 4 * (groups * i // k)) for i in range(k + 1)}),
-                    host, out, "corrupt huff codec stream", _ERRORS)
+                    host, out, f"corrupt {spec.name} codec stream", _ERRORS)
 
 
 def _decode_stats(mean, std, xshape: tuple[int, ...], head: Header):
@@ -335,6 +376,15 @@ def _destination(out: torch.Tensor | None, fmt: Format, xshape: tuple[int, ...],
     host = torch.empty(xshape, dtype=fmt.dtype)
     flat, base, _, _, within = out_layout(host, shape)
     return host, flat, base, cx.run * within, within
+
+
+def _encode_stream(bits: np.ndarray, ctx: np.ndarray, rows: int, run: int, lay: Layout):
+    words, nbits, lengths = kernels.encode_stream(bits, ctx, rows, run, lay.ew, lay.raw)
+    return words, nbits, [lengths]
+
+
+SPEC = Spec("huff", MAGIC, {code: Layout(1, 2 << ew, ew, mw, 1 + ew + mw, kernels.MAX_LEN)
+                            for code, (ew, mw) in FIELDS.items()}, contexts, _encode_stream)
 
 
 # --------------------------------------------------------------------------------------- the coder

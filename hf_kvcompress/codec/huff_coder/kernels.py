@@ -10,6 +10,8 @@ mod 2^EW``; its code (LSB first) is followed by the MW mantissa bits as they are
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
@@ -37,11 +39,12 @@ _FNV = np.uint64(0x100000001B3)
 def code_lengths(counts, max_len):
     """Length-limited Huffman code lengths of the symbols with ``counts > 0`` (0 for the others): Huffman by the
     two-queue method, then lengths over ``max_len`` clipped and the Kraft sum repaid by lengthening the least
-    frequent codes still shorter than ``max_len``. One used symbol gets length 1."""
+    frequent codes still shorter than ``max_len``. One used symbol gets length 1; more than 2^max_len used symbols
+    have no such code: all lengths 0 (the caller stores the stream)."""
     lengths = np.zeros(counts.size, np.int64)
     used = np.flatnonzero(counts > 0)
     n = used.size
-    if n == 0:
+    if n == 0 or n > (1 << max_len):
         return lengths
     if n == 1:
         lengths[used[0]] = 1
@@ -207,24 +210,27 @@ def read_lengths(b8, at, end, alphabet, lengths):
 
 
 @_jit
-def build_table(b8, at, end, alphabet, ew, lengths, table):
-    """Fill ``table`` (2^MAX_LEN uint32: ``u << 8 | length``, u = the sign-xor and exponent offset bits) from the
-    stream's code lengths at byte ``at``; False if they do not form a code."""
-    if read_lengths(b8, at, end, alphabet, lengths) < 0:
-        return False
+def build_table(b8, at, end, alphabet, ew, lengths, table, max_len):
+    """Fill ``table`` (2^max_len uint32: ``u << 8 | length``, u = the sign-xor and offset bits, ``ew`` of them
+    below the sign's) from the code lengths at byte ``at``: the position after them, or -1 if they do not form a
+    code. (mhuff passes its offset width, exponent and top mantissa bits, as ``ew``.)"""
+    at = read_lengths(b8, at, end, alphabet, lengths)
+    if at < 0:
+        return -1
+    size = 1 << max_len
     kraft = 0
     for s in range(alphabet):
-        if lengths[s] > MAX_LEN:
-            return False
+        if lengths[s] > max_len:
+            return -1
         if lengths[s]:
-            kraft += 1 << (MAX_LEN - lengths[s])
-    if kraft == 0 or kraft > TABLE:
-        return False
-    if kraft < TABLE:
+            kraft += 1 << (max_len - lengths[s])
+    if kraft > size:
+        return -1  # (no code at all: a table of a class no element has, every entry invalid)
+    if kraft < size:
         table[:] = INVALID
-    codes, bad = canonical_codes(lengths, MAX_LEN)
+    codes, bad = canonical_codes(lengths, max_len)
     if bad:
-        return False
+        return -1
     emask = (1 << ew) - 1
     half = 1 << (ew - 1)
     for s in range(alphabet):
@@ -233,18 +239,20 @@ def build_table(b8, at, end, alphabet, ew, lengths, table):
             continue
         u = (((s >> 1) - half) & emask) | ((s & 1) << ew)
         entry = np.uint32((u << 8) | length)
-        for j in range(codes[s], TABLE, 1 << length):
+        for j in range(codes[s], size, 1 << length):
             table[j] = entry
-    return True
+    return at
 
 
 @_jit
-def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ctx, crow, rows, run, ew, mw, out, obase, a_step,
-                   b_step, err, s_lo, s_hi):
+def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len, ctx, crow, rows, run, ew, mw, out,
+                   obase, a_step, b_step, err, s_lo, s_hi):
     """Decode streams ``s_lo..s_hi`` into ``out`` (element ``(r, t)`` of stream ``s`` at ``obase[s] + r * a_step + t *
-    b_step``), coded ones four at a time. ``err[s]`` gets an ERR_ code for a stream that fails: a group of four
-    with a failure is decoded again stream by stream, so that the error lands on the stream it belongs to."""
-    tables = np.empty((4, TABLE), np.uint32)
+    b_step``), coded ones four at a time. ``ntab`` tables of 2^max_len entries per stream, each element's chosen by
+    its context's bits above the sign's (huff: one; mhuff: its class). ``err[s]`` gets an ERR_ code for a stream
+    that fails: a group of four with a failure is decoded again stream by stream, so that the error lands on the
+    stream it belongs to."""
+    tables = np.empty((4, ntab << max_len), np.uint32)
     lengths = np.empty(alphabet, np.int64)
     coded = np.empty(s_hi - s_lo, np.int64)
     n = 0
@@ -261,18 +269,30 @@ def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ctx, crow, row
         ok = True
         for j in range(4):
             q = lanes[j]
-            ok = ok and build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[j])
-        if not ok or _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step,
-                              lanes) != 0:
+            ok = ok and _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, ew, lengths, tables[j])
+        if not ok or _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, max_len, out, obase, a_step,
+                              b_step, lanes) != 0:
             for j in range(4):
                 q = lanes[j]
                 one = np.full(4, q, np.int64)
                 for i in range(4):
-                    if not build_table(b8, tat[q], pstart[q] >> 3, alphabet, ew, lengths, tables[i]):
+                    if not _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, ew, lengths,
+                                         tables[i]):
                         err[q] = ERR_TABLE
                 if err[q] == 0:
-                    err[q] = _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step,
-                                      b_step, one)
+                    err[q] = _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, max_len, out, obase,
+                                      a_step, b_step, one)
+
+
+@_jit
+def _build_tables(b8, at, end, alphabet, ntab, max_len, ew, lengths, tables):
+    """The ``ntab`` consecutive tables of one stream from its ``ntab`` code-length tables at byte ``at``."""
+    size = 1 << max_len
+    for t in range(ntab):
+        at = build_table(b8, at, end, alphabet, ew, lengths, tables[t * size : (t + 1) * size], max_len)
+        if at < 0:
+            return False
+    return True
 
 
 @_jit
@@ -297,96 +317,135 @@ def _peek(b8, pos):
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask):
+def _entry(table, w, c, k, cls):
+    """The table entry of the code at the bottom of ``w`` in the table of context ``c``: the one numbered by the
+    context's bits from ``cls`` up (the sign's), or the only one where ``cls`` is None (huff: compiled without the
+    shifts, ~15% of its per-element decode)."""
+    if cls is None:
+        return table[w & k.lmask]
+    return table[((c >> cls) << k.lbits) | (w & k.lmask)]
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _value(ent, w, c, k):
+    """(the element's bit pattern, the bits it took) from its table entry, the stream bits ``w`` at its code and
+    its context ``c``: offset and sign-xor bits from the entry, the raw low bits after the code."""
+    ln = _U(ent & np.uint32(63))
+    u = _U(ent >> np.uint32(8))
+    return ((((u + c) & k.emask) | ((u ^ c) & k.sbit)) << k.umw) | ((w >> ln) & k.mmask), ln + k.umw
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _step(b64, pos, table, c, k, cls):
     """One element of one stream: (its bit pattern, the next bit position, the table entry)."""
     w = _peek(b64, pos)
-    ent = table[w & lmask]
-    ln = _U(ent & np.uint32(63))
-    u = _U(ent >> np.uint32(8))
-    value = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
-    return value, pos + np.int64(ln + umw), ent
+    ent = _entry(table, w, c, k, cls)
+    value, used = _value(ent, w, c, k)
+    return value, pos + np.int64(used), ent
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _step2(b8, pos, table, c, c2, emask, sbit, mmask, umw, lmask):
-    """Two elements of one stream (contexts ``c``, ``c2``) from one read (each takes at most MAX_LEN + MW <= 28
-    bits of its 57): (their bit patterns, the next bit position, their table entries or-ed)."""
+def _step2(b8, pos, table, c, c2, k, cls):
+    """Two elements of one stream (contexts ``c``, ``c2``) from one read (each takes at most max_len + raw bits of
+    its 57: `Consts.pairs`): (their bit patterns, the next bit position, their table entries or-ed)."""
     w = _peek(b8, pos)
-    ent = table[w & lmask]
-    ln = _U(ent & np.uint32(63))
-    u = _U(ent >> np.uint32(8))
-    first = ((((u + c) & emask) | ((u ^ c) & sbit)) << umw) | ((w >> ln) & mmask)
-    used = ln + umw
+    ent = _entry(table, w, c, k, cls)
+    first, used = _value(ent, w, c, k)
     w >>= used
-    ent2 = table[w & lmask]
-    ln = _U(ent2 & np.uint32(63))
-    u = _U(ent2 >> np.uint32(8))
-    second = ((((u + c2) & emask) | ((u ^ c2) & sbit)) << umw) | ((w >> ln) & mmask)
-    return first, second, pos + np.int64(used + ln + umw), ent | ent2
+    ent2 = _entry(table, w, c2, k, cls)
+    second, used2 = _value(ent2, w, c2, k)
+    return first, second, pos + np.int64(used + used2), ent | ent2
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _put2(b64, pos, table, c, c2, out, o, at, nx, emask, sbit, mmask, umw, lmask):
+def _put2(b64, pos, table, c, c2, out, o, at, nx, k, cls):
     """`_step2` with its two elements written to ``out[o + at]`` and ``out[o + nx]``: (next position, entries)."""
-    v, v2, pos, ent = _step2(b64, pos, table, c, c2, emask, sbit, mmask, umw, lmask)
+    v, v2, pos, ent = _step2(b64, pos, table, c, c2, k, cls)
     out[o + at] = v
     out[o + nx] = v2
     return pos, ent
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _put(b64, pos, table, c, out, o, at, emask, sbit, mmask, umw, lmask):
+def _put(b64, pos, table, c, out, o, at, k, cls):
     """`_step` with its element written to ``out[o + at]``: (next position, entry)."""
-    v, pos, ent = _step(b64, pos, table, c, emask, sbit, mmask, umw, lmask)
+    v, pos, ent = _step(b64, pos, table, c, k, cls)
     out[o + at] = v
     return pos, ent
 
 
+class Consts(NamedTuple):
+    """The decode loop's per-format constants (uint64): offset mask (``ew`` offset bits), sign-xor bit, raw-bit
+    mask, raw-bit count, code mask (max_len bits), max_len."""
+
+    emask: np.uint64
+    sbit: np.uint64
+    mmask: np.uint64
+    umw: np.uint64
+    lmask: np.uint64
+    lbits: np.uint64
+
+
 @_jit
-def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obase, a_step, b_step, lanes):
+def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, max_len, out, obase, a_step, b_step, lanes):
     """Four streams in lock step; 0, or an ERR_ code for the group (`decode_streams` then pins it on one)."""
     s0, s1, s2, s3 = lanes[0], lanes[1], lanes[2], lanes[3]
     t0, t1, t2, t3 = tables[0], tables[1], tables[2], tables[3]
     p0, p1, p2, p3 = pstart[s0], pstart[s1], pstart[s2], pstart[s3]
     e0, e1, e2, e3 = p0 + pbits[s0], p1 + pbits[s1], p2 + pbits[s2], p3 + pbits[s3]
     o0, o1, o2, o3 = _U(obase[s0]), _U(obase[s1]), _U(obase[s2]), _U(obase[s3])
-    emask, sbit, mmask = _U((1 << ew) - 1), _U(1 << ew), _U((1 << mw) - 1)
-    umw, lmask = _U(mw), _U(TABLE - 1)
-    bad = np.uint32(0)
+    k = Consts(_U((1 << ew) - 1), _U(1 << ew), _U((1 << mw) - 1), _U(mw), _U((1 << max_len) - 1), _U(max_len))
     ast, bst = _U(a_step), _U(b_step)
-    pairs = 2 * (MAX_LEN + mw) <= 57
+    pairs = 2 * (max_len + mw) <= 57
+    classes = tables.shape[1] > (1 << max_len)  # a table per class (mhuff)
     if run == 1 and pairs:  # one context per element: pairs of rows
-        return _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, ctx[crow[s0]], ctx[crow[s1]],
-                                 ctx[crow[s2]], ctx[crow[s3]], rows, out, o0, o1, o2, o3, ast, emask, sbit, mmask, umw,
-                                 lmask)
+        x0, x1, x2, x3 = ctx[crow[s0]], ctx[crow[s1]], ctx[crow[s2]], ctx[crow[s3]]
+        if classes:
+            return _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x1, x2, x3, rows, out,
+                                     o0, o1, o2, o3, ast, k, _U(ew + 1))
+        return _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x1, x2, x3, rows, out, o0,
+                                 o1, o2, o3, ast, k, None)
+    if classes:
+        return _decode4_rows(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, ctx, crow, lanes, rows, run, out,
+                             o0, o1, o2, o3, ast, bst, pairs, k, _U(ew + 1))
+    return _decode4_rows(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, ctx, crow, lanes, rows, run, out, o0,
+                         o1, o2, o3, ast, bst, pairs, k, None)
+
+
+@_jit
+def _decode4_rows(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, ctx, crow, lanes, rows, run, out, o0, o1, o2,
+                  o3, ast, bst, pairs, k, cls):
+    """`_decode4` with one context per row of ``run`` elements; 0 or an ERR_ code."""
+    s0, s1, s2, s3 = lanes[0], lanes[1], lanes[2], lanes[3]
+    bad = np.uint32(0)
     for r in range(rows):
         c0, c1, c2, c3 = _U(ctx[crow[s0], r]), _U(ctx[crow[s1], r]), _U(ctx[crow[s2], r]), _U(ctx[crow[s3], r])
         a = _U(r) * ast
         t = 0
         while t < run:
             stop = min(run, t + CHUNK)
-            k = t
-            while pairs and k + 1 < stop:
-                at = a + _U(k) * bst
-                nx = at + bst
-                p0, ent = _put2(b64, p0, t0, c0, c0, out, o0, at, nx, emask, sbit, mmask, umw, lmask)
-                bad |= ent
-                p1, ent = _put2(b64, p1, t1, c1, c1, out, o1, at, nx, emask, sbit, mmask, umw, lmask)
-                bad |= ent
-                p2, ent = _put2(b64, p2, t2, c2, c2, out, o2, at, nx, emask, sbit, mmask, umw, lmask)
-                bad |= ent
-                p3, ent = _put2(b64, p3, t3, c3, c3, out, o3, at, nx, emask, sbit, mmask, umw, lmask)
-                bad |= ent
-                k += 2
-            for j in range(k, stop):
+            j = t
+            while pairs and j + 1 < stop:
                 at = a + _U(j) * bst
-                p0, ent = _put(b64, p0, t0, c0, out, o0, at, emask, sbit, mmask, umw, lmask)
+                nx = at + bst
+                p0, ent = _put2(b64, p0, t0, c0, c0, out, o0, at, nx, k, cls)
                 bad |= ent
-                p1, ent = _put(b64, p1, t1, c1, out, o1, at, emask, sbit, mmask, umw, lmask)
+                p1, ent = _put2(b64, p1, t1, c1, c1, out, o1, at, nx, k, cls)
                 bad |= ent
-                p2, ent = _put(b64, p2, t2, c2, out, o2, at, emask, sbit, mmask, umw, lmask)
+                p2, ent = _put2(b64, p2, t2, c2, c2, out, o2, at, nx, k, cls)
                 bad |= ent
-                p3, ent = _put(b64, p3, t3, c3, out, o3, at, emask, sbit, mmask, umw, lmask)
+                p3, ent = _put2(b64, p3, t3, c3, c3, out, o3, at, nx, k, cls)
+                bad |= ent
+                j += 2
+            for i in range(j, stop):
+                at = a + _U(i) * bst
+                p0, ent = _put(b64, p0, t0, c0, out, o0, at, k, cls)
+                bad |= ent
+                p1, ent = _put(b64, p1, t1, c1, out, o1, at, k, cls)
+                bad |= ent
+                p2, ent = _put(b64, p2, t2, c2, out, o2, at, k, cls)
+                bad |= ent
+                p3, ent = _put(b64, p3, t3, c3, out, o3, at, k, cls)
                 bad |= ent
             if bad & INVALID:
                 return ERR_CODE
@@ -400,7 +459,7 @@ def _decode4(b64, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, out, obas
 
 @_jit
 def _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x1, x2, x3, rows, out, o0, o1, o2, o3,
-                      ast, emask, sbit, mmask, umw, lmask):
+                      ast, k, cls):
     """`_decode4` where each element has its own context (``x0..x3``: the four streams' context rows, element
     ``r`` at ``o + r * ast``), two elements per read as where contexts are per channel: per-element statistics at
     per-channel speed. 0 or an ERR_ code."""
@@ -411,28 +470,24 @@ def _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x
         while r + 1 < stop:
             at = _U(r) * ast
             nx = at + ast
-            p0, ent = _put2(b64, p0, t0, _U(x0[r]), _U(x0[r + 1]), out, o0, at, nx, emask, sbit, mmask, umw,
-                             lmask)
+            p0, ent = _put2(b64, p0, t0, _U(x0[r]), _U(x0[r + 1]), out, o0, at, nx, k, cls)
             bad |= ent
-            p1, ent = _put2(b64, p1, t1, _U(x1[r]), _U(x1[r + 1]), out, o1, at, nx, emask, sbit, mmask, umw,
-                             lmask)
+            p1, ent = _put2(b64, p1, t1, _U(x1[r]), _U(x1[r + 1]), out, o1, at, nx, k, cls)
             bad |= ent
-            p2, ent = _put2(b64, p2, t2, _U(x2[r]), _U(x2[r + 1]), out, o2, at, nx, emask, sbit, mmask, umw,
-                             lmask)
+            p2, ent = _put2(b64, p2, t2, _U(x2[r]), _U(x2[r + 1]), out, o2, at, nx, k, cls)
             bad |= ent
-            p3, ent = _put2(b64, p3, t3, _U(x3[r]), _U(x3[r + 1]), out, o3, at, nx, emask, sbit, mmask, umw,
-                             lmask)
+            p3, ent = _put2(b64, p3, t3, _U(x3[r]), _U(x3[r + 1]), out, o3, at, nx, k, cls)
             bad |= ent
             r += 2
         if r < stop:  # an odd chunk's last element
             at = _U(r) * ast
-            p0, ent = _put(b64, p0, t0, _U(x0[r]), out, o0, at, emask, sbit, mmask, umw, lmask)
+            p0, ent = _put(b64, p0, t0, _U(x0[r]), out, o0, at, k, cls)
             bad |= ent
-            p1, ent = _put(b64, p1, t1, _U(x1[r]), out, o1, at, emask, sbit, mmask, umw, lmask)
+            p1, ent = _put(b64, p1, t1, _U(x1[r]), out, o1, at, k, cls)
             bad |= ent
-            p2, ent = _put(b64, p2, t2, _U(x2[r]), out, o2, at, emask, sbit, mmask, umw, lmask)
+            p2, ent = _put(b64, p2, t2, _U(x2[r]), out, o2, at, k, cls)
             bad |= ent
-            p3, ent = _put(b64, p3, t3, _U(x3[r]), out, o3, at, emask, sbit, mmask, umw, lmask)
+            p3, ent = _put(b64, p3, t3, _U(x3[r]), out, o3, at, k, cls)
             bad |= ent
             r += 1
         if bad & INVALID:
@@ -460,12 +515,13 @@ def _varint(b8, at, end):
 
 
 @_jit
-def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits, stored):
+def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_len, fp, tat, pstart, pbits, stored):
     """Every stream's fields after the common ``prefix`` (magic, flags, shape: the first stream's, which every
-    stream must repeat): context fingerprint, code-length segments, payload. The index of the first stream whose
-    header does not parse or whose length does not add up, else -1."""
+    stream must repeat): context fingerprint, ``ntab`` code-length tables of ``alphabet`` symbols, payload
+    (elements of ``width`` bits, ``raw`` of them after each code). The index of the first stream whose header does
+    not parse or whose length does not add up, else -1."""
     plen = prefix.size
-    lengths = np.empty(2 << ew, np.int64)
+    lengths = np.empty(alphabet, np.int64)
     for s in range(start.size):
         at, end = start[s], start[s] + size[s] - 4  # the crc32 closes every stream
         if end < at + plen + 4:
@@ -478,15 +534,18 @@ def parse_headers(b8, start, size, prefix, m, ew, mw, fp, tat, pstart, pbits, st
             (np.uint32(b8[at + 3]) << 24)
         at += 4
         tat[s] = at
-        at = read_lengths(b8, at, end, 2 << ew, lengths)
-        if at < 0:
-            return s
-        nbits, at = _varint(b8, at, end)
-        stored[s] = lengths.max() == 0 and m > 0  # no code: the elements' bits as they are
-        if stored[s]:
-            if at < 0 or nbits != m * (1 + ew + mw):
+        used = 0
+        for _ in range(ntab):
+            at = read_lengths(b8, at, end, alphabet, lengths)
+            if at < 0:
                 return s
-        elif at < 0 or nbits < m * mw or nbits > m * (MAX_LEN + mw):
+            used = max(used, lengths.max())
+        nbits, at = _varint(b8, at, end)
+        stored[s] = used == 0 and m > 0  # no code: the elements' bits as they are
+        if stored[s]:
+            if at < 0 or nbits != m * width:
+                return s
+        elif at < 0 or nbits < m * raw or nbits > m * (max_len + raw):
             return s
         if at + ((nbits + 7) >> 3) != end:
             return s
@@ -565,4 +624,63 @@ def encode_stream(bits, ctx, rows, run, ew, mw):
     codes, _ = canonical_codes(lengths, MAX_LEN)
     words = np.zeros((bits.size * (MAX_LEN + mw)) // 64 + 2, np.uint64)
     nbits = pack(bits, syms, codes, lengths, mw, words)
+    return words, nbits, lengths
+
+
+# --------------------------------------------------------------------------------------- mhuff (`mhuff.py`)
+
+
+@_jit
+def mhuff_contexts(mean, std, rebias, ew, k, out):
+    """mhuff's context of every element, ``out[s, i]`` from float32 ``mean[s or 0, i or 0]`` and ``std[...]``
+    (as `element_contexts`) with integer operations on their bits only: ``cls << (W + 1) | ms << W | ref``,
+    W = ew + k; ``ref`` the exponent and top ``k`` mantissa bits of ``a = max(|mean|, std)`` (``rebias``:
+    float16's exponent, rebiased by -112, the W bits clipped to 0..2^W - 1), ``ms`` the mean's sign bit, ``cls``
+    the exponent gap of ``a`` over ``std`` clipped to 3 (a table per class)."""
+    mb, sb = mean.view(np.uint32), std.view(np.uint32)
+    m_lead, m_all = mean.shape[0] > 1, mean.shape[1] > 1
+    s_lead, s_all = std.shape[0] > 1, std.shape[1] > 1
+    w = ew + k
+    wmask = (1 << w) - 1
+    for r in range(out.shape[0]):
+        mr, sr = r if m_lead else 0, r if s_lead else 0
+        for i in range(out.shape[1]):
+            m = mb[mr, i if m_all else 0]
+            b = sb[sr, i if s_all else 0] & np.uint32(0x7FFFFFFF)  # finite, >= 0 (-0.0: the same exponent)
+            a = max(m & np.uint32(0x7FFFFFFF), b)  # finite floats >= 0 order as their bits
+            ref = np.int64(a >> np.uint32(23 - k))
+            if rebias:
+                ref = min(max(ref - (112 << k), 0), wmask)
+            cls = min((np.int64(a) >> 23) - (np.int64(b) >> 23), 3)
+            out[r, i] = np.uint32((cls << (w + 1)) | (np.int64(m >> np.uint32(31)) << w) | (ref & wmask))
+
+
+@_jit
+def mhuff_encode_stream(bits, ctx, ew, mw, k, max_len):
+    """One mhuff stream (one context per element): (payload words, bit count, code lengths [4, 2^(W+1)]). The
+    symbol of an element, in its class's table: ``off * 2 + (sign ^ ms)``, ``off = ((x >> (MW - k)) - ref +
+    2^(W-1)) mod 2^W`` (x's exponent and top k mantissa bits against the context's); its MW - k low bits raw."""
+    w = ew + k
+    wmask = (1 << w) - 1
+    half = 1 << (w - 1)
+    alphabet = 2 << w
+    counts = np.zeros((4, alphabet), np.int64)
+    syms = np.empty(bits.size, np.int64)
+    for i in range(bits.size):
+        v = np.int64(bits[i])
+        c = np.int64(ctx[i])
+        off = (((v >> (mw - k)) & wmask) - (c & wmask) + half) & wmask
+        s = (off << 1) | ((v >> (ew + mw)) ^ ((c >> w) & 1))
+        cls = c >> (w + 1)
+        syms[i] = cls * alphabet + s
+        counts[cls, s] += 1
+    lengths = np.zeros((4, alphabet), np.int64)
+    codes = np.zeros((4, alphabet), np.int64)
+    for t in range(4):
+        lengths[t] = code_lengths(counts[t], max_len)
+        codes[t] = canonical_codes(lengths[t], max_len)[0]
+        if np.count_nonzero(counts[t]) > (1 << max_len):  # no code of max_len bits: the caller stores the stream
+            return np.zeros(1, np.uint64), np.int64(-1), lengths
+    words = np.zeros((bits.size * (max_len + mw - k)) // 64 + 2, np.uint64)
+    nbits = pack(bits, syms, codes.reshape(-1), lengths.reshape(-1), mw - k, words)
     return words, nbits, lengths

@@ -1,0 +1,185 @@
+"""The mhuff format (`CodecConfig(coder="mhuff")`): every bit pattern round trips under any statistics, batches
+equal single streams whatever the thread count, damage and wrong statistics are refused with the codec's errors,
+contexts are the documented integer function of the statistics' bits, and the top mantissa bits are modelled
+(a predicted stream codes smaller than with huff)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from codec_testutil import (
+    DTYPES,
+    assert_bit_exact,
+    from_patterns,
+    pattern_sample,
+    realistic,
+    special_patterns,
+)
+
+from hf_kvcompress import codec
+from hf_kvcompress.codec import CodecConfig
+from hf_kvcompress.codec.huff_coder import huff, mhuff
+from hf_kvcompress.errors import CorruptStreamError, ParameterMismatchError
+
+MHUFF = CodecConfig(coder="mhuff")
+HUFF = CodecConfig(coder="huff")
+
+
+def _predicted(shape, dtype=torch.bfloat16, seed: int = 0):
+    """Per-element statistics as a calibrated predictor gives them: x near its mean, spreads varying per element."""
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(shape, generator=g) * 2
+    std = torch.rand(shape, generator=g) * 0.3 + 0.01
+    return (mean + std * torch.randn(shape, generator=g)).to(dtype), mean, std
+
+
+def _stats(kind: str, x: torch.Tensor):
+    g = torch.Generator().manual_seed(1)
+    cshape = (1,) * (x.dim() - 1) + tuple(x.shape[-1:])
+    return {"none": (None, None), "scalar": (-0.25, 1.5), "mean-only": (torch.randn(cshape, generator=g), None),
+            "std-only": (None, torch.rand(cshape, generator=g) * 3),
+            "row": (torch.randn(*x.shape[:-1], 1, generator=g), torch.rand(*x.shape[:-1], 1, generator=g)),
+            "element": (torch.randn(x.shape, generator=g) * 5, torch.rand(x.shape, generator=g) * 1e3),
+            "tiny": (torch.randn(x.shape, generator=g) * 1e-41, torch.rand(x.shape, generator=g) * 1e-39)}[kind]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["none", "scalar", "mean-only", "std-only", "row", "element", "tiny"])
+def test_every_pattern_round_trips(dtype, kind):
+    """All 2^16 bf16 / fp16 patterns (a wide sample of float32's), NaN payloads, +-inf, -0.0, subnormals."""
+    pats = np.concatenate([pattern_sample(dtype), special_patterns(dtype)])
+    pats = pats[: pats.size // 64 * 64]
+    x = from_patterns(pats, dtype).reshape(-1, 64)
+    mean, std = _stats(kind, x)
+    blob = codec.encode(x, mean, std, MHUFF)
+    assert blob[:3] == mhuff.MAGIC
+    assert_bit_exact(codec.decode(blob, mean, std, config=MHUFF), x)
+    assert codec.stream_info(blob, config=MHUFF) == (dtype, tuple(x.shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_and_one_element_streams(dtype):
+    for shape in ((3, 0), (2, 0, 5), (1, 1), (4, 1, 1)):
+        x, mean, std = _predicted(shape, dtype)
+        blobs = codec.encode_batch(x, mean, std, MHUFF)
+        assert_bit_exact(codec.decode_batch(blobs, mean, std, MHUFF), x)
+        assert [codec.stream_info(b, config=MHUFF) for b in blobs] == [(dtype, shape[1:])] * shape[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_equals_per_stream_whatever_the_threads(dtype):
+    """A batch's streams are the single streams' bytes; encoding and decoding threads change no bit; a batch mixing
+    stored (incompressible) and coded streams decodes."""
+    x, mean, std = _predicted((7, 24, 40), dtype, seed=2)
+    blobs = codec.encode_batch(x, mean, std, MHUFF)
+    assert blobs == [codec.encode(x[i], mean[i], std[i], MHUFF) for i in range(7)]
+    assert codec.encode_batch(x, mean, std, MHUFF, threads=3) == blobs
+    for threads in (1, 2, 3):
+        assert_bit_exact(codec.decode_batch(blobs, mean, std, MHUFF, threads=threads), x)
+    assert_bit_exact(codec.decode_batch(blobs, mean, std, MHUFF, verify=[True, False] * 3 + [True]), x)
+    g = torch.Generator().manual_seed(7)
+    width = 4 if dtype == torch.float32 else 2
+    noise = torch.randint(0, 256, (3, 24 * 40 * width), generator=g, dtype=torch.uint8)
+    noise = noise.view(torch.int32 if width == 4 else torch.int16).view(dtype).reshape(3, 24, 40)
+    both = torch.cat([noise, x])
+    blobs = codec.encode_batch(both, mean[:1], std[:1], MHUFF)
+    assert max(map(len, blobs[:3])) <= noise[0].numel() * width + 30  # stored: raw plus the header
+    assert_bit_exact(codec.decode_batch(blobs, mean[:1], std[:1], MHUFF, threads=2), both)
+
+
+def test_decode_into_strided_out():
+    x, mean, std = _predicted((6, 16, 24), seed=3)
+    blobs = codec.encode_batch(x, mean, std, MHUFF)
+    buf = torch.full((6, 24, 16), -7.0, dtype=x.dtype)
+    view = buf.transpose(1, 2)
+    assert codec.decode_batch(blobs, mean, std, MHUFF, out=view) is view
+    assert_bit_exact(buf.transpose(1, 2), x)
+
+
+def test_mantissa_bits_are_modelled():
+    """On a predicted stream (x within a few percent of its per-element mean) the top mantissa bits are nearly
+    known: mhuff must code well under huff's size (which stores them raw)."""
+    x, mean, std = _predicted((12, 64, 128), seed=4)
+    rate = {name: 8 * sum(map(len, codec.encode_batch(x, mean, std, cfg))) / x.numel()
+            for name, cfg in (("huff", HUFF), ("mhuff", MHUFF))}
+    assert rate["mhuff"] < rate["huff"] - 1.0, rate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contexts_equal_the_definition(dtype):
+    """`kernels.mhuff_contexts` is ``cls << (W + 1) | ms << W | ref`` of codec_format.md 14, computed here with
+    numpy integer operations, for statistics broadcast any way (-0.0, zero, subnormal, tiny and huge values)."""
+    g = torch.Generator().manual_seed(3)
+    shape = (5, 6, 33)
+    fmt = huff.format_of(dtype)
+    ew, k = huff.FIELDS[fmt.code][0], mhuff.K_BITS
+    w = ew + k
+    mean = torch.randn(shape, generator=g) * torch.logspace(-40, 30, 33)
+    mean[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-40, -1e-40])
+    for m, s in ((mean, None), (None, mean.abs()), (mean, torch.rand(5, 6, 1, generator=g)),
+                 (mean[:1], torch.rand(shape, generator=g) * 7), (torch.full((1, 1, 33), -0.0), torch.zeros(1))):
+        m32, s32 = (None if t is None else t.numpy().reshape((1,) * (3 - t.dim()) + tuple(t.shape)) for t in (m, s))
+        cx = mhuff.SPEC.contexts(m32, s32, fmt, shape[1:], 5)
+        mb = np.zeros(shape, np.int64) if m32 is None else np.broadcast_to(m32, shape).view(np.uint32).astype(np.int64)
+        sb = np.zeros(shape, np.int64) if s32 is None else np.broadcast_to(s32, shape).view(np.uint32).astype(np.int64)
+        a = np.maximum(mb & 0x7FFFFFFF, sb & 0x7FFFFFFF)
+        ref = a >> (23 - k)
+        if dtype == torch.float16:
+            ref = np.clip(ref - (112 << k), 0, (1 << w) - 1)
+        cls = np.minimum((a >> 23) - ((sb & 0x7FFFFFFF) >> 23), 3)
+        want = (cls << (w + 1)) | ((mb >> 31) << w) | ref
+        assert (cx.run, cx.rows) == (1, 6 * 33)
+        assert np.array_equal(cx.ctx[cx.crow].reshape(shape), want)
+
+
+def test_wrong_statistics_and_other_streams_refused():
+    x, mean, std = _predicted((4, 32, 16), seed=5)
+    blobs = codec.encode_batch(x, mean, std, MHUFF)
+    with pytest.raises(ParameterMismatchError):
+        codec.decode_batch(blobs, -mean, std, MHUFF)
+    with pytest.raises(ParameterMismatchError):
+        codec.decode_batch(blobs, mean * 1.3, std, MHUFF)  # the top mantissa bits of the reference move
+    with pytest.raises(ParameterMismatchError):
+        codec.decode_batch(blobs, mean, std * 8, MHUFF)
+    with pytest.raises(CorruptStreamError, match="with a std"):
+        codec.decode_batch(blobs, mean, None, MHUFF)
+    with pytest.raises(CorruptStreamError, match="is a 'huff' stream"):
+        codec.decode_batch(codec.encode_batch(x, mean, std, HUFF), mean, std, MHUFF)
+    with pytest.raises(CorruptStreamError, match="is a 'mhuff' stream"):
+        codec.decode_batch(blobs, mean, std, HUFF)
+    with pytest.raises(ValueError, match="window must be 'fixed'"):
+        CodecConfig(coder="mhuff", window="metadata")
+
+
+def _reseal(blob: bytes) -> bytes:
+    return blob[:-4] + struct.pack("<I", zlib.crc32(blob[:-4]))
+
+
+def test_damage_is_a_corrupt_stream_error():
+    """Every flipped byte, every cut and extension: CorruptStreamError with the check; with the crc32 resealed
+    (verify=False too) a CorruptStreamError or other values, never a crash, and the good stream beside it intact."""
+    x, _, scale = realistic((1, 2, 16, 63), seed=5)
+    x = x[0].transpose(1, 2).contiguous()
+    mean, std = x.float() + 0.01 * torch.randn(x.shape), scale[0].transpose(1, 2).expand(x.shape)
+    [blob, other] = codec.encode_batch(x, mean, std, MHUFF)
+    for cut in (0, 3, 10, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(CorruptStreamError):
+            codec.decode_batch([blob[:cut], other], mean, std, MHUFF)
+    with pytest.raises(CorruptStreamError):
+        codec.decode_batch([blob + b"\0", other], mean, std, MHUFF)
+    rng = np.random.default_rng(0)
+    for at in range(len(blob)):
+        bad = bytearray(blob)
+        bad[at] ^= int(rng.integers(1, 256))
+        with pytest.raises(CorruptStreamError):
+            codec.decode_batch([bytes(bad), other], mean, std, MHUFF)
+        for verify in (True, False):
+            try:
+                y = codec.decode_batch([_reseal(bytes(bad)), other], mean, std, MHUFF, verify=verify)
+            except (CorruptStreamError, ValueError):
+                continue
+            assert_bit_exact(y[1], x[1])
