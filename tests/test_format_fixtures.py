@@ -17,7 +17,7 @@ from hf_kvcompress.cache.container import frame
 from hf_kvcompress.cache.persist import MAGIC
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress.integrations.kv_chunk import ChunkCoder
+from hf_kvcompress.integrations.kv_chunk import HEADER, ChunkCoder
 from hf_kvcompress_eval.lossless import layer_kv
 
 FORMATS = Path(__file__).resolve().parent / "fixtures" / "formats"
@@ -117,7 +117,10 @@ def test_pinned_lmcache_chunks_decode_bit_exactly_and_recode_byte_identically(ca
         payload = tensors[f"chunk/{name}"].numpy().tobytes()
         decoded = coder.decode(payload)  # portable statistics (chunk format version 2): decodes on every CPU
         assert same_bits(decoded, chunk)
-        assert coder.encode(chunk, **kwargs) == payload
+        again = coder.encode(chunk, **kwargs)  # version 3 (the grid mode added); these modes' bytes unchanged
+        assert payload[8] == 2 and again[8] == 3
+        assert again[:8] + again[9 : HEADER.size - 4] + again[HEADER.size :] == \
+            payload[:8] + payload[9 : HEADER.size - 4] + payload[HEADER.size :]
 
 
 def test_stream_scale_factors_are_the_correctly_rounded_quarter_octaves():

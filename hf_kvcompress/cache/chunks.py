@@ -26,7 +26,7 @@ from ..errors import CacheFileError
 from ..identity import kv_shape, layer_types
 from ..layer import CompressedLayer
 from ..predictors import make_predictor
-from ..predictors.registry import AUTO, CALIBRATED_STORAGE, predictor_class, storage_predictor
+from ..predictors.registry import AUTO, CALIBRATED_STORAGE, head_set, predictor_class, storage_predictor
 from ..predictors.rerun import layer_device
 from .binding import binding_problem
 from .cache import CompressedCache
@@ -76,8 +76,8 @@ class Chunks:
         if self._predictor is None:
             if self._requested == AUTO:
                 if self._calibration is None:  # found, never fitted: a store's first put must not wait for a fit
-                    heads = make_predictor(CALIBRATED_STORAGE).heads_name
-                    self._calibration, _ = calibration_for(self.model, predictors=(heads,), fit=False)
+                    self._calibration, _ = calibration_for(self.model, predictors=(head_set(CALIBRATED_STORAGE),),
+                                                           fit=False)
                 self._predictor = storage_predictor(AUTO, self._calibration)
             else:
                 self._predictor = self._requested

@@ -25,7 +25,7 @@ from ..layer.hybrid import state_tensors
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
-from ..predictors.registry import AUTO, CALIBRATED_STORAGE, reads_calibration, storage_predictor
+from ..predictors.registry import AUTO, CALIBRATED_STORAGE, head_set, reads_calibration, storage_predictor
 from ..validation import check_bool, check_instance, check_path
 from ..version import __version__
 from .atomic import replace_file
@@ -145,8 +145,7 @@ def _writable(path: object) -> Path:
 def _auto_predictor(cache: CompressedCache) -> str:
     """What a save codes with by default (`LosslessConfig.save_predictor` ``"auto"``): calibrated storage where
     the cache's calibration (or the model's saved one) allows it and the file is of version 3, else ``"generic"``."""
-    heads = make_predictor(CALIBRATED_STORAGE, calibration=None).heads_name
-    calibration = cache.storage_calibration((heads,)) if _fits_version_3(cache) else None
+    calibration = cache.storage_calibration((head_set(CALIBRATED_STORAGE),)) if _fits_version_3(cache) else None
     return storage_predictor(AUTO, calibration)
 
 

@@ -85,7 +85,7 @@ DEFAULT_MAX_BYTES = 8 << 30
 DEFAULT_CHUNK_TOKENS = 256
 #: the predictors a store may name: `AUTO` (calibrated storage where the model's calibration allows it, the default),
 #: ``"generic"`` (turns it off) and the calibrated ones whose blocks need no model rerun
-PREDICTORS = (AUTO, "generic", "context", "below")
+PREDICTORS = (AUTO, "generic", "grid", "context", "below")
 
 
 @dataclass
@@ -123,7 +123,7 @@ class PrefixStore:
         predictor: ``"auto"`` (the default: calibrated storage, `predictors.registry.CALIBRATED_STORAGE`, where
             ``calibration`` or the model's saved calibration, found and never fitted here, has its heads; else
             ``"generic"``), ``"generic"`` (per-block statistics: 0.65x raw, adopted without decoding; turns
-            calibrated storage off), ``"below"`` or ``"context"`` (the model's calibration, found or fitted on first
+            calibrated storage off), ``"grid"``, ``"below"`` or ``"context"`` (the model's calibration, found or fitted on first
             use: ~0.52x raw, transcoded on lookup); docs/prefix_store.md "Calibrated chunks".
         config: the lossless configuration of the caches `cache_for` returns (default ``CompressionConfig()``).
         secret: bytes that key an HMAC-SHA256 over every chunk instead of the plain SHA-256, for a folder that

@@ -52,17 +52,25 @@ from ..predictors.base import ROUNDING_TOLERANCE, BlockInputs, LayerValues, Pred
 from ..predictors.below import BelowPredictor
 from ..predictors.context import ContextPredictor
 from ..predictors.generic import BlockStatsSession, block_stats
+from ..predictors.grid import GridPredictor
+from ..predictors.registry import head_set
 from ..predictors.rope import RopeFrame
 
 MAGIC = b"HFKVCHNK"
-VERSION = 2  # 2: portable statistics (float64, settled; listed elements after each stream of a portable session)
+VERSION = 3  # 3: mode `MODE_GRID` (issue 48); 2: portable statistics (float64, settled; listed elements after each
+#: stream of a portable session); payloads of version 2 (no grid mode) still decode
+READ_VERSIONS = (2, 3)
 DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
-MODE_RAW, MODE_STATS, MODE_CONTEXT, MODE_BELOW = 0, 1, 2, 3
+MODE_RAW, MODE_STATS, MODE_CONTEXT, MODE_BELOW, MODE_GRID = 0, 1, 2, 3, 4
 MODE_NAMES = {MODE_RAW: "raw", MODE_STATS: "chunk statistics", MODE_CONTEXT: "context (calibrated)",
-              MODE_BELOW: "below (calibrated)"}
-#: the calibrated modes and their predictors; a calibration with ``below`` heads codes with them (two batched
-#: phases per layer: docs/results/lossless.md, "Calibrated coding in batches (issue 34)"), else with ``context``
-CALIBRATED_MODES = {MODE_BELOW: BelowPredictor, MODE_CONTEXT: ContextPredictor}
+              MODE_BELOW: "below (calibrated)", MODE_GRID: "grid (calibrated)"}
+#: the calibrated modes and their predictors, in the order an encoder picks the first whose head set its
+#: calibration holds: ``below``'s heads code with ``grid`` (statistics every CPU computes alike, no settled listing,
+#: the ``mhuff`` coder: docs/results/lossless.md "Calibrated storage (issue 48)"), else ``context``. ``below``
+#: payloads (version 2's choice) still decode
+CALIBRATED_MODES = {MODE_GRID: GridPredictor, MODE_BELOW: BelowPredictor, MODE_CONTEXT: ContextPredictor}
+#: modes an encoder writes today
+WRITTEN_MODES = (MODE_GRID, MODE_CONTEXT)
 # magic, version, dtype, mode, reserved, layers, tokens, hidden, heads (streams per layer and k/v), first
 # position, model id (the calibration's; zeros model-free), body length, CRC-32 of the decoded chunk's
 # bytes, CRC-32 of everything before this field plus the body
@@ -75,6 +83,9 @@ SIDE_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2}
 # table switches with per-element means). Spelled out, not imported: payloads of this VERSION must not
 # change when the cache's defaults do.
 CODEC_CONFIG = CodecConfig(coder="lanes", header="compact", fixed_window=65536, mean_steps=4)
+#: a `MODE_GRID` payload's streams: the predictor's own coder (`Predictor.storage_coder`, spelled out for the same
+#: reason)
+GRID_CODEC_CONFIG = CodecConfig(coder="mhuff", header="compact", fixed_window=65536, mean_steps=4)
 
 # predictor maths runs with one torch thread (blockcoder.one_thread), a process-wide setting: chunks are
 # coded one at a time so concurrent serde workers cannot change it under each other
@@ -145,9 +156,11 @@ def parse_header(payload: bytes | bytearray | memoryview) -> ChunkHeader:
      chunk_crc, payload_crc) = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise ChunkPayloadError("not an hf_kvcompress KV chunk payload (bad magic bytes)")
-    if version != VERSION:
+    if version not in READ_VERSIONS or (version < 3 and mode == MODE_GRID):
         why = " (version 1 held float32 statistics; re-encode the chunk)" if version == 1 else ""
-        raise ChunkPayloadError(f"KV chunk payload format version {version}; this library reads version {VERSION}{why}")
+        raise ChunkPayloadError(f"KV chunk payload format version {version}"
+                                f"{' with mode ' + str(mode) if version in READ_VERSIONS else ''}; this library reads "
+                                f"versions {list(READ_VERSIONS)}{why}")
     if len(view) < HEADER.size + body_length:
         raise ChunkPayloadError(
             f"KV chunk payload truncated: header announces {HEADER.size + body_length} bytes, got {len(view)}"
@@ -243,7 +256,7 @@ class ChunkCoder:
         self.calibration = calibration
         self._codecs: dict[int, BlockCodec] = {}  # `_codec_config`'s, per payload mode
         if calibration is not None:
-            fitted = [mode for mode, cls in CALIBRATED_MODES.items() if cls.name in calibration.predictors]
+            fitted = [mode for mode in WRITTEN_MODES if head_set(CALIBRATED_MODES[mode].name) in calibration.predictors]
             if not fitted:
                 raise ValueError(
                     f"this calibration has no 'below' or 'context' predictor (it has {calibration.predictors}); "
@@ -417,7 +430,7 @@ class ChunkCoder:
             # model-free payloads carry all they need; calibrated ones need the writer's calibration
             calibrated = header.mode in CALIBRATED_MODES
             if calibrated and (self.calibration is None or header.model_id != self.model_id
-                               or CALIBRATED_MODES[header.mode].name not in self.calibration.predictors):
+                               or head_set(CALIBRATED_MODES[header.mode].name) not in self.calibration.predictors):
                 have = f"calibration {self.model_id.hex()}" if self.calibration is not None else "no calibration"
                 raise ChunkPayloadError(
                     f"KV chunk payload was coded with calibration {header.model_id.hex()}, this coder has {have}: "
@@ -483,7 +496,8 @@ class ChunkCoder:
         marginals where the mode's predictor is calibrated (the block codec's rule, `BlockCodec.marginals`)."""
         if mode not in self._codecs:
             predictor = self._calibrated(mode) if mode in CALIBRATED_MODES else ChunkStatsPredictor(RopeFrame(None))
-            self._codecs[mode] = BlockCodec(predictor, CODEC_CONFIG, self.calibration)
+            self._codecs[mode] = BlockCodec(predictor, GRID_CODEC_CONFIG if mode == MODE_GRID else CODEC_CONFIG,
+                                            self.calibration)
         return self._codecs[mode].codec_for(layer)
 
 
@@ -577,7 +591,7 @@ def estimate_first_position(chunk: torch.Tensor, calibration: Calibration, max_p
         max_position = int(config.get("max_position_embeddings") or 131072)
     head_dim = calibration.meta["model"]["head_dim"]
     # the layer-0 key bias of a head set with no other layer-0 key features (``below`` or ``context``)
-    name = next(cls.name for cls in CALIBRATED_MODES.values() if cls.name in calibration.predictors)
+    name = next(head_set(cls.name) for cls in CALIBRATED_MODES.values() if head_set(cls.name) in calibration.predictors)
     mean = calibration.stream_heads(name, 0)[("k", 0)].weight[0].to(torch.float64)  # [head_dim]
     keys = chunk[0, 0, :, :head_dim].to(torch.float32)  # first key head of layer 0, [tokens, head_dim]
     relative = frame.unrotate(keys, torch.arange(keys.shape[0])).mean(dim=0).to(torch.float64)

@@ -385,6 +385,13 @@ class GridPredictor(BelowPredictor):
     name = "grid"
     #: reads the head set `below` fits (`registry.head_set`): a fit asked for ``grid`` fits ``below``
     reads_heads_of = "below"
+    #: its float32 statistics are the same bits on every CPU: a block coded in generation is what a file or a
+    #: stored chunk codes, so loads and puts take it as it is (`BlockCodec.codes_like`)
+    exact_everywhere = True
+    #: per-element statistics: the mantissa-modelling Huffman coder (docs/codec.md "The coders"; the frontier in
+    #: docs/results/lossless.md "Calibrated storage (issue 48)")
+    coder = "mhuff"
+    storage_coder = "mhuff"
 
     def __init__(self, calibration=None, frame: RopeFrame | None = None, *, portable: bool = False):
         if frame is None and calibration is not None:

@@ -28,7 +28,7 @@ AUTO = "auto"
 #: what calibrated storage codes with: the point of the measured frontier chosen for files and stored chunks
 #: (docs/results/lossless.md, "Calibrated storage (issue 48)"): the `below` maps on integer grids, whose statistics
 #: every CPU computes alike, so a file or chunk is coded once, with no settled listing
-CALIBRATED_STORAGE = "below"
+CALIBRATED_STORAGE = "grid"
 
 
 def storage_predictor(name: str, calibration, *, every_token_everywhere: bool = True) -> str:
@@ -40,8 +40,7 @@ def storage_predictor(name: str, calibration, *, every_token_everywhere: bool = 
         return name
     if calibration is None or not every_token_everywhere:
         return "generic"
-    heads = make_predictor(CALIBRATED_STORAGE, calibration=calibration).heads_name
-    return CALIBRATED_STORAGE if heads in calibration.predictors else "generic"
+    return CALIBRATED_STORAGE if head_set(CALIBRATED_STORAGE) in calibration.predictors else "generic"
 
 
 def predictor_class(name: str) -> type[Predictor]:

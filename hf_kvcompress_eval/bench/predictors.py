@@ -43,7 +43,7 @@ from transformers import DynamicCache
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import FIRST_USE_CHUNK, FIRST_USE_TOKENS, Calibration
 from hf_kvcompress.layer.storage import storage_bytes
-from hf_kvcompress.predictors.registry import FITTED
+from hf_kvcompress.predictors.registry import FITTED, head_set
 
 from ..env import machine, versions
 from .common import Workload, out_folder, workload
@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     out = out_folder(args, "predictors")
     work = workload(args.smoke)
     with tempfile.TemporaryDirectory() as tmp:
-        fitted = [n for n in dict.fromkeys(predictor_of(n) for n in names + held_names) if n in FITTED]
+        # one fit per head set (``grid`` reads ``below``'s: `registry.head_set`)
+        fitted = list(dict.fromkeys(head_set(n) for n in (predictor_of(n) for n in names + held_names) if n in FITTED))
         folder, fits = fit_heads(work, fitted, args, Path(tmp))
 
         def calibration(name: str) -> Calibration | None:
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
         rows = frontier(work, names, calibration, args, Path(tmp))
         for name, row in rows.items():
-            row.update(fits.get(predictor_of(name), {}))
+            row.update(fits.get(head_set(predictor_of(name)), {}))
         (out / "results.json").write_text(json.dumps({"rows": rows, "partial": True}, indent=1))  # before the held run
         held = held_ratios(work, held_names, calibration, args.held_tokens, args) if held_names else {}
     result = {"model": f"{work.name} bf16", "tokens": args.tokens, "threads": args.threads, "steps": args.steps,

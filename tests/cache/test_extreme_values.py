@@ -115,7 +115,10 @@ def test_a_non_finite_element_does_not_spoil_later_predictions(predictor):
         assert_holds(cache, written)
     # two escaped elements and one token's larger spread: a few bytes of ~13,000 (a feature clamped to a large
     # bound instead of read as 0 cost 60 more; a NaN mean or spread would be refused)
-    assert sizes[1] - sizes[0] <= 8, sizes
+    # a Huffman-table coder (``grid`` generates with ``mhuff``) also lists the two new symbols in its stream's
+    # code-length table: a segment of ~3 bytes each
+    allowed = 8 if config.lossless.coder == "lanes" else 16
+    assert sizes[1] - sizes[0] <= allowed, sizes
 
 
 def plant_in_last_layer(model, dtype: torch.dtype, token: int):

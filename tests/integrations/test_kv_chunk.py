@@ -10,10 +10,12 @@ from chunk_testutil import SMOLLM2_SHAPE, channel_chunk, model_chunks, noise_chu
 from helpers import fresh_tiny_model, random_ids, same_bits
 
 from hf_kvcompress.calibration import Calibration
+from hf_kvcompress.integrations import kv_chunk
 from hf_kvcompress.integrations.kv_chunk import (
     HEADER,
     MODE_BELOW,
     MODE_CONTEXT,
+    MODE_GRID,
     MODE_RAW,
     MODE_STATS,
     ChunkCoder,
@@ -283,16 +285,27 @@ def test_smollm2_chunks_positions_and_frame(smollm2, smollm2_calibration):
     assert same_bits(calibrated.decode(calibrated.encode(chunks[1])), chunks[1])
 
 
-def test_kv_chunks_code_with_below_where_the_calibration_has_it():
-    """A calibration with ``below`` heads codes LMCache chunks in mode 3, exactly; one with only ``context`` heads
-    keeps writing mode 2; a reader without the writer's heads refuses."""
+def test_kv_chunks_code_with_grid_where_the_calibration_has_below_heads(monkeypatch):
+    """A calibration with ``below`` heads codes LMCache chunks in mode 4 (``grid``: no settled listing, ``mhuff``),
+    exactly; a version-2 ``below`` payload (mode 3) still decodes; one with only ``context`` heads keeps writing
+    mode 2; a reader without the writer's heads refuses."""
     model = fresh_tiny_model("llama-gqa", torch.bfloat16, layers=6)
     cal = Calibration.fit(model, None, ids=random_ids(1, 256, seed=3), tokens=256, chunk=128,
                           predictors=("below",), progress=False)
     chunk = model_chunks(model, 64, 64)[0]
     payload = ChunkCoder(cal).encode(chunk)
-    assert parse_header(payload).mode == MODE_BELOW
+    assert parse_header(payload).mode == MODE_GRID and payload[8] == kv_chunk.VERSION == 3
     assert same_bits(ChunkCoder(cal).decode(payload), chunk)
+    with monkeypatch.context() as patch:  # what the previous version wrote: below, portable, payload version 2
+        patch.setattr(kv_chunk, "WRITTEN_MODES", (MODE_BELOW, MODE_CONTEXT))
+        patch.setattr(kv_chunk, "VERSION", 2)
+        old = ChunkCoder(cal).encode(chunk)
+    assert parse_header(old).mode == MODE_BELOW and old[8] == 2
+    assert same_bits(ChunkCoder(cal).decode(old), chunk)
+    forged = bytearray(payload)  # a grid payload claiming version 2 (which had no grid mode): refused
+    forged[8] = 2
+    with pytest.raises(ChunkPayloadError, match="version 2 with mode 4"):
+        parse_header(forged)
     context_only = Calibration.fit(model, None, ids=random_ids(1, 128, seed=9), tokens=128, chunk=64,
                                    predictors=("context",), progress=False)
     older = ChunkCoder(context_only).encode(chunk)
