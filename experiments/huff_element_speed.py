@@ -34,16 +34,22 @@ def best_ms(run, repeats: int) -> float:
     return 1e3 * min(times)
 
 
+def synthetic_blocks() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 values of `STREAMS` streams of `CHANNELS` x `TOKENS` around per-element means with per-element spreads
+    (seeded): ``x``, ``mean``, ``std``."""
+    g = torch.Generator().manual_seed(0)
+    shape = (STREAMS, CHANNELS, TOKENS)
+    mean = torch.randn(shape, generator=g) * 2
+    std = torch.rand(shape, generator=g) * 0.3 + 0.05
+    return (mean + std * torch.randn(shape, generator=g)).to(torch.bfloat16), mean, std
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    shape = (STREAMS, CHANNELS, TOKENS)
-    mean = torch.randn(shape, generator=g) * 2
-    std = torch.rand(shape, generator=g) * 0.3 + 0.05
-    x = (mean + std * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    x, mean, std = synthetic_blocks()
     channel_mean = mean.mean(-1, keepdim=True)
     channel_std = (x.float() - channel_mean).std(-1, keepdim=True)
     for label, m, s in (("per channel", channel_mean, channel_std), ("per element", mean, std)):

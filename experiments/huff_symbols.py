@@ -34,6 +34,12 @@ def captured(fit_tokens: int, tokens: int) -> list[tuple[torch.Tensor, torch.Ten
     work = workload(False)
     calibration = Calibration.fit(work.model, None, ids=work.ids(fit_tokens, split="calibration"), tokens=fit_tokens,
                                   chunk=min(1024, fit_tokens), predictors=("below",), progress=False)
+    return captured_with(work, calibration, tokens)
+
+
+def captured_with(work, calibration: Calibration, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every (x, mean, std) batch a `below` cache of ``work``'s model hands its coder while it takes a ``tokens``-token
+    held-out prompt."""
     got, encode = [], huff.encode_batch_impl
 
     def keep(x, mean, std, threads=None):

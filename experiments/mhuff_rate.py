@@ -22,39 +22,18 @@ import argparse
 
 import numpy as np
 import torch
+from huff_symbols import captured_with, entropy  # experiments/ is the script's folder: sys.path[0]
 
-from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import CodecConfig, encode_batch
 from hf_kvcompress.codec.huff_coder import huff, mhuff
 from hf_kvcompress_eval.bench.common import workload
-from hf_kvcompress_eval.bench.generate import fill
-from hf_kvcompress_eval.bench.predictors import prefilled
 
 
 def captured(calibration: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every (x, mean, std) batch a `below` cache hands its coder while it takes the prompt."""
     work = workload(False)
-    cal = Calibration.load(calibration, work.model)
-    got, encode = [], huff.encode_batch_impl
-
-    def keep(x, mean, std, threads=None):
-        got.append((x.detach().clone(), *(torch.as_tensor(t).float().expand(x.shape).clone() for t in (mean, std))))
-        return encode(x, mean, std, threads)
-
-    huff.encode_batch_impl = keep  # HuffCoder.encode_batch looks it up at each call
-    try:
-        prefix, _ = prefilled(work.model, work.ids(tokens, split="evaluation"))
-        config = CompressionConfig(mode="lossless", block_tokens=128, lossless={"predictor": "below", "coder": "huff"})
-        fill(CompressedCache(config, model=work.model, calibration=cal), prefix)
-    finally:
-        huff.encode_batch_impl = encode
-    return got
-
-
-def entropy(symbols: np.ndarray) -> float:
-    _, counts = np.unique(symbols, return_counts=True)
-    return float(-(counts * np.log2(counts / counts.sum())).sum())
+    return captured_with(work, Calibration.load(calibration, work.model), tokens)
 
 
 def refined_entropy(batches, k: int, variant: str) -> float:

@@ -14,23 +14,12 @@ not its tables (0.15 ms) or contexts.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from huff_element_speed import best_ms, synthetic_blocks  # experiments/ is the script's folder: sys.path[0]
 
 from hf_kvcompress.codec import CodecConfig, decode_batch, encode_batch
 from hf_kvcompress.codec.huff_coder import huff, mhuff
-
-STREAMS, CHANNELS, TOKENS = 48, 64, 128
-
-
-def best_ms(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def main() -> None:
@@ -38,11 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    shape = (STREAMS, CHANNELS, TOKENS)
-    mean = torch.randn(shape, generator=g) * 2
-    std = torch.rand(shape, generator=g) * 0.3 + 0.05
-    x = (mean + std * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    x, mean, std = synthetic_blocks()
     for name in ("huff", "lanes", "mhuff"):
         cfg = CodecConfig(coder=name)
         blobs = encode_batch(x, mean, std, cfg)

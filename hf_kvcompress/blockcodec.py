@@ -206,16 +206,18 @@ class BlockCodec:
             # each block's own tensors (what its session finishes with): the pool and the chain memo then share
             # them (`owned`) instead of copying a view of all of them each
             own = [(k.clone(), v.clone()) for k, v in zip(kb, vb)]
-            config = self.codec_for(layer)
             stacked = None
             if self.extras_source is None and self.depth == 0 and kb.shape[-1] == vb.shape[-1]:
                 stacked = self.predictor.predict_blocks(side, count, heads)
             if stacked is not None:  # sessions that are `PlainSession`s with nothing below (`record_decoded`)
-                coded = encode_stacked(kb, vb, *stacked, config, self.workers)
+                coded = encode_stacked(kb, vb, *stacked, self.codec_for(layer), self.workers)
                 finished = [LayerValues(k, v, torch.ones(batch, tokens)) for k, v in own]
             else:
                 sessions = [self.predictor.session(self._inputs(layer, at, tokens, batch, _rows(side, i, batch)))
                             for i, at in enumerate(starts)]
+                # the marginals after the sessions: a predictor's first session may release the calibration's
+                # tensors (`BelowPredictor.layer_heads`), which a marginal read before would then hold twice
+                config = self.codec_for(layer)
                 coded = encode_blocks([EncodeItem(session, *own[i], config) for i, session in enumerate(sessions)],
                                       self.workers)
                 finished = [session.finish(*own[i]) for i, session in enumerate(sessions)]

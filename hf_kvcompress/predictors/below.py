@@ -269,6 +269,15 @@ class LayerBlockSession(PredictorSession):
         return self.layer.finish(self.index, keys, values)
 
 
+def same_shaped(inputs: list[BlockInputs]) -> list[list[int]]:
+    """The indices of ``inputs`` grouped by block shape (layer, rows, tokens, whether a layer below is read): the
+    blocks a layer-batched session computes together."""
+    shapes: dict[tuple, list[int]] = {}
+    for i, block in enumerate(inputs):
+        shapes.setdefault((block.layer, block.batch, block.positions.shape[0], block.below is None), []).append(i)
+    return list(shapes.values())
+
+
 @register
 class BelowPredictor(CalibratedLinearPredictor):
     """The layer below (and, for values, this layer's keys) through calibrated linear maps, a kind at a time."""
@@ -294,12 +303,9 @@ class BelowPredictor(CalibratedLinearPredictor):
         sessions compute); a block of a shape of its own (a file's last, shorter block) gets its own session."""
         if not self.calibrated:
             return super().sessions(inputs)
-        shapes: dict[tuple, list[int]] = {}
-        for i, block in enumerate(inputs):
-            shapes.setdefault((block.layer, block.batch, block.positions.shape[0], block.below is None), []).append(i)
         out: list[PredictorSession | None] = [None] * len(inputs)
         frame = self.frame.in_float64() if self.portable else self.frame
-        for members in shapes.values():
+        for members in same_shaped(inputs):
             if len(members) == 1:
                 out[members[0]] = self.session(inputs[members[0]])
                 continue

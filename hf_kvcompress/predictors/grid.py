@@ -35,7 +35,7 @@ import torch
 
 from ..codec.detmath import SINCOS_LIMIT, det_exp, det_sincos
 from .base import BlockInputs, LayerValues, PredictorSession, register
-from .below import BelowPredictor, PhasedHeads
+from .below import BelowPredictor, PhasedHeads, same_shaped
 from .linear import F32_MAX, SURPRISE_RANGE, finite_features
 from .rope import RopeFrame
 
@@ -415,11 +415,8 @@ class GridPredictor(BelowPredictor):
         file's last, shorter block) get their own."""
         if not self.calibrated:
             return [self.session(block) for block in inputs]
-        shapes: dict[tuple, list[int]] = {}
-        for i, block in enumerate(inputs):
-            shapes.setdefault((block.layer, block.batch, block.positions.shape[0], block.below is None), []).append(i)
         out: list[PredictorSession | None] = [None] * len(inputs)
-        for members in shapes.values():
+        for members in same_shaped(inputs):
             layer = self._grid_layer([inputs[i] for i in members])
             for index, i in enumerate(members):
                 out[i] = GridSession(layer, index)

@@ -46,7 +46,12 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 
 from hf_kvcompress.calibration import Calibration
-from hf_kvcompress.integrations.kv_chunk import ChunkCoder, estimate_first_position, max_payload_bytes
+from hf_kvcompress.integrations.kv_chunk import (
+    MODE_NAMES,
+    ChunkCoder,
+    estimate_first_position,
+    max_payload_bytes,
+)
 from hf_kvcompress.predictors.rerun import run_decoder
 
 from .common import Workload, out_folder, workload
@@ -243,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     ours = [
         ("hf_kvcompress, model-free (no options)", {}),
         ("hf_kvcompress, model-free + model config", {"model_config": str(config_dir)}),
-        (f"hf_kvcompress, calibrated ({'below' if 'below' in calibration.predictors else 'context'})",
+        (f"hf_kvcompress, calibrated ({MODE_NAMES[ChunkCoder(calibration).mode].split(' ')[0]})",
          {"calibration": str(cal_dir)}),
     ]
     # compile the codec's kernels (numba, cached on disk after the first run) outside the timings

@@ -10,6 +10,7 @@ from helpers import fresh_tiny_model
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hf_kvcompress.calibration as calibration_module
+from hf_kvcompress.calibration import Calibration
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +58,17 @@ def model_folder(tmp_path_factory):
 def model(model_folder):
     """A fresh copy of the `model_folder` model (bf16), for tests that fit or look up its calibration."""
     return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture
+def fits(monkeypatch):
+    """Counts calibration fits."""
+    calls = []
+    original = Calibration.fit.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(kwargs.get("predictors"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Calibration, "fit", classmethod(counting))
+    return calls

@@ -12,24 +12,10 @@ from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
 from hf_kvcompress.cache.persist import read_header
-from hf_kvcompress.calibration import Calibration, calibration_dir, calibration_for
+from hf_kvcompress.calibration import calibration_dir, calibration_for
 from hf_kvcompress.predictors.registry import CALIBRATED_STORAGE
 
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16)
-
-
-@pytest.fixture
-def fits(monkeypatch):
-    """Counts calibration fits."""
-    calls = []
-    original = Calibration.fit.__func__
-
-    def counting(cls, *args, **kwargs):
-        calls.append(kwargs.get("predictors"))
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(Calibration, "fit", classmethod(counting))
-    return calls
 
 
 def filled(model, tokens: int = 70, **kwargs) -> CompressedCache:

@@ -25,20 +25,6 @@ from hf_kvcompress_eval.env import walk_held_bytes
 LOSSLESS = CompressionConfig(mode="lossless", block_tokens=16, lossless=LosslessConfig(save_predictor="context"))
 
 
-@pytest.fixture
-def fits(monkeypatch):
-    """Counts calibration fits."""
-    calls = []
-    original = Calibration.fit.__func__
-
-    def counting(cls, *args, **kwargs):
-        calls.append(kwargs.get("predictors"))
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(Calibration, "fit", classmethod(counting))
-    return calls
-
-
 def test_first_use_fits_saves_and_later_caches_find_it(user_cache, model, fits, tmp_path, capsys):
     cache = CompressedCache(LOSSLESS, model=model)
     folder = calibration_dir(model)
