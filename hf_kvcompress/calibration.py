@@ -359,6 +359,10 @@ def calibration_for(
     existing = None
     try:
         existing = find_calibration(model)
+    except OSError as err:  # a cache folder this process may not read: a lookup finds nothing there
+        if not fit:
+            return None, f"none: {folder} cannot be read ({err})"
+        raise
     except CalibrationError as err:
         if not fit:
             return None, f"none: the saved one is unusable ({err})"
