@@ -1,6 +1,7 @@
 """Today's formats, pinned: every stream, cache file, calibration and LMCache chunk payload under
-tests/fixtures/formats/ (written by tests/fixtures/make_fixtures.py) decodes bit for bit, and coding the same
-inputs again gives the same bytes. A restructuring that changes a byte fails here."""
+tests/fixtures/formats/ written by tests/fixtures/make_fixtures.py decodes bit for bit, and coding the same
+inputs again gives the same bytes. A restructuring that changes a byte fails here. Issue 48's formats (``mhuff``,
+``grid`` files and chunks; make_grid_fixtures.py's): tests/test_grid_format_fixtures.py."""
 
 from __future__ import annotations
 
