@@ -63,7 +63,7 @@ class LosslessConfig(JsonConfig):
             (`Predictor.coder`): ``"huff"`` for ``"generic"`` (sign and exponent Huffman-coded per stream,
             mantissa raw, decoded ~10x faster than ``"lanes"`` for ~0.28 bit/scalar more: a decode step decodes
             every block, so it takes the speed, docs/results/codec.md 13), the rate's coder for the predictors
-            chosen for their rate (docs/codec.md "Three coders" says which codes what). Saves that code the tokens
+            chosen for their rate (docs/codec.md "The coders" says which codes what). Saves that code the tokens
             again use the predictor's `Predictor.storage_coder` whatever this says; files saved
             with ``"lanes"`` or ``"ans"`` still load (docs/results/codec.md 12.3). The other four differ from
             `CodecConfig`'s on purpose: the codec's are those of the ``ans`` format's first streams (which record only the
