@@ -103,9 +103,10 @@ def test_lossless_codec_fields_take_the_codecs_choices_and_bounds():
 
 
 def test_lossless_defaults_and_their_json_form_are_unchanged():
-    """Saved caches embed this dict: its keys, order and default values are part of the file format."""
+    """Saved caches embed this dict: its keys, order and default values are part of the file format (the default
+    ``save_predictor`` became ``"auto"``, calibrated storage, on 2026-12-07: issue 48)."""
     assert LosslessConfig().to_dict() == {
-        "predictor": "generic", "save_predictor": "generic", "probe_layer": 8, "window": "fixed",
+        "predictor": "generic", "save_predictor": "auto", "probe_layer": 8, "window": "fixed",
         "fixed_window": 65536, "header": "compact", "mean_steps": 4, "workers": None, "decoded_budget": 0.05,
         "coder": "huff"}  # the generation coder (files record it: older ones load as they were)
 

@@ -165,6 +165,9 @@ def canonical(path: Path, kind: str, secret: bytes | None = None) -> str:
     for field in dropped:
         assert field in header
         header[field] = None
+    lossless = (header.get("config") or {}).get("lossless") or {}
+    if lossless.get("save_predictor") == "auto":  # the default since 2026-12-07 (issue 48), "generic" before
+        lossless["save_predictor"] = "generic"
     kept = json.dumps(header, separators=(",", ":")).encode()
     # magic and version, not the header's length: it changes with the dropped fields (a longer machine record)
     return hashlib.sha256(data[:12] + kept + data[_PREFIX.size + size : -32]).hexdigest()
