@@ -213,8 +213,9 @@ class BlockCodec:
                 coded = encode_stacked(kb, vb, *stacked, self.codec_for(layer), self.workers)
                 finished = [LayerValues(k, v, torch.ones(batch, tokens)) for k, v in own]
             else:
-                sessions = [self.predictor.session(self._inputs(layer, at, tokens, batch, _rows(side, i, batch)))
-                            for i, at in enumerate(starts)]
+                inputs = [self._inputs(layer, at, tokens, batch, _rows(side, i, batch)) for i, at in enumerate(starts)]
+                sessions = self.predictor.sessions(inputs) if self.predictor.encodes_together \
+                    else [self.predictor.session(block) for block in inputs]
                 # the marginals after the sessions: a predictor's first session may release the calibration's
                 # tensors (`BelowPredictor.layer_heads`), which a marginal read before would then hold twice
                 config = self.codec_for(layer)

@@ -260,13 +260,15 @@ def _kv_entry(cache: CompressedCache, plan: _Plan, index: int, layer: Compressed
 
 def _code_blocks(plan: _Plan, index: int, keys: torch.Tensor, values: torch.Tensor, first: int,
                  block_tokens: int) -> list[CodedBlock]:
-    """Code ``keys`` / ``values`` (positions ``first ..``) in blocks of ``block_tokens``."""
-    blocks = []
-    for at in range(0, keys.shape[2], block_tokens):
-        stop = min(at + block_tokens, keys.shape[2])
-        block = plan.coding.encode_block(index, keys[:, :, at:stop], values[:, :, at:stop], first + at)
-        plan.blocks[(index, first + at)] = block
-        blocks.append(block)
+    """Code ``keys`` / ``values`` (positions ``first ..``) in blocks of ``block_tokens``: the whole blocks in one call
+    (`BlockCodec.encode_blocks`: one codec call per kind, a predictor's batched form), the shorter last one apart."""
+    whole = keys.shape[2] - keys.shape[2] % block_tokens
+    blocks = plan.coding.encode_blocks(index, keys[:, :, :whole], values[:, :, :whole], first, block_tokens) \
+        if whole else []
+    if whole < keys.shape[2]:
+        blocks.append(plan.coding.encode_block(index, keys[:, :, whole:], values[:, :, whole:], first + whole))
+    for block in blocks:
+        plan.blocks[(index, block.start)] = block
     return blocks
 
 

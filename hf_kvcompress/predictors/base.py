@@ -246,6 +246,10 @@ class Predictor(ABC):
     #: cache decodes a layer's blocks together, one codec call per kind
     kind_batched: bool = False
 
+    #: True when the sessions `sessions` shares between a layer's blocks also take an encoder's calls (`predict` /
+    #: `observe` head by head): a seal or a save of many blocks then computes them together
+    encodes_together: ClassVar[bool] = False
+
     #: True when it fits on the cache's own blocks (`history`, `absorb`): the codec asks `history` before every
     #: session only then
     self_fitting: ClassVar[bool] = False

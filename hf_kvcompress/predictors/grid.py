@@ -388,6 +388,8 @@ class GridPredictor(BelowPredictor):
     #: its float32 statistics are the same bits on every CPU: a block coded in generation is what a file or a
     #: stored chunk codes, so loads and puts take it as it is (`BlockCodec.codes_like`)
     exact_everywhere = True
+    #: `GridSession`s serve an encoder's calls too: the blocks of a seal or a save share one `GridLayer`
+    encodes_together = True
     #: per-element statistics: the mantissa-modelling Huffman coder (docs/codec.md "The coders"; the frontier in
     #: docs/results/lossless.md "Calibrated storage (issue 48)")
     coder = "mhuff"

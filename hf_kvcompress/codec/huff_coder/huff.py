@@ -204,19 +204,9 @@ def encode_family(x: torch.Tensor, mean, std, spec: Spec, threads: int | None = 
 
 def length_segments(lengths: np.ndarray) -> bytes:
     """The code lengths as runs of used symbols (a gap of `SEGMENT_GAP` or more unused symbols starts a new one):
-    nseg varint, then per segment the gap since the last one's end, its count and its lengths as nibbles."""
-    used = np.flatnonzero(lengths)
-    if not used.size:
-        return varint_bytes(0)
-    cut = np.flatnonzero(np.diff(used) >= SEGMENT_GAP) + 1
-    parts, end = [varint_bytes(cut.size + 1)], 0
-    for seg in np.split(used, cut):
-        lo, count = int(seg[0]), int(seg[-1]) - int(seg[0]) + 1
-        nib = np.zeros(count + (count & 1), np.uint8)
-        nib[:count] = lengths[lo : lo + count]
-        parts += [varint_bytes(lo - end), varint_bytes(count), (nib[0::2] | (nib[1::2] << 4)).tobytes()]
-        end = lo + count
-    return b"".join(parts)
+    nseg varint, then per segment the gap since the last one's end, its count and its lengths as nibbles
+    (`kernels.length_segments`, compiled: one per table of every stream)."""
+    return kernels.length_segments(np.ascontiguousarray(lengths, dtype=np.uint8), SEGMENT_GAP).tobytes()
 
 
 def parse_prefix(blob, spec: Spec | None = None) -> Header:

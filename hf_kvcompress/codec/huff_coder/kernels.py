@@ -500,6 +500,55 @@ def _decode4_elements(b64, p0, p1, p2, p3, e0, e1, e2, e3, t0, t1, t2, t3, x0, x
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
+def _put_varint(out, at, v):
+    """Write ``v`` (>= 0) as a LEB128 varint at ``at``; the position after it."""
+    while v >= 0x80:
+        out[at] = np.uint8((v & 0x7F) | 0x80)
+        v >>= 7
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
+
+
+@_jit
+def length_segments(lengths, gap):
+    """`huff.length_segments`'s bytes (uint8): the code lengths as runs of used symbols, a run of ``gap`` or more
+    unused symbols starting a new segment; nseg varint, then per segment the gap since the last one's end, its
+    count and its lengths as nibbles (low first). Compiled: an encoder writes one per table."""
+    n = lengths.size
+    segments, last = 0, -1
+    for i in range(n):
+        if lengths[i]:
+            if last < 0 or i - last >= gap:
+                segments += 1
+            last = i
+    out = np.empty(10 + 11 * segments + n // 2 + segments, np.uint8)
+    at = _put_varint(out, 0, segments)
+    end, i = 0, 0
+    while i < n:
+        if not lengths[i]:
+            i += 1
+            continue
+        lo, hi = i, i  # the segment: used symbols less than `gap` apart
+        j = i + 1
+        while j < n and j - hi < gap:
+            if lengths[j]:
+                hi = j
+            j += 1
+        count = hi - lo + 1
+        at = _put_varint(out, at, lo - end)
+        at = _put_varint(out, at, count)
+        for k in range(0, count, 2):
+            low = lengths[lo + k]
+            high = lengths[lo + k + 1] if k + 1 < count else 0
+            out[at] = np.uint8(low | (high << 4))
+            at += 1
+        end = lo + count
+        i = hi + 1
+    return out[:at]
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
 def _varint(b8, at, end):
     """(value, next position) of the LEB128 varint at ``at``; position -1 if it runs past ``end`` or 9 bytes."""
     v = 0
