@@ -214,3 +214,33 @@ def as_version1(blob: bytes, x: torch.Tensor, mean, std, config) -> bytes:
     for w, payload in enumerate(window_payloads(d)):
         table["crc"][w] = window_crc(payload, bits[starts[w] : starts[w + 1]], d.fmt, 0)
     return rebuild(blob, mean, std, config, entries=table, version=1)
+
+
+def assert_damage_is_caught(x: torch.Tensor, mean, std, config) -> None:
+    """The huff family's damage check, on the first of two streams of ``x``: every cut and extension and every
+    flipped byte is a CorruptStreamError with the check; with the crc32 resealed (verify=False too) a
+    CorruptStreamError or other values (a mantissa bit), never a crash, and the good stream beside it intact."""
+    import pytest
+
+    from hf_kvcompress import codec
+
+    [blob, other] = codec.encode_batch(x, mean, std, config)
+    for cut in (0, 3, 10, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(CorruptStreamError):
+            codec.decode_batch([blob[:cut], other], mean, std, config)
+    with pytest.raises(CorruptStreamError):
+        codec.decode_batch([blob + b"\0", other], mean, std, config)
+    rng = np.random.default_rng(0)
+    for at in range(len(blob)):
+        bad = bytearray(blob)
+        bad[at] ^= int(rng.integers(1, 256))
+        with pytest.raises(CorruptStreamError):
+            codec.decode_batch([bytes(bad), other], mean, std, config)
+        resealed = bytes(bad[:-4]) + struct.pack("<I", zlib.crc32(bytes(bad[:-4])))
+        for verify in (True, False):
+            try:
+                y = codec.decode_batch([resealed, other], mean, std, config, verify=verify)
+            except (CorruptStreamError, ValueError):
+                continue
+            assert_bit_exact(y[1], x[1])  # the good stream beside it decodes whatever the damage
+
