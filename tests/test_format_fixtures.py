@@ -48,9 +48,14 @@ def test_pinned_stream_decodes_bit_exactly_and_recodes_byte_identically(stream_t
     config = CodecConfig(**entry["config"])
     blob = stream_tensors[f"stream/{entry['name']}"].numpy().tobytes()
     x, mean, std = _inputs(stream_tensors, entry)
-    if "batch" in entry:
-        i = entry["batch"]
-        x, mean, std = x[i], mean[i], std[i]
+    assert_stream_pinned(blob, x, mean, std, config, entry.get("batch"))
+
+
+def assert_stream_pinned(blob: bytes, x, mean, std, config: CodecConfig, batch: int | None) -> None:
+    """``blob`` decodes to ``x`` bit for bit and ``x`` codes to ``blob`` byte for byte (``batch``: member ``batch``
+    of a batched call's inputs, coded as a batch of one)."""
+    if batch is not None:
+        x, mean, std = x[batch], mean[batch], std[batch]
         decoded = codec.decode_batch([blob], mean[None], std[None], config)[0]
         assert codec.encode_batch(x[None], mean[None], std[None], config)[0] == blob
     else:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from helpers import same_bits
 from safetensors.torch import load_file
+from test_format_fixtures import assert_stream_pinned
 
-from hf_kvcompress import CompressedCache, CompressionConfig, codec
+from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.persist import read_header
 from hf_kvcompress.calibration import Calibration
 from hf_kvcompress.codec import CodecConfig
@@ -54,16 +55,7 @@ def test_pinned_mhuff_stream_decodes_bit_exactly_and_recodes_byte_identically(st
                  "model": (stream_tensors.get(f"{entry['input']}/mean"), stream_tensors.get(f"{entry['input']}/std")),
                  "element": (stream_tensors.get(f"{entry['input']}/mean"),
                              stream_tensors.get(f"{entry['input']}/element_std"))}[entry["stats"]]
-    if "batch" in entry:
-        i = entry["batch"]
-        x, mean, std = x[i], mean[i], std[i]
-        decoded = codec.decode_batch([blob], mean[None], std[None], config)[0]
-        assert codec.encode_batch(x[None], mean[None], std[None], config)[0] == blob
-    else:
-        decoded = codec.decode(blob, mean, std, config=config)
-        assert codec.encode(x, mean, std, config) == blob
-    assert decoded.dtype == x.dtype and decoded.shape == x.shape
-    assert same_bits(decoded, x)
+    assert_stream_pinned(blob, x, mean, std, config, entry.get("batch"))
 
 
 def test_pinned_mhuff_streams_hold_special_values(stream_tensors):

@@ -272,26 +272,19 @@ def test_statistics_are_belows_on_the_grid():
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
 from hf_kvcompress.calibration import Calibration
-from hf_kvcompress.predictors.grid import GridPredictor
-cal = Calibration.load({cal!r})
+from test_grid_predictor import statistics
 assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
 blocks = torch.load({blocks!r}, weights_only=False)  # this test's own file
-predictor = GridPredictor(cal)
-heads = cal.meta["model"]["kv_heads"]
-out = []
-for inputs, keys, values in blocks:
-    session = predictor.session(inputs)
-    for kind, x in (("k", keys), ("v", values)):
-        out += [t.flatten() for t in session.predict_kind(kind, heads)]
-        session.observe_kind(kind, x)
-    out.append(session.finish(keys, values).surprise.flatten())
-torch.save(torch.cat(out), {result!r})
+torch.save(statistics(blocks, Calibration.load({cal!r})), {result!r})
 """
 
 
-def statistics(blocks) -> torch.Tensor:
-    predictor, heads, out = GridPredictor(calibration()), calibration().meta["model"]["kv_heads"], []
+def statistics(blocks, cal: Calibration | None = None) -> torch.Tensor:
+    """Every block's grid statistics and finished surprise, flat (``cal``: the tests' calibration by default)."""
+    cal = cal or calibration()
+    predictor, heads, out = GridPredictor(cal), cal.meta["model"]["kv_heads"], []
     for inputs, keys, values in blocks:
         session = predictor.session(inputs)
         for kind, x in (("k", keys), ("v", values)):
@@ -316,7 +309,7 @@ def test_statistics_are_the_same_bits_under_any_threads_cpu_capability_and_witho
         assert same_bits(statistics(blocks), want)
     calibration().save(tmp_path / "cal")
     torch.save(blocks, tmp_path / "blocks.pt")
-    script = SCRIPT.format(tests=str(ROOT / "tests"), cal=str(tmp_path / "cal"), blocks=str(tmp_path / "blocks.pt"),
+    script = SCRIPT.format(tests=str(ROOT / "tests"), here=str(Path(__file__).resolve().parent), cal=str(tmp_path / "cal"), blocks=str(tmp_path / "blocks.pt"),
                            result=str(tmp_path / "result.pt"))
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "3"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=300)
