@@ -286,6 +286,42 @@ def _parse_all(blobs: Sequence, head: Header, check: np.ndarray, spec: Spec) -> 
     return _Parsed(b8, b64, *fields)
 
 
+class Prepared(NamedTuple):
+    """A batch decode's host work, whichever decoder runs next (`DecodeJob`, `huff_triton`): the first stream's
+    header, every stream parsed and checked, the elements' contexts (fingerprints checked) and the layout."""
+
+    head: Header
+    parsed: _Parsed
+    cx: Contexts
+    lay: Layout
+
+
+def prepare_decode(blobs: Sequence, mean, std, out: torch.Tensor | None, verify, spec: Spec) -> Prepared:
+    """Parse and check a batch (`_parse_all`: headers, lengths, crc32 where ``verify`` says), check ``out`` and the
+    statistics, and compute the contexts, checked against each stream's fingerprint (`ParameterMismatchError`)."""
+    if not isinstance(blobs, (list, tuple)) or not blobs:
+        raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
+    head = parse_prefix(blobs[0], spec)
+    check = verify_mask(verify, len(blobs))
+    if check[0]:  # before its shape is believed; not again with the others
+        if not _crc_ok(blobs[0]):
+            raise _corrupt("stream 0: crc32 does not match", spec.name)
+        check[0] = 0
+    fmt, shape, n = head.fmt, head.shape, len(blobs)
+    xshape = (n, *shape)
+    check_out(out, fmt, xshape)
+    mean32, std32 = _decode_stats(mean, std, xshape, head)
+    parsed = _parse_all(blobs, head, check, spec)
+    cx = spec.contexts(mean32, std32, fmt, shape, n)
+    fps = np.empty(n, np.uint32)
+    kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
+    wrong = np.flatnonzero(fps != parsed.fp)
+    if wrong.size:
+        raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
+                                     "encoder's (their contexts' fingerprint does not match)")
+    return Prepared(head, parsed, cx, spec.layouts[fmt.code])
+
+
 def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = None, threads: int | None = None,
                       verify: bool | Sequence[bool] = True, spec: Spec | None = None) -> torch.Tensor:
     threads = check_threads(threads)
@@ -300,28 +336,9 @@ class DecodeJob(ChunkedJob):
     def __init__(self, blobs: Sequence, mean, std, out: torch.Tensor | None, verify, chunks: int = 1,
                  spec: Spec | None = None):
         spec = spec or SPEC
-        if not isinstance(blobs, (list, tuple)) or not blobs:
-            raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
-        head = parse_prefix(blobs[0], spec)
-        check = verify_mask(verify, len(blobs))
-        if check[0]:  # before its shape is believed; not again with the others
-            if not _crc_ok(blobs[0]):
-                raise _corrupt("stream 0: crc32 does not match", spec.name)
-            check[0] = 0
+        head, parsed, cx, lay = prepare_decode(blobs, mean, std, out, verify, spec)
         fmt, shape, n = head.fmt, head.shape, len(blobs)
-        xshape = (n, *shape)
-        check_out(out, fmt, xshape)
-        mean32, std32 = _decode_stats(mean, std, xshape, head)
-        parsed = _parse_all(blobs, head, check, spec)
-        cx = spec.contexts(mean32, std32, fmt, shape, n)
-        fps = np.empty(n, np.uint32)
-        kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
-        wrong = np.flatnonzero(fps != parsed.fp)
-        if wrong.size:
-            raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
-                                         "encoder's (their contexts' fingerprint does not match)")
-        host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
-        lay = spec.layouts[fmt.code]
+        host, flat, base, a_step, b_step = _destination(out, fmt, (n, *shape), cx)
         args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, lay.alphabet,
                 lay.ntab, lay.max_len, cx.ctx, cx.crow, cx.rows, cx.run, lay.ew, lay.raw, flat, base, a_step,
                 b_step, np.zeros(n, np.int32))
