@@ -41,6 +41,7 @@ from ..interface import (
     check_threads,
     describe,
     out_layout,
+    triton_device,
     verify_mask,
 )
 from ..registry import register
@@ -324,7 +325,15 @@ def prepare_decode(blobs: Sequence, mean, std, out: torch.Tensor | None, verify,
 
 def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = None, threads: int | None = None,
                       verify: bool | Sequence[bool] = True, spec: Spec | None = None) -> torch.Tensor:
+    """`Coder.decode_batch` of a coder of this family (``spec``, default huff's): the Triton decoder
+    (`huff_triton`) where `interface.triton_device` says so (a CUDA ``mean`` / ``std`` / ``out`` with Triton, or the
+    kernels forced to Triton), else the numba decoder on the host (``threads`` of them)."""
     threads = check_threads(threads)
+    device = triton_device(mean, std, out)
+    if device is not None:
+        from . import huff_triton  # optional dependency, imported when a kernel runs as Triton
+
+        return huff_triton.decode_batch_triton(blobs, mean, std, spec or SPEC, device=device, out=out, verify=verify)
     job = DecodeJob(blobs, mean, std, out, verify, chunks=threads, spec=spec)
     return job.start(threads - 1).finish() if threads > 1 else job.finish()
 
@@ -423,8 +432,9 @@ class HuffCoder(Coder):
 
     def start_decode_batch(self, blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
                            threads: int = 1, verify: bool | Sequence[bool] = True, chunks: int = 8) -> DecodeJob | None:
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (mean, std)):
-            return None
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (mean, std)) or \
+                triton_device(mean, std, out) is not None:
+            return None  # decoded where the layer's read runs `decode_batch` (on the device with Triton)
         check_threads(threads)
         return DecodeJob(blobs, mean, std, out, verify, chunks).start(threads)
 

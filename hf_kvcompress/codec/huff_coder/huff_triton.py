@@ -72,7 +72,7 @@ def _decode_kernel(words_ptr, last_word, pstart_ptr, pend_ptr, stored_ptr, table
             value = ((((u + c) & ((1 << EW) - 1)) | ((u ^ c) & (1 << EW))) << MW) | ((w >> ln) & ((1 << MW) - 1))
             value = tl.where(stored, w & ((1 << WIDTH) - 1), value)
             pos += tl.where(stored, WIDTH, ln + MW)
-            if ELEMENTS:
+            if ELEMENTS:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
                 chunk = r // CHUNK
             else:
                 chunk = r * row_chunks + t // CHUNK
