@@ -69,9 +69,10 @@ def test_triton_decoder_equals_cpu(dtype, coder):
         assert_bit_exact(y, codec.decode_batch(blobs, mean, std, cfg))
 
 
-def _outcome(decode):
+def _outcome(decode, *args, **kwargs):
+    """The decoded tensor, or the CorruptStreamError's message."""
     try:
-        return decode()
+        return decode(*args, **kwargs)
     except CorruptStreamError as err:
         return str(err)
 
@@ -100,8 +101,8 @@ def test_damage_gives_the_cpu_decoders_outcome(coder):
             bad[-4:] = struct.pack("<I", zlib.crc32(bytes(bad[:-4])))
             batch = list(blobs)
             batch[s] = bytes(bad)
-            host = _outcome(lambda: codec.decode_batch(batch, mean, std, cfg, verify=False))
-            device = _outcome(lambda: decode_batch_triton(batch, mean, std, _spec(coder), verify=False))
+            host = _outcome(codec.decode_batch, batch, mean, std, cfg, verify=False)
+            device = _outcome(decode_batch_triton, batch, mean, std, _spec(coder), verify=False)
             if isinstance(host, str):
                 assert device == host
                 messages.add(host.split(": ")[-1])
