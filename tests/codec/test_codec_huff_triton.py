@@ -1,4 +1,4 @@
-"""The huff family's Triton decoder (`huff_coder.huff_triton`) in the CPU interpreter: bit-identical to the numba
+"""The huff family's Triton decoder (`huff_coder.huff_triton`, through `huff.decode_batch_triton`) in the CPU interpreter: bit-identical to the numba
 decoder for ``huff`` and ``mhuff``, damaged streams refused with the numba decoder's own error. Streams of 32
 elements: the interpreter runs every vector op in numpy, ~15 ms an element whatever the number of streams."""
 
@@ -52,7 +52,7 @@ def _stats(kind: str, n: int = 3):
 def test_triton_decoder_equals_cpu(dtype, coder):
     """Per-channel (one context a row), per-element, shared and no statistics; a stored stream (random bits)
     beside coded ones in one batch. bfloat16 takes every kind of statistics, the others per-channel ones."""
-    from hf_kvcompress.codec.huff_coder.huff_triton import decode_batch_triton
+    from hf_kvcompress.codec.huff_coder.huff import decode_batch_triton
 
     cfg = CodecConfig(coder=coder)
     x = _data(dtype, 0)
@@ -83,7 +83,7 @@ def test_damage_gives_the_cpu_decoders_outcome(coder):
     too): the Triton decoder raises the numba decoder's error, message included (an invalid code, codes not
     ending at the payload's end, code lengths that form no code), or gives its values. Smooth data with one
     exponent per row leaves huff a single code, so half of its bit patterns start no code."""
-    from hf_kvcompress.codec.huff_coder.huff_triton import decode_batch_triton
+    from hf_kvcompress.codec.huff_coder.huff import decode_batch_triton
 
     cfg = CodecConfig(coder=coder)
     g = torch.Generator().manual_seed(5)
@@ -123,17 +123,17 @@ def decoders(monkeypatch):
     from hf_kvcompress.codec.huff_coder import huff_triton, kernels
 
     counts = {"triton": 0, "host": 0}
-    triton_decode, host_kernel = huff_triton.decode_batch_triton, kernels.decode_streams
+    triton_decode, host_kernel = huff_triton.decode_prepared, kernels.decode_streams
 
-    def on_device(blobs, *args, **kwargs):
-        counts["triton"] += len(blobs)
-        return triton_decode(blobs, *args, **kwargs)
+    def on_device(prep, *args, **kwargs):
+        counts["triton"] += prep.parsed.tat.size
+        return triton_decode(prep, *args, **kwargs)
 
     def on_host(*args):
         counts["host"] += args[-1] - args[-2]
         return host_kernel(*args)
 
-    monkeypatch.setattr(huff_triton, "decode_batch_triton", on_device)
+    monkeypatch.setattr(huff_triton, "decode_prepared", on_device)
     monkeypatch.setattr(kernels, "decode_streams", on_host)
     return counts
 
@@ -167,7 +167,7 @@ def test_decode_batch_routes_to_triton_when_the_kernels_say_so(coder, decoders):
 def test_triton_decoder_on_smollm2_blocks(smollm2, shakespeare_prompt):
     """SmolLM2's own keys and values (layers 0 and 20, the cache's per-channel statistics): 64 streams a layer,
     each 4 channels x 8 tokens of a head (the interpreter's speed), huff and mhuff."""
-    from hf_kvcompress.codec.huff_coder.huff_triton import decode_batch_triton
+    from hf_kvcompress.codec.huff_coder.huff import decode_batch_triton
 
     model, _ = smollm2
     with torch.no_grad():

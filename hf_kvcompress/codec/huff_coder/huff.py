@@ -331,11 +331,21 @@ def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = Non
     threads = check_threads(threads)
     device = triton_device(mean, std, out)
     if device is not None:
-        from . import huff_triton  # optional dependency, imported when a kernel runs as Triton
-
-        return huff_triton.decode_batch_triton(blobs, mean, std, spec or SPEC, device=device, out=out, verify=verify)
+        return decode_batch_triton(blobs, mean, std, spec or SPEC, device=device, out=out, verify=verify)
     job = DecodeJob(blobs, mean, std, out, verify, chunks=threads, spec=spec)
     return job.start(threads - 1).finish() if threads > 1 else job.finish()
+
+
+def decode_batch_triton(blobs: Sequence, mean, std, spec: Spec | None = None, device: str | torch.device = "cpu",
+                        out: torch.Tensor | None = None, verify: bool | Sequence[bool] = True) -> torch.Tensor:
+    """`decode_batch_impl` with the decoding on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``): parsed
+    and checked here (`prepare_decode`), decoded by `huff_triton.decode_prepared`; the numba decoder's bits and
+    errors. The result lands in ``out`` (any device) or in a new tensor on ``device``."""
+    from . import huff_triton  # optional dependency, imported when a kernel runs as Triton
+
+    spec = spec or SPEC
+    prep = prepare_decode(blobs, mean, std, out, verify, spec)
+    return huff_triton.decode_prepared(prep, f"corrupt {spec.name} codec stream", _ERRORS, torch.device(device), out)
 
 
 class DecodeJob(ChunkedJob):

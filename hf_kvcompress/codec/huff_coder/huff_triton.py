@@ -5,9 +5,10 @@ interpreter and compare bit for bit.
 
 One lane per stream: a stream's codes are variable-length and carry no restart points, so its elements decode one
 after the other; the CPU decoder's four streams in lock step become `BLOCK_S` here. What stays on the host:
-parsing and checks (`huff.prepare_decode`: headers, crc32 where asked, contexts and their fingerprints) and the
-decode tables (`kernels.build_stream_tables`, 4 KiB a huff stream); the payloads, tables and contexts go to the
-device, the decoded elements are written there.
+parsing and checks (`huff.prepare_decode`: headers, crc32 where asked, contexts and their fingerprints; the entry
+point is `huff.decode_batch_triton`, so this module imports nothing of `huff`) and the decode tables
+(`kernels.build_stream_tables`, 4 KiB a huff stream, 16 KiB an mhuff one); the payloads, tables and contexts go to
+the device, the decoded elements are written there.
 
 Integer operations only, and only core builtins (no ``triton.language.standard`` helpers): those are ``@jit``
 functions fixed when triton is imported, which breaks the interpreter when torch imported triton before
@@ -17,7 +18,6 @@ functions fixed when triton is imported, which breaks the interpreter when torch
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ import triton.language as tl
 from ...errors import CorruptStreamError
 from ..interface import copy_into
 from . import kernels
-from .huff import _ERRORS, SPEC, Spec, prepare_decode
 
 #: streams per program (one lane each)
 BLOCK_S = 32
@@ -88,31 +87,29 @@ def _decode_kernel(words_ptr, last_word, pstart_ptr, pend_ptr, stored_ptr, table
     tl.store(err_ptr + s, err.to(tl.int32), mask=lane)
 
 
-def decode_batch_triton(blobs: Sequence, mean, std, spec: Spec = SPEC, device: str | torch.device = "cpu",
-                        out: torch.Tensor | None = None, verify: bool | Sequence[bool] = True) -> torch.Tensor:
-    """`codec.decode_batch` of huff-family streams (``spec``: `huff.SPEC` or mhuff's) with the entropy decoding on
-    ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``): the numba decoder's bits and errors (`CorruptStreamError`
-    naming the first failed stream, `ParameterMismatchError` for other statistics); the result lands in ``out`` (any
-    device) or in a new tensor on ``device``."""
-    dev = torch.device(device)
-    head, parsed, cx, lay = prepare_decode(blobs, mean, std, out, verify, spec)
-    fmt, n = head.fmt, len(blobs)
+def decode_prepared(prep, corrupt: str, errors: dict[int, str], device: torch.device,
+                   out: torch.Tensor | None) -> torch.Tensor:
+    """Decode a batch parsed and checked on the host (``prep``: `huff.prepare_decode`'s) on ``device``: the numba
+    decoder's bits, and its `CorruptStreamError` (``corrupt``: the message's start, ``errors``: each ERR_ code's
+    words) for the first stream that fails; into ``out`` (any device) or a new tensor on ``device``."""
+    head, parsed, cx, lay = prep
+    fmt, n = head.fmt, parsed.tat.size
     m = math.prod(head.shape)
     wide = fmt.dtype == torch.float32
     bits_dtype = torch.int32 if wide else torch.int16
-    direct = out is not None and out.device == dev and out.is_contiguous()
-    dst = out if direct else torch.empty((n, *head.shape), dtype=fmt.dtype, device=dev)
+    direct = out is not None and out.device == device and out.is_contiguous()
+    dst = out if direct else torch.empty((n, *head.shape), dtype=fmt.dtype, device=device)
     err = np.zeros(n, np.int32)
     if m:
         tables = np.zeros((n, lay.ntab << lay.max_len), np.uint32)
         kernels.build_stream_tables(parsed.b8, parsed.tat, parsed.pstart, parsed.stored, lay.alphabet, lay.ntab,
                                     lay.max_len, lay.ew, tables, err)
         words = parsed.b64.view(np.int32)  # the joined streams (padded), as uint32 words' bits
-        on = {name: torch.from_numpy(a).to(dev) for name, a in (
+        on = {name: torch.from_numpy(a).to(device) for name, a in (
             ("words", words), ("pstart", parsed.pstart), ("pend", parsed.pstart + parsed.pbits),
             ("stored", parsed.stored.astype(np.int32)), ("tables", tables.view(np.int32)),
             ("ctx", cx.ctx.view(np.int32)), ("crow", cx.crow))}
-        dev_err = torch.zeros(n, dtype=torch.int32, device=dev)
+        dev_err = torch.zeros(n, dtype=torch.int32, device=device)
         elements = cx.run == 1 and 2 * (lay.max_len + lay.raw) <= 57  # `kernels._decode4`'s pairs of rows
         _decode_kernel[(triton.cdiv(n, BLOCK_S),)](
             on["words"], words.size - 1, on["pstart"], on["pend"], on["stored"], on["tables"], on["ctx"],
@@ -123,8 +120,7 @@ def decode_batch_triton(blobs: Sequence, mean, std, spec: Spec = SPEC, device: s
         err = np.where(err != 0, err, dev_err.cpu().numpy())  # a table's error first, as the numba decoder's
     if err.any():
         i = int(np.flatnonzero(err)[0])
-        raise CorruptStreamError(f"corrupt {spec.name} codec stream: stream {i}: "
-                                 f"{_ERRORS.get(int(err[i]), 'decode failed')}")
+        raise CorruptStreamError(f"{corrupt}: stream {i}: {errors.get(int(err[i]), 'decode failed')}")
     if out is None or direct:
         return dst
     return copy_into(out, dst)
