@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from codec_testutil import DTYPES, assert_bit_exact, from_patterns, special_patterns
+from helpers import count_huff_decoders
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig, CorruptStreamError
@@ -120,22 +121,7 @@ def test_damage_gives_the_cpu_decoders_outcome(coder):
 @pytest.fixture
 def decoders(monkeypatch):
     """Counts of the streams each huff-family decoder decoded: the Triton one and the host's compiled kernel."""
-    from hf_kvcompress.codec.huff_coder import huff_triton, kernels
-
-    counts = {"triton": 0, "host": 0}
-    triton_decode, host_kernel = huff_triton.decode_prepared, kernels.decode_streams
-
-    def on_device(prep, *args, **kwargs):
-        counts["triton"] += prep.parsed.tat.size
-        return triton_decode(prep, *args, **kwargs)
-
-    def on_host(*args):
-        counts["host"] += args[-1] - args[-2]
-        return host_kernel(*args)
-
-    monkeypatch.setattr(huff_triton, "decode_prepared", on_device)
-    monkeypatch.setattr(kernels, "decode_streams", on_host)
-    return counts
+    return count_huff_decoders(monkeypatch)
 
 
 @pytest.mark.parametrize("coder", CODERS)
