@@ -132,14 +132,13 @@ def run(args: argparse.Namespace) -> dict:
                   f"{row['step_x']:.2f}x DynamicCache ({base_step:.4f} s), held {row['held_x']:.3f}x, "
                   f"identical {row['identical']}, fill {fill_s:.1f} s", flush=True)
             del cache
-        if context == contexts[0]:
-            for coder in args.coders.split(","):
-                r = decode_speed(prefix[len(prefix) // 2], coder, args.block_tokens, args.repeats, device)
-                r["context"] = context
-                result["decode"].append(r)
-                print(f"decode {coder}: {r['streams']} streams, {r['decoded_MB']:.1f} MB in {r['seconds'] * 1e3:.2f} ms"
-                      f" = {r['GB_s']:.2f} GB/s, {r['bits_per_scalar']:.3f} bits/scalar, exact {r['exact']}",
-                      flush=True)
+        for coder in args.coders.split(","):
+            r = decode_speed(prefix[len(prefix) // 2], coder, args.block_tokens, args.repeats, device)
+            r["context"] = context
+            result["decode"].append(r)
+            print(f"context {context} decode {coder}: {r['streams']} streams, {r['decoded_MB']:.1f} MB in "
+                  f"{r['seconds'] * 1e3:.2f} ms = {r['GB_s']:.2f} GB/s, {r['bits_per_scalar']:.3f} bits/scalar, "
+                  f"exact {r['exact']}", flush=True)
         del prefix
     result["seconds"] = time.perf_counter() - start
     print(f"done in {result['seconds']:.0f} s")

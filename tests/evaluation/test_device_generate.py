@@ -20,5 +20,6 @@ def test_device_script_dry_run(tmp_path):
     assert [(r["context"], r["coder"], r["auto"]) for r in result["rows"]] == [
         (48, "huff", True), (48, "lanes", False), (80, "huff", True), (80, "lanes", False)]
     assert all(r["identical"] and r["step_x"] > 0 and 0 < r["held_x"] < 1 for r in result["rows"])
-    assert [d["coder"] for d in result["decode"]] == ["huff", "lanes", "mhuff"]
+    assert [(d["context"], d["coder"]) for d in result["decode"]] == [
+        (c, coder) for c in (48, 80) for coder in ("huff", "lanes", "mhuff")]
     assert all(d["exact"] and d["GB_s"] > 0 for d in result["decode"])
