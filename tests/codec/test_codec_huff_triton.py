@@ -32,20 +32,23 @@ def _spec(coder: str):
 
 
 def _data(dtype, seed: int, n: int = 3):
-    """``n`` streams of 4 x 8 elements, the first one's head NaN payloads, infinities, -0.0 and subnormals."""
+    """``n`` streams of 4 x 8 elements near 1 (so that coding pays even for so few), NaN payloads, infinities,
+    -0.0 and subnormals at the heads of the first two."""
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(n, 4, 8, generator=g) * 3).to(dtype)
+    x = (1.0 + torch.randn(n, 4, 8, generator=g) * 0.3).to(dtype)
     sp = from_patterns(special_patterns(dtype), dtype)
-    x.view(-1)[: sp.numel()] = sp
+    x.view(-1)[:8] = sp[:8]
+    x[min(1, n - 1)].view(-1)[8:16] = sp[8:]
     return x
 
 
 def _stats(kind: str, n: int = 3):
+    """Statistics near `_data`'s: per channel, per element, shared by every stream, or none."""
     g = torch.Generator().manual_seed(11)
     shape = {"channel": (n, 4, 1), "element": (n, 4, 8), "shared": (1, 4, 1)}.get(kind)
     if shape is None:
         return None, None
-    return torch.randn(shape, generator=g), torch.rand(shape, generator=g) + 0.5
+    return 1.0 + 0.1 * torch.randn(shape, generator=g), 0.2 + 0.1 * torch.rand(shape, generator=g)
 
 
 @pytest.mark.parametrize("coder", CODERS)
@@ -53,7 +56,7 @@ def _stats(kind: str, n: int = 3):
 def test_triton_decoder_equals_cpu(dtype, coder):
     """Per-channel (one context a row), per-element, shared and no statistics; a stored stream (random bits)
     beside coded ones in one batch. bfloat16 takes every kind of statistics, the others per-channel ones."""
-    from hf_kvcompress.codec.huff_coder.huff import decode_batch_triton
+    from hf_kvcompress.codec.huff_coder.huff import decode_batch_triton, prepare_decode
 
     cfg = CodecConfig(coder=coder)
     x = _data(dtype, 0)
@@ -62,12 +65,17 @@ def test_triton_decoder_equals_cpu(dtype, coder):
     noise = torch.randint(0, 256, (1, 4, 8 * width), generator=g, dtype=torch.uint8)
     x[2] = noise.view(torch.int32 if width == 4 else torch.int16).view(dtype)[0]  # incompressible: stored
     kinds = ("channel", "element", "shared", "none") if dtype == torch.bfloat16 else ("channel",)
+    coded = 0
     for kind in kinds:
         mean, std = _stats(kind)
         blobs = codec.encode_batch(x, mean, std, cfg)
+        stored = prepare_decode(blobs, mean, std, None, True, _spec(coder)).parsed.stored
+        assert stored[2]  # (mhuff stores some short streams of scattered contexts too: four tables cost)
+        coded += int((~stored).sum())
         y = decode_batch_triton(blobs, mean, std, _spec(coder))
         assert_bit_exact(y, x)
         assert_bit_exact(y, codec.decode_batch(blobs, mean, std, cfg))
+    assert coded
 
 
 def _outcome(decode, *args, **kwargs):
@@ -88,17 +96,19 @@ def test_damage_gives_the_cpu_decoders_outcome(coder):
 
     cfg = CodecConfig(coder=coder)
     g = torch.Generator().manual_seed(5)
-    x = (1.0 + torch.rand(2, 4, 8, generator=g) * 0.9).to(torch.bfloat16)
-    x[1] = _data(torch.bfloat16, 6, 1)[0]
-    mean, std = torch.full((2, 4, 1), 1.5), torch.full((2, 4, 1), 0.25)
+    x = (1.0 + torch.rand(2, 2, 8, generator=g) * 0.9).to(torch.bfloat16)  # 16 elements a stream: the time
+    x[1] = _data(torch.bfloat16, 6, 1)[0, :2]
+    mean, std = torch.full((2, 2, 1), 1.5), torch.full((2, 2, 1), 0.25)
     rng = np.random.default_rng(1)
     messages = set()
     for s in (0, 1):
         blobs = codec.encode_batch(x, mean, std, cfg)
         blob = blobs[s]
-        for at in [*rng.integers(len(blob) - 30, len(blob) - 4, 10).tolist(), 13, 14]:  # payload, length tables
+        # payload bytes (random flips; bit 0 of one: stream 0's one-bit code), length tables
+        flips = [(at, int(rng.integers(1, 256))) for at in rng.integers(len(blob) - 18, len(blob) - 4, 6).tolist()]
+        for at, flip in [*flips, (len(blob) - 10, 1), (13, 0x10), (14, 1)]:
             bad = bytearray(blob)
-            bad[at] ^= int(rng.integers(1, 256))
+            bad[at] ^= flip
             bad[-4:] = struct.pack("<I", zlib.crc32(bytes(bad[:-4])))
             batch = list(blobs)
             batch[s] = bytes(bad)
@@ -152,7 +162,8 @@ def test_decode_batch_routes_to_triton_when_the_kernels_say_so(coder, decoders):
 @pytest.mark.real_model
 def test_triton_decoder_on_smollm2_blocks(smollm2, shakespeare_prompt):
     """SmolLM2's own keys and values (layers 0 and 20, the cache's per-channel statistics): 64 streams a layer,
-    each 4 channels x 8 tokens of a head (the interpreter's speed), huff and mhuff."""
+    each 4 channels x 8 tokens of a head (the interpreter's speed), huff and mhuff; layer 0's also as float16 and
+    float32 (the model's bfloat16 values converted)."""
     from hf_kvcompress.codec.huff_coder.huff import decode_batch_triton
 
     model, _ = smollm2
@@ -163,9 +174,10 @@ def test_triton_decoder_on_smollm2_blocks(smollm2, shakespeare_prompt):
         x = torch.cat([k, v], 1)[0, :, :8].transpose(-1, -2).reshape(-1, 4, 8)  # [streams, 4 dims, 8 tokens]
         mean = x.float().mean(-1, keepdim=True)
         std = x.float().std(-1, keepdim=True) + 1e-3
-        for coder in CODERS:
-            cfg = CodecConfig(coder=coder)
-            blobs = codec.encode_batch(x, mean, std, cfg)
-            y = decode_batch_triton(blobs, mean, std, _spec(coder))
-            assert_bit_exact(y, x)
-            assert_bit_exact(y, codec.decode_batch(blobs, mean, std, cfg))
+        for xd in [x] if layer else [x, x.to(torch.float16), x.float()]:
+            for coder in CODERS:
+                cfg = CodecConfig(coder=coder)
+                blobs = codec.encode_batch(xd, mean, std, cfg)
+                y = decode_batch_triton(blobs, mean, std, _spec(coder))
+                assert_bit_exact(y, xd)
+                assert_bit_exact(y, codec.decode_batch(blobs, mean, std, cfg))
