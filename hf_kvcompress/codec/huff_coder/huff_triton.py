@@ -28,7 +28,8 @@ from ...errors import CorruptStreamError
 from ..interface import copy_into
 from . import kernels
 
-#: streams per program (one lane each)
+#: streams per program (one lane each): one warp of 32 threads (a guess: never timed on a GPU; more streams a program
+#: share its launch, fewer fill more SMs when a batch holds few streams)
 BLOCK_S = 32
 
 
@@ -116,7 +117,8 @@ def decode_prepared(prep, corrupt: str, errors: dict[int, str], device: torch.de
             on["crow"], dst.view(bits_dtype), dev_err, n, cx.rows, cx.run, -(-cx.run // kernels.CHUNK),
             ELEMENTS=elements, NTAB=lay.ntab, CLS=lay.ew + 1, EW=lay.ew, MW=lay.raw, WIDTH=lay.width,
             MAX_LEN=lay.max_len, CHUNK=kernels.CHUNK, OUT_BITS=32 if wide else 16, ERR_CODE=kernels.ERR_CODE,
-            ERR_LENGTH=kernels.ERR_LENGTH, NONE=1 << 62, BLOCK_S=BLOCK_S)
+            ERR_LENGTH=kernels.ERR_LENGTH, NONE=1 << 62, BLOCK_S=BLOCK_S,
+            num_warps=1)  # BLOCK_S lanes are one warp: more warps would hold copies of the same lanes
         err = np.where(err != 0, err, dev_err.cpu().numpy())  # a table's error first, as the numba decoder's
     if err.any():
         i = int(np.flatnonzero(err)[0])
