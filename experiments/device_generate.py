@@ -2,7 +2,8 @@
 SmolLM2-135M at 8k-32k tokens, per context and coder: the median decode step as a multiple of DynamicCache's, the
 bytes held as a fraction of DynamicCache's, whether the teacher-forced tokens' logits (hence the greedy tokens)
 are bit-identical, and each coder's decode speed on the device (GB/s of decoded K/V: one layer's sealed blocks,
-encoded on the host, decoded by `codec.decode_batch` into a tensor on the device: the Triton decoder there).
+encoded on the host, decoded by `codec.decode_batch` into a tensor on the device: the Triton decoder there; for
+huff and mhuff also the host's share of it, parsing, checks and decode tables).
 
     python experiments/device_generate.py [--contexts 8192,16384,32768] [--steps 8] [--coders huff,lanes,mhuff]
         [--budget 0.05] [--json PATH]
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -85,8 +87,29 @@ def decode_speed(layer_kv: tuple[torch.Tensor, torch.Tensor], coder: str, block_
     exact = torch.equal(out.cpu().view(torch.int16), x.view(torch.int16))
     s = statistics.median(seconds[1:])
     return {"coder": coder, "streams": len(blobs), "decoded_MB": x.numel() * x.element_size() / 1e6,
-            "seconds": s, "GB_s": x.numel() * x.element_size() / s / 1e9,
+            "seconds": s, "GB_s": x.numel() * x.element_size() / s / 1e9, "host_seconds": host_part(blobs, mean, std,
+                                                                                                    coder, repeats),
             "bits_per_scalar": 8 * sum(map(len, blobs)) / x.numel(), "exact": exact}
+
+
+def host_part(blobs: list[bytes], mean: torch.Tensor, std: torch.Tensor, coder: str, repeats: int) -> float | None:
+    """The huff family's host share of a device decode (parsing, checks, contexts, decode tables: what runs before
+    the kernel), median seconds; None for other coders."""
+    if coder not in ("huff", "mhuff"):
+        return None
+    from hf_kvcompress.codec.huff_coder import huff, kernels, mhuff
+
+    spec = huff.SPEC if coder == "huff" else mhuff.SPEC
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        prep = huff.prepare_decode(blobs, mean, std, None, False, spec)
+        parsed, lay = prep.parsed, prep.lay
+        tables = np.zeros((len(blobs), lay.ntab << lay.max_len), np.uint32)
+        kernels.build_stream_tables(parsed.b8, parsed.tat, parsed.pstart, parsed.stored, lay.alphabet, lay.ntab,
+                                    lay.max_len, lay.ew, tables, np.zeros(len(blobs), np.int32))
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -137,8 +160,9 @@ def run(args: argparse.Namespace) -> dict:
             r["context"] = context
             result["decode"].append(r)
             print(f"context {context} decode {coder}: {r['streams']} streams, {r['decoded_MB']:.1f} MB in "
-                  f"{r['seconds'] * 1e3:.2f} ms = {r['GB_s']:.2f} GB/s, {r['bits_per_scalar']:.3f} bits/scalar, "
-                  f"exact {r['exact']}", flush=True)
+                  f"{r['seconds'] * 1e3:.2f} ms = {r['GB_s']:.2f} GB/s"
+                  + ("" if r["host_seconds"] is None else f" (host share {r['host_seconds'] * 1e3:.2f} ms)")
+                  + f", {r['bits_per_scalar']:.3f} bits/scalar, exact {r['exact']}", flush=True)
         del prefix
     result["seconds"] = time.perf_counter() - start
     print(f"done in {result['seconds']:.0f} s")

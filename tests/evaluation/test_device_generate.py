@@ -23,3 +23,4 @@ def test_device_script_dry_run(tmp_path):
     assert [(d["context"], d["coder"]) for d in result["decode"]] == [
         (c, coder) for c in (48, 80) for coder in ("huff", "lanes", "mhuff")]
     assert all(d["exact"] and d["GB_s"] > 0 for d in result["decode"])
+    assert all((d["host_seconds"] is None) == (d["coder"] == "lanes") for d in result["decode"])
