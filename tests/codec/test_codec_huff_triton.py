@@ -181,3 +181,18 @@ def test_triton_decoder_on_smollm2_blocks(smollm2, shakespeare_prompt):
                 y = decode_batch_triton(blobs, mean, std, _spec(coder))
                 assert_bit_exact(y, xd)
                 assert_bit_exact(y, codec.decode_batch(blobs, mean, std, cfg))
+
+
+@pytest.mark.parametrize("coder", CODERS)
+@pytest.mark.parametrize("shape", [(3, 0, 5), (1,), (7,), (2, 1)])
+def test_empty_and_tiny_batches(coder, shape):
+    """Streams without elements (nothing launched) and of one element, through the Triton route."""
+    from hf_kvcompress import kernels
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(shape, generator=g).bfloat16()
+    mean, std = torch.zeros(shape), torch.ones(shape)
+    cfg = CodecConfig(coder=coder)
+    blobs = codec.encode_batch(x, mean, std, cfg)
+    with kernels.forced("triton"):
+        assert_bit_exact(codec.decode_batch(blobs, mean, std, cfg), x)
