@@ -87,9 +87,9 @@ class LosslessConfig(JsonConfig):
             made a decode step 1.2-1.5x faster beside torch on one thread, and neither faster nor slower
             beside torch on two (torch's OpenMP threads spin on the second core between operations); it
             loses where other processes keep the cores busy: pass ``workers=1`` there (docs/results/lossless.md,
-            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks of ``coder="lanes"``
-            decode on the GPU and this only affects encoding (docs/lossless.md, "On a GPU"); ``huff`` has no
-            Triton decoder yet: its blocks decode on the host and are copied to the device.
+            "Codec threads"). On a CUDA model with Triton, ``generic`` and ``framed`` blocks of ``coder="lanes"``,
+            ``"huff"`` or ``"mhuff"`` decode on the GPU and this only affects encoding (docs/lossless.md, "On a
+            GPU").
         decoded_budget: bytes of decoded blocks the cache may keep between steps, as a fraction of the
             sealed blocks' raw (uncompressed) size: 0 decodes every block at every step, 1 keeps them all
             decoded (faster steps, no memory saved). The most recent blocks are kept (see
@@ -118,6 +118,8 @@ class LosslessConfig(JsonConfig):
     def __post_init__(self) -> None:
         owner = "LosslessConfig"
         validate(self, owner)  # the declared checks (`checked`); the codec's fields are `CodecConfig`'s (below)
+        # remembered (not serialised: `to_dict` writes the coder chosen, so files keep their bytes): `coder_auto`
+        object.__setattr__(self, "_coder_auto", self.coder is None)
         if self.coder is None:  # the predictor's own choice (`Predictor.coder`)
             object.__setattr__(self, "coder", predictor_registry.predictor_class(self.predictor).coder)
         if self.predictor in self.STORAGE_ONLY:
@@ -131,6 +133,13 @@ class LosslessConfig(JsonConfig):
         except ValueError as err:  # ConfigTypeError too; the fields have CodecConfig's names: name them as ours
             message = str(err).replace("CodecConfig.", f"{owner}.").replace("CodecConfig(", f"{owner}(")
             raise type(err)(message) from err
+
+    @property
+    def coder_auto(self) -> bool:
+        """Whether ``coder`` was chosen automatically (constructed with ``coder=None``: the predictor's own coder;
+        every one of them has a Triton decoder, so its blocks decode on a CUDA model's device) rather than named
+        by the caller. Not serialised: a config read back from `to_dict` names its coder."""
+        return self._coder_auto
 
     def codec_config(self) -> CodecConfig:
         """The `CodecConfig` of these settings (the codec's defaults for every field not set here)."""

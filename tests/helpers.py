@@ -155,3 +155,24 @@ def count_lanes_decoders(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(device_triton, "decode_batch_triton", on_device)
     monkeypatch.setattr(jit, "decode_streams", on_host)
     return counts
+
+
+def count_huff_decoders(monkeypatch) -> dict[str, int]:
+    """`count_lanes_decoders` for the huff family (huff, mhuff): streams decoded by its Triton decoder
+    (`huff_triton.decode_prepared`) and by the host's compiled kernel (`kernels.decode_streams`)."""
+    from hf_kvcompress.codec.huff_coder import huff_triton, kernels
+
+    counts = {"triton": 0, "host": 0}
+    triton_decode, host_kernel = huff_triton.decode_prepared, kernels.decode_streams
+
+    def on_device(prep, *args, **kwargs):
+        counts["triton"] += prep.parsed.tat.size
+        return triton_decode(prep, *args, **kwargs)
+
+    def on_host(*args):
+        counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
+        return host_kernel(*args)
+
+    monkeypatch.setattr(huff_triton, "decode_prepared", on_device)
+    monkeypatch.setattr(kernels, "decode_streams", on_host)
+    return counts

@@ -154,3 +154,14 @@ def test_workers_beyond_the_bound_are_refused_at_construction(workers):
     with pytest.raises(ValueError, match=rf"LosslessConfig.workers must lie in \[1, {MAX_WORKERS}\], got {workers}"):
         LosslessConfig(workers=workers)
     assert LosslessConfig(workers=MAX_WORKERS).workers == MAX_WORKERS
+
+
+def test_lossless_config_remembers_an_automatic_coder():
+    """``coder=None`` becomes the predictor's coder and the config says it was chosen so; a named coder is not;
+    to_dict writes the coder chosen (files keep their bytes), so a config read back names it."""
+    auto = LosslessConfig()
+    assert auto.coder == "huff" and auto.coder_auto
+    named = LosslessConfig(coder="huff")
+    assert named == auto and not named.coder_auto
+    back = LosslessConfig.from_dict(auto.to_dict())
+    assert back.coder == "huff" and not back.coder_auto

@@ -1,10 +1,11 @@
 """Lossless decoding on the device path, forced onto Triton's CPU interpreter (no GPU here).
 
 On a CUDA model the cache decodes its blocks into tensors on the K/V's device and `codec.decode_batch` runs the
-Triton lanes decoder there (`kernels.dispatch` decides). Here ``kernels.forced("triton")`` takes the same route
+coder's Triton decoder there (`kernels.dispatch` decides). Here ``kernels.forced("triton")`` takes the same route
 with CPU tensors: generation must be bit-identical to DynamicCache, and every block decode must have gone
 through the Triton decoder (counted per stream), none through the host kernel. Small on purpose: the
-interpreter runs every vector operation in numpy (16-token blocks, 64 lanes: 4 rounds a stream).
+interpreter runs every vector operation in numpy (16-token blocks, 64 lanes: 4 rounds a stream;
+huff: 4-token blocks, 64 elements a stream).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's kernels are de
 
 import pytest
 import torch
-from helpers import count_lanes_decoders, fresh_tiny_model, random_ids, same_bits
+from helpers import count_huff_decoders, count_lanes_decoders, fresh_tiny_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, kernels
@@ -54,7 +55,7 @@ def test_generation_is_identical_and_decodes_through_the_chosen_decoder(route, d
     every block (streams = 2 x kv heads per block decode)."""
     want = _generate(DynamicCache())
     config = CompressionConfig(mode="lossless", block_tokens=BLOCK, residual_tokens=0,
-                               lossless={"decoded_budget": 0.0, "coder": "lanes"})  # the coder with a Triton decoder
+                               lossless={"decoded_budget": 0.0, "coder": "lanes"})  # lanes' Triton decoder
     cache = CompressedCache(config, model=model6(), calibration=None)
     with kernels.forced(route):
         got = _generate(cache)
@@ -65,3 +66,22 @@ def test_generation_is_identical_and_decodes_through_the_chosen_decoder(route, d
     assert decodes == (NEW - 1) * LAYERS * ((PROMPT + NEW - 2) // BLOCK)  # every sealed block, every step
     used, unused = ("triton", "host") if route == "triton" else ("host", "triton")
     assert decoders[used] == 2 * decodes and decoders[unused] == 0
+
+
+def test_the_default_coder_generates_identically_through_its_triton_decoder(monkeypatch):
+    """``coder=None``: generic's ``huff``, chosen automatically (the config says so), whose blocks take the huff
+    family's Triton decoder on the device route: logits and tokens are DynamicCache's, bit for bit, and every block
+    decode went through it. 4-token blocks: 64 elements a stream (the interpreter steps them one by one)."""
+    counts = count_huff_decoders(monkeypatch)
+    want = _generate(DynamicCache())
+    config = CompressionConfig(mode="lossless", block_tokens=4, residual_tokens=0, lossless={"decoded_budget": 0.0})
+    assert config.lossless.coder == "huff" and config.lossless.coder_auto
+    cache = CompressedCache(config, model=model6(), calibration=None)
+    with kernels.forced("triton"):
+        got = _generate(cache)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(want.logits, got.logits, strict=True):
+        assert same_bits(a, b)
+    decodes = cache.lossless.decodes
+    assert decodes == (NEW - 1) * LAYERS * ((PROMPT + NEW - 2) // 4)
+    assert counts == {"triton": 2 * decodes, "host": 0}

@@ -41,6 +41,7 @@ from ..interface import (
     check_threads,
     describe,
     out_layout,
+    triton_device,
     verify_mask,
 )
 from ..registry import register
@@ -286,11 +287,65 @@ def _parse_all(blobs: Sequence, head: Header, check: np.ndarray, spec: Spec) -> 
     return _Parsed(b8, b64, *fields)
 
 
+class Prepared(NamedTuple):
+    """A batch decode's host work, whichever decoder runs next (`DecodeJob`, `huff_triton`): the first stream's
+    header, every stream parsed and checked, the elements' contexts (fingerprints checked) and the layout."""
+
+    head: Header
+    parsed: _Parsed
+    cx: Contexts
+    lay: Layout
+
+
+def prepare_decode(blobs: Sequence, mean, std, out: torch.Tensor | None, verify, spec: Spec) -> Prepared:
+    """Parse and check a batch (`_parse_all`: headers, lengths, crc32 where ``verify`` says), check ``out`` and the
+    statistics, and compute the contexts, checked against each stream's fingerprint (`ParameterMismatchError`)."""
+    if not isinstance(blobs, (list, tuple)) or not blobs:
+        raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
+    head = parse_prefix(blobs[0], spec)
+    check = verify_mask(verify, len(blobs))
+    if check[0]:  # before its shape is believed; not again with the others
+        if not _crc_ok(blobs[0]):
+            raise _corrupt("stream 0: crc32 does not match", spec.name)
+        check[0] = 0
+    fmt, shape, n = head.fmt, head.shape, len(blobs)
+    xshape = (n, *shape)
+    check_out(out, fmt, xshape)
+    mean32, std32 = _decode_stats(mean, std, xshape, head)
+    parsed = _parse_all(blobs, head, check, spec)
+    cx = spec.contexts(mean32, std32, fmt, shape, n)
+    fps = np.empty(n, np.uint32)
+    kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
+    wrong = np.flatnonzero(fps != parsed.fp)
+    if wrong.size:
+        raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
+                                     "encoder's (their contexts' fingerprint does not match)")
+    return Prepared(head, parsed, cx, spec.layouts[fmt.code])
+
+
 def decode_batch_impl(blobs: Sequence, mean, std, out: torch.Tensor | None = None, threads: int | None = None,
                       verify: bool | Sequence[bool] = True, spec: Spec | None = None) -> torch.Tensor:
+    """`Coder.decode_batch` of a coder of this family (``spec``, default huff's): the Triton decoder
+    (`huff_triton`) where `interface.triton_device` says so (a CUDA ``mean`` / ``std`` / ``out`` with Triton, or the
+    kernels forced to Triton), else the numba decoder on the host (``threads`` of them)."""
     threads = check_threads(threads)
+    device = triton_device(mean, std, out)
+    if device is not None:
+        return decode_batch_triton(blobs, mean, std, spec or SPEC, device=device, out=out, verify=verify)
     job = DecodeJob(blobs, mean, std, out, verify, chunks=threads, spec=spec)
     return job.start(threads - 1).finish() if threads > 1 else job.finish()
+
+
+def decode_batch_triton(blobs: Sequence, mean, std, spec: Spec | None = None, device: str | torch.device = "cpu",
+                        out: torch.Tensor | None = None, verify: bool | Sequence[bool] = True) -> torch.Tensor:
+    """`decode_batch_impl` with the decoding on ``device`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``): parsed
+    and checked here (`prepare_decode`), decoded by `huff_triton.decode_prepared`; the numba decoder's bits and
+    errors. The result lands in ``out`` (any device) or in a new tensor on ``device``."""
+    from . import huff_triton  # optional dependency, imported when a kernel runs as Triton
+
+    spec = spec or SPEC
+    prep = prepare_decode(blobs, mean, std, out, verify, spec)
+    return huff_triton.decode_prepared(prep, f"corrupt {spec.name} codec stream", _ERRORS, torch.device(device), out)
 
 
 class DecodeJob(ChunkedJob):
@@ -300,28 +355,9 @@ class DecodeJob(ChunkedJob):
     def __init__(self, blobs: Sequence, mean, std, out: torch.Tensor | None, verify, chunks: int = 1,
                  spec: Spec | None = None):
         spec = spec or SPEC
-        if not isinstance(blobs, (list, tuple)) or not blobs:
-            raise ValueError(f"codec.decode_batch: blobs must be a non-empty list of streams, got {describe(blobs)}")
-        head = parse_prefix(blobs[0], spec)
-        check = verify_mask(verify, len(blobs))
-        if check[0]:  # before its shape is believed; not again with the others
-            if not _crc_ok(blobs[0]):
-                raise _corrupt("stream 0: crc32 does not match", spec.name)
-            check[0] = 0
+        head, parsed, cx, lay = prepare_decode(blobs, mean, std, out, verify, spec)
         fmt, shape, n = head.fmt, head.shape, len(blobs)
-        xshape = (n, *shape)
-        check_out(out, fmt, xshape)
-        mean32, std32 = _decode_stats(mean, std, xshape, head)
-        parsed = _parse_all(blobs, head, check, spec)
-        cx = spec.contexts(mean32, std32, fmt, shape, n)
-        fps = np.empty(n, np.uint32)
-        kernels.fingerprints(cx.ctx, cx.crow, cx.rows, cx.run, fps)
-        wrong = np.flatnonzero(fps != parsed.fp)
-        if wrong.size:
-            raise ParameterMismatchError(f"codec.decode_batch: stream {int(wrong[0])}: mean / std differ from the "
-                                         "encoder's (their contexts' fingerprint does not match)")
-        host, flat, base, a_step, b_step = _destination(out, fmt, xshape, cx)
-        lay = spec.layouts[fmt.code]
+        host, flat, base, a_step, b_step = _destination(out, fmt, (n, *shape), cx)
         args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, lay.alphabet,
                 lay.ntab, lay.max_len, cx.ctx, cx.crow, cx.rows, cx.run, lay.ew, lay.raw, flat, base, a_step,
                 b_step, np.zeros(n, np.int32))
@@ -406,8 +442,9 @@ class HuffCoder(Coder):
 
     def start_decode_batch(self, blobs, mean, std, cfg: CodecConfig, out: torch.Tensor | None = None,
                            threads: int = 1, verify: bool | Sequence[bool] = True, chunks: int = 8) -> DecodeJob | None:
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (mean, std)):
-            return None
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (mean, std)) or \
+                triton_device(mean, std, out) is not None:
+            return None  # decoded where the layer's read runs `decode_batch` (on the device with Triton)
         check_threads(threads)
         return DecodeJob(blobs, mean, std, out, verify, chunks).start(threads)
 

@@ -296,6 +296,18 @@ def _build_tables(b8, at, end, alphabet, ntab, max_len, ew, lengths, tables):
 
 
 @_jit
+def build_stream_tables(b8, tat, pstart, stored, alphabet, ntab, max_len, ew, tables, err):
+    """Every coded stream's ``ntab`` decode tables into ``tables[s]`` (``ntab << max_len`` uint32, `build_table`'s
+    entries) for a decoder elsewhere (`huff_triton`); ``err[s] = ERR_TABLE`` where they do not form codes (a stored
+    stream's row is left as it is)."""
+    lengths = np.empty(alphabet, np.int64)
+    for s in range(tat.size):
+        if not stored[s] and not _build_tables(b8, tat[s], pstart[s] >> 3, alphabet, ntab, max_len, ew, lengths,
+                                               tables[s]):
+            err[s] = ERR_TABLE
+
+
+@_jit
 def _copy_stored(b8, pos, width, rows, run, out, base, a_step, b_step):
     """A stored stream: each element's ``width`` bits as they are, LSB first."""
     mask = _U((1 << width) - 1)
