@@ -340,11 +340,6 @@ class CompressedCache(CacheFiles, Cache):
         if self.lossless is not None:
             self.lossless.layer_count = len(kinds)
 
-    @property
-    def kv_layer_count(self) -> int | None:
-        """Layers of the model this cache serves (None while created lazily, without a model config)."""
-        return self._layer_count
-
     def _check_layer_idx(self, layer_idx: Any) -> None:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
             raise TypeError(f"CompressedCache: layer_idx must be an int, got {type(layer_idx).__name__}")

@@ -118,10 +118,6 @@ def lanes_digest(cfg: CodecConfig) -> int:
     return int.from_bytes(h.digest()[:4], "little")
 
 
-def is_lanes(blob) -> bool:
-    return bytes(blob[:3]) == MAGIC
-
-
 def lanes_for(n: int) -> int:
     """log2 of the lane count the encoder uses for an ``n``-element stream: fewer for tiny streams, where
     8-byte final states would dominate."""
