@@ -28,6 +28,7 @@ from ..layer.storage import owned, row_index
 from ..lossy.layer import LossyHybridLayer, LossyLayer
 from ..lossy.refusals import require_model
 from ..predictors.registry import FITTED, reads_calibration
+from ..validation import check_int
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
 from .files import CacheFiles
 from .report import cache_stats
@@ -341,8 +342,8 @@ class CompressedCache(CacheFiles, Cache):
             self.lossless.layer_count = len(kinds)
 
     def _check_layer_idx(self, layer_idx: Any) -> None:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-            raise TypeError(f"CompressedCache: layer_idx must be an int, got {type(layer_idx).__name__}")
+        check_int("CompressedCache: layer_idx", layer_idx)
+        # an IndexError below, not check_int's ValueError: ``cache.layers[i]`` semantics that callers rely on
         if layer_idx < 0:
             raise IndexError(f"CompressedCache: layer_idx must be >= 0, got {layer_idx}")
         if self._layer_count is not None and layer_idx >= self._layer_count:

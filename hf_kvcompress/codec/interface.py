@@ -23,6 +23,7 @@ import torch
 
 from ..errors import CorruptStreamError
 from ..kernels import dispatch
+from ..validation import check_int
 from .codec_config import CodecConfig
 from .symbols import Format, format_of
 from .tables import Marginal
@@ -375,14 +376,13 @@ def _one(stat):
 def check_parallel(threads: int, workers: int) -> None:
     """`decode`'s ``threads`` and ``workers``: ints >= 1."""
     for name, v in (("threads", threads), ("workers", workers)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"codec: {name} must be an int >= 1, got {v!r}")
+        check_int(f"codec: {name}", v, minimum=1)
 
 
 def check_range(start: int, stop: int, n: int) -> None:
+    """`decode_range`'s ``start`` / ``stop``: ints with ``0 <= start <= stop <= n``."""
     for name, v in (("start", start), ("stop", stop)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"codec: {name} must be an int, got {type(v).__name__}")
+        check_int(f"codec: {name}", v)
     if not 0 <= start <= stop <= n:
         raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
 
@@ -456,8 +456,7 @@ def triton_device(*values) -> torch.device | None:
 def check_threads(threads: int | None) -> int:
     if threads is None:
         return 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"codec: threads must be an int >= 1, got {threads!r}")
+    check_int("codec: threads", threads, minimum=1)
     return threads
 
 
