@@ -21,7 +21,7 @@ from transformers.cache_utils import (
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
 from ..errors import BUILD_WITH_MODEL, LayerKindError
-from ..identity import layer_types
+from ..identity import not_full_attention
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
 from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
 from ..layer.storage import owned, row_index
@@ -493,12 +493,11 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
         settings = config.lossless
         if model is None:
             return None, "none: no model attached (pass model= to use its calibration)"
-        types = layer_types(model.config)
-        if set(types) != {"full_attention"}:
+        others = not_full_attention(model.config)
+        if others:
             # calibrations are fitted on models whose layers all hold every token (their heads read the layers
             # below); other structures code with per-block statistics
-            return None, (f"none: calibrations cover full-attention models only, this one has "
-                          f"{sorted(set(types) - {'full_attention'})} layers")
+            return None, f"none: calibrations cover full-attention models only, this one has {others} layers"
         if not reads_calibration(settings.predictor):  # fitting one would only delay the cache's first use
             return None, PENDING_NOTE if reads_calibration(settings.save_predictor) else PENDING_ON_REQUEST_NOTE
         # the first-use heads and those of the in-generation predictor (``none`` is not among the first-use ones)

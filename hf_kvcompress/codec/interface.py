@@ -114,9 +114,11 @@ class CodecStats:
     0.02 p_hat with each element's own (mean, std); ``exact_codec_bits``: that mixture with the codec's
     weights (escape probability by window tier), so ``model_bits - exact_codec_bits`` is what the table
     approximations (quantised std, t and offset, finite alphabets, ulp-uniform N bins) give up. A coder
-    that does not measure ideal code lengths (``lanes``) leaves ``model_bits`` and ``escapes`` None.
+    that does not measure ideal code lengths (``lanes``) leaves ``model_bits`` and ``escapes`` None. ``coder``:
+    the `CodecConfig.coder` that coded the stream.
     """
 
+    coder: str
     n_elements: int
     n_windows: int
     total_bytes: int
@@ -135,7 +137,6 @@ class CodecStats:
     exact_bits: float | None = None
     exact_codec_bits: float | None = None
     locality: dict | None = None
-    coder: str = "ans"
 
     @property
     def bits_per_scalar(self) -> float:

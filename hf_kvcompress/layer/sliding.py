@@ -19,6 +19,7 @@ class SlidingWindowLayer(CompressedLayer):
     "Sliding windows")."""
 
     is_sliding = True
+    keeps_generated_blocks = False
     STEP_FIELDS = (*CompressedLayer.STEP_FIELDS, "window_start")
 
     def __init__(self, storage: Storage, *, sliding_window: int, seals: bool = True, **sizes):

@@ -55,6 +55,8 @@ class LossyLayer(SummaryMixin, CompressedLayer):
     may exceed its budget by the tokens that arrived since the last one (at most ``interval - 1`` decode steps).
     """
 
+    keeps_generated_blocks = False  # summaries drop and merge tokens
+
     def __init__(self, cache: Any, *, layer_idx: int):
         # sliding-window layers are never lossy: their memory is bounded already, and the cache holds them as
         # plain windows (`CompressedCache._new_layer`)
