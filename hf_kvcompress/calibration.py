@@ -38,7 +38,7 @@ from .errors import CalibrationError
 from .identity import ModelIdentity, model_fingerprint, model_identity
 from .predictors.base import BlockInputs, ExtrasSource, LayerValues
 from .predictors.linear import CalibratedLinearPredictor, FeatureBuilder, StreamHead, Surprise
-from .predictors.registry import FITTED, PREDICTORS, head_set
+from .predictors.registry import FIRST_USE, FITTED, PREDICTORS, head_set
 from .predictors.rerun import run_decoder
 from .predictors.rope import RopeFrame
 from .validation import check_int, fail
@@ -320,11 +320,11 @@ class Calibration:
 
 # ---------------------------------------------------------------------- the model's default calibration
 
-#: what a first-use calibration fits: the `below` heads (what calibrated storage codes with:
-#: `predictors.registry.CALIBRATED_STORAGE` reads them) on 8,192 tokens of the calibration text, 1,024 at a time.
+#: what a first-use calibration fits: the head sets calibrated storage reads (`predictors.registry.FIRST_USE`: the
+#: `below` heads, which `CALIBRATED_STORAGE` reads) on 8,192 tokens of the calibration text, 1,024 at a time.
 #: On SmolLM2-135M: 22 CPU-s, 10.8 MB of heads (results/predictors/issue34_frontier_final.md); a predictor named by
 #: the user is fitted beside them; docs/lossless.md "Calibration on first use"
-FIRST_USE_TOKENS, FIRST_USE_CHUNK, FIRST_USE_PREDICTORS = 8192, 1024, ("below",)
+FIRST_USE_TOKENS, FIRST_USE_CHUNK, FIRST_USE_PREDICTORS = 8192, 1024, FIRST_USE
 
 
 def calibration_dir(model: torch.nn.Module | str) -> Path:

@@ -10,6 +10,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .validation import check_int
+
 
 class ProgressCriteria(StoppingCriteria):
     """Never stops generation; ticks a progress bar once per generated token."""
@@ -133,8 +135,7 @@ def prefill_in_chunks(
     For ``model(...)`` users: a lossy cache summarises at the end of every chunk's attention, so it never holds
     more than its budget plus one chunk (docs/lossy.md, *Chunked prefill*). ``attention_mask`` (``[b, past + t]``,
     1 = real token) covers what the cache already holds and ``input_ids``; positions follow it (left padding)."""
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"prefill_in_chunks: chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int("prefill_in_chunks: chunk_size", chunk_size, minimum=1)
     length = input_ids.shape[-1]
     if length < 1:
         raise ValueError("prefill_in_chunks: input_ids holds no token")

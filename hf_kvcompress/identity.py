@@ -108,6 +108,13 @@ def layer_types(config: Any) -> list[str]:
     return list(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
 
 
+def not_full_attention(config: Any) -> list[str]:
+    """The layer types of the model with ``config`` other than full attention, sorted; empty: every layer holds
+    every token (the one test of "full attention only": calibrations, predictors reading the layer below, the
+    prefix store)."""
+    return sorted(set(layer_types(config)) - {"full_attention"})
+
+
 def _overall(dtype: str, config: dict[str, Any], groups: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps([dtype, config, groups], sort_keys=True).encode()).hexdigest()[:16]
 

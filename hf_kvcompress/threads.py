@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .validation import check_int
+
 # torch is imported where threads are set, not here: the command line's --help and `hf-kvcompress bench NAME --help`
 # import this module (and its `MAX_WORKERS`) and must not wait seconds for torch
 
@@ -61,10 +63,7 @@ class ThreadPlan:
 
 
 def _check_cores(cores: object, owner: str) -> int:
-    if isinstance(cores, bool) or not isinstance(cores, int):
-        raise TypeError(f"{owner}: cores must be an int in [1, {MAX_WORKERS}], got {type(cores).__name__}")
-    if not 1 <= cores <= MAX_WORKERS:
-        raise ValueError(f"{owner}: cores must be an int in [1, {MAX_WORKERS}] (threads.MAX_WORKERS), got {cores}")
+    check_int(f"{owner}: cores", cores, minimum=1, maximum=MAX_WORKERS)
     return cores
 
 
@@ -115,8 +114,7 @@ class torch_threads:
     takes the plan's (`thread_plan`)."""
 
     def __init__(self, count: int):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"torch_threads: count must be an int >= 0 (0: the thread plan's), got {count!r}")
+        check_int("torch_threads: count (0: the thread plan's)", count, minimum=0)
         import torch
 
         self.count = count or thread_plan().torch

@@ -61,7 +61,7 @@ def test_a_bad_environment_value_is_one_clear_error(affinity, monkeypatch, text)
 @pytest.mark.parametrize(("cores", "error"), [(0, ValueError), (True, TypeError), (2.0, TypeError)])
 def test_configure_threads_checks_its_count(affinity, cores, error):
     affinity(2)
-    with pytest.raises(error, match=r"^configure_threads: cores must be an int in \[1, 256\]"):
+    with pytest.raises(error, match=r"^configure_threads: cores must (be an integer|lie in \[1, 256\])"):
         configure_threads(cores)
 
 
@@ -86,7 +86,7 @@ def test_torch_threads_sets_a_count_for_a_block_and_zero_takes_the_plan(affinity
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 3
-    with pytest.raises(ValueError, match="count must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"count \(0: the thread plan's\) must be >= 0"):
         torch_threads(-1)
 
 
@@ -126,5 +126,5 @@ def test_an_environment_value_beyond_the_bound_is_refused(affinity, monkeypatch,
     monkeypatch.setenv(ENV, text)
     with pytest.raises(ValueError, match=rf"^{ENV}='{text}': expected a number of cores >= 1 and <= "):
         thread_plan()
-    with pytest.raises(ValueError, match=r"cores must be an int in \[1, 256\]"):
+    with pytest.raises(ValueError, match=r"cores must lie in \[1, 256\]"):
         thread_plan(int(text))

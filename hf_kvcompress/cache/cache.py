@@ -21,13 +21,14 @@ from transformers.cache_utils import (
 from ..calibration import FIRST_USE_PREDICTORS, Calibration, calibration_for
 from ..config import CompressionConfig
 from ..errors import BUILD_WITH_MODEL, LayerKindError
-from ..identity import layer_types
+from ..identity import not_full_attention
 from ..layer import CompressedLayer, RawStorage, SlidingWindowLayer, Storage
 from ..layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
 from ..layer.storage import owned, row_index
 from ..lossy.layer import LossyHybridLayer, LossyLayer
 from ..lossy.refusals import require_model
 from ..predictors.registry import FITTED, reads_calibration
+from ..validation import check_int
 from .coded import CodedStorage, LosslessCoding, coding_for, sealed_raw_bytes
 from .files import CacheFiles
 from .report import cache_stats
@@ -340,14 +341,9 @@ class CompressedCache(CacheFiles, Cache):
         if self.lossless is not None:
             self.lossless.layer_count = len(kinds)
 
-    @property
-    def kv_layer_count(self) -> int | None:
-        """Layers of the model this cache serves (None while created lazily, without a model config)."""
-        return self._layer_count
-
     def _check_layer_idx(self, layer_idx: Any) -> None:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-            raise TypeError(f"CompressedCache: layer_idx must be an int, got {type(layer_idx).__name__}")
+        check_int("CompressedCache: layer_idx", layer_idx)
+        # an IndexError below, not check_int's ValueError: ``cache.layers[i]`` semantics that callers rely on
         if layer_idx < 0:
             raise IndexError(f"CompressedCache: layer_idx must be >= 0, got {layer_idx}")
         if self._layer_count is not None and layer_idx >= self._layer_count:
@@ -497,12 +493,11 @@ def _resolve_calibration(calibration, model, config: CompressionConfig) -> tuple
         settings = config.lossless
         if model is None:
             return None, "none: no model attached (pass model= to use its calibration)"
-        types = layer_types(model.config)
-        if set(types) != {"full_attention"}:
+        others = not_full_attention(model.config)
+        if others:
             # calibrations are fitted on models whose layers all hold every token (their heads read the layers
             # below); other structures code with per-block statistics
-            return None, (f"none: calibrations cover full-attention models only, this one has "
-                          f"{sorted(set(types) - {'full_attention'})} layers")
+            return None, f"none: calibrations cover full-attention models only, this one has {others} layers"
         if not reads_calibration(settings.predictor):  # fitting one would only delay the cache's first use
             return None, PENDING_NOTE if reads_calibration(settings.save_predictor) else PENDING_ON_REQUEST_NOTE
         # the first-use heads and those of the in-generation predictor (``none`` is not among the first-use ones)

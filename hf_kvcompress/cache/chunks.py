@@ -24,9 +24,16 @@ from ..calibration import Calibration, calibration_for
 from ..config import CompressionConfig, LosslessConfig
 from ..errors import CacheFileError
 from ..identity import kv_shape, layer_types
-from ..layer import CompressedLayer
+from ..layer.layer import holds_as_generated
 from ..predictors import make_predictor
-from ..predictors.registry import AUTO, CALIBRATED_STORAGE, head_set, predictor_class, storage_predictor
+from ..predictors.registry import (
+    AUTO,
+    CALIBRATED_STORAGE,
+    head_set,
+    predictor_class,
+    reads_calibration,
+    storage_predictor,
+)
 from ..predictors.rerun import layer_device
 from .binding import binding_problem
 from .cache import CompressedCache
@@ -87,7 +94,7 @@ class Chunks:
     def calibration(self) -> Calibration | None:
         """The calibration chunks are coded with (a calibrated predictor: given, found, or fitted on first use
         where the store names the predictor)."""
-        if self.predictor != "generic" and self._calibration is None:
+        if reads_calibration(self.predictor) and self._calibration is None:
             self._calibration, _ = calibration_for(self.model, predictors=(self.predictor,))
         return self._calibration
 
@@ -167,7 +174,7 @@ class Chunks:
         """``layer``'s coded blocks of tokens ``first..stop`` when they are coded exactly as the store codes them
         (a `CompressedCache` in generation with the store's predictor and codec settings), else None."""
         coding = getattr(cache, "lossless", None)
-        if not isinstance(layer, CompressedLayer) or coding is None or not self._codec.codes_like(coding):
+        if not holds_as_generated(layer) or coding is None or not self._codec.codes_like(coding):
             return None
         found = {start: block for start, block in zip(layer.block_starts, layer.blocks)}
         taken = [found.get(at) for at in range(first, stop, self.config.block_tokens)]

@@ -21,7 +21,7 @@ from ..codec import (
     decode_streams,
     start_decode_batch,
 )
-from ..identity import layer_types as model_layer_types
+from ..identity import not_full_attention
 from ..layer.storage import Block, Storage
 from ..predictors import make_predictor
 from ..predictors.base import KINDS, LayerValues, Predictor
@@ -419,11 +419,11 @@ def _check_layer_chain(cache, predictor) -> None:
     config = cache.model_config
     if not uses_below or config is None:
         return
-    layer_types = model_layer_types(config)
-    if any(t != "full_attention" for t in layer_types):
+    others = not_full_attention(config)
+    if others:
         raise ValueError(
             f"lossless predictor '{predictor.name}' reads the layer below, but this model has "
-            f"{sorted(set(layer_types) - {'full_attention'})} layers that drop old tokens; use predictor 'none' "
+            f"{others} layers that drop old tokens; use predictor 'none' "
             "or no calibration (per-block statistics) for it"
         )
 

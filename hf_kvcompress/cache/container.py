@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import validation
 from ..blockcodec import BlockCodec, CodedBlock, CodedRow
 from ..blockcoder import SCALE_MAX, SCALE_MIN, expected_side, listed_problem
 from ..codec import CodecConfig, CorruptStreamError, stream_info, stream_infos
@@ -221,9 +222,12 @@ def check_str(value: object, what: str) -> str:
 
 
 def check_int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise CacheFileError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
-    return value
+    """`validation.check_int` of a value read from a file: a `CacheFileError` (the file is bad, not an argument)."""
+    try:
+        validation.check_int(what, value, minimum=low, maximum=high)
+    except ValueError as err:
+        raise CacheFileError(str(err)) from None
+    return value  # type: ignore[return-value]  # checked above
 
 
 def check_ints(values: list, what: str, low: int, high: int = 1 << 62) -> None:

@@ -22,6 +22,7 @@ from ..config import CompressionConfig
 from ..identity import model_identity
 from ..layer import CompressedLayer
 from ..layer.hybrid import state_tensors
+from ..layer.layer import holds_as_generated
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
@@ -313,7 +314,7 @@ def _generation_blocks(cache: CompressedCache, layer: CompressedLayer, index: in
     mine = cache.lossless
     if mine is None or not coding.codes_like(mine) or not layer.is_initialized:
         return None
-    if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.blocks:
+    if not holds_as_generated(layer) or not layer.blocks:
         return None
     block_tokens = cache.config.block_tokens
     if layer.block_starts != [i * block_tokens for i in range(len(layer.blocks))] or any(
@@ -327,7 +328,7 @@ def _fits_version_3(cache: CompressedCache) -> bool:
     """Whether version 3 holds ``cache``: only full-attention layers, all holding every token in one K/V shape."""
     shapes = set()
     for layer in cache.layers:
-        if type(layer) is not CompressedLayer or layer.sliding_window is not None or not layer.is_initialized:
+        if not holds_as_generated(layer) or not layer.is_initialized:
             return False
         shapes.add((tuple(layer.residual_keys.shape[1:2]), layer.residual_keys.shape[3],
                     layer.residual_values.shape[3], layer.seen_tokens))

@@ -39,7 +39,7 @@ from ..config import CompressionConfig
 from ..errors import CacheFileError, PredictorMismatchError
 from ..identity import ModelIdentity, kv_shape, model_identity
 from ..layer import CompressedLayer
-from ..layer.layer import held_parts
+from ..layer.layer import held_parts, holds_as_generated
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
 from ..predictors.registry import reads_calibration
@@ -387,8 +387,7 @@ def _adoptable_blocks(kv: dict[str, Any], tokens: int, target: CompressedCache, 
     blocks from position 0, leaving ``residual_tokens``), into a full-attention layer that seals (0: none)."""
     if kv["start"] != 0 or kv["sliding_window"] is not None:
         return 0
-    if layer is not None and (type(layer) is not CompressedLayer or layer.sliding_window is not None
-                              or not layer.seals):
+    if layer is not None and not holds_as_generated(layer):
         return 0
     block_tokens = target.config.block_tokens
     sealed = max(0, tokens - target.config.residual_tokens) // block_tokens

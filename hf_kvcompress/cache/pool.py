@@ -89,12 +89,6 @@ class DecodedPool:
         if hit is not None:
             self.nbytes -= hit[2]
 
-    def shrink(self, sealed_raw_bytes: int) -> None:
-        """Evict the oldest entries until the pool fits its budget again (the cache got smaller)."""
-        budget = self.budget(sealed_raw_bytes)
-        while self.entries and self.nbytes > budget:
-            self.drop(*min(self.entries, key=lambda k: (k[1], k[0])))
-
     def clear(self) -> None:
         self.entries.clear()
         self.nbytes = 0

@@ -77,7 +77,7 @@ __all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_MAX_BYTES", "FORMAT", "MAGIC", "MARK
 
 log = logging.getLogger(__name__)
 
-#: the default bound: 8 GiB (about 1.3 million tokens of SmolLM2-135M KV at the generic rate, 0.65 x 45 MiB per 2,048
+#: the default bound: 8 GiB (about 570,000 tokens of SmolLM2-135M KV at the generic rate, 0.65 x 45 MiB per 2,048
 #: tokens), or a quarter of the disk space free when the store is opened, whichever is smaller
 DEFAULT_MAX_BYTES = 8 << 30
 #: LMCache's and vLLM's default chunk size: a chunk of this store and one of an LMCache deployment cover the same

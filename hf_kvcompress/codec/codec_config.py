@@ -24,11 +24,13 @@ MAX_WINDOW = 65536  # window lengths are stored as u16 (length - 1)
 WINDOW_MODES = ("fixed", "metadata", "predicted", "causal")
 MEAN_STEPS = (8, 4, 2)
 HEADERS = ("full", "compact")
-#: the default coder everywhere (CodecConfig, LosslessConfig, the chunk coder): decodes 5-10x faster than ``ans``
-#: for +0.007-0.011 bit/scalar (docs/results/codec.md 12.3)
+#: the codec's default coder (`CodecConfig()`), the LMCache chunk coder's and a predictor's unless it declares
+#: another (`Predictor.coder` / `storage_coder`): decodes 5-10x faster than ``ans`` for +0.007-0.011 bit/scalar
+#: (docs/results/codec.md 12.3)
 DEFAULT_CODER = "lanes"
-#: the coder a cache generates with (`LosslessConfig.coder`): decodes ~10x faster than ``lanes`` for ~+0.28
-#: bit/scalar, which a decode step, decoding every block, needs more than the bits (docs/results/codec.md 13)
+#: the coder generation's default predictor, ``generic``, declares (`Predictor.coder`, which `LosslessConfig.coder`
+#: None takes): decodes ~10x faster than ``lanes`` for ~+0.28 bit/scalar, which a decode step, decoding every
+#: block, needs more than the bits (docs/results/codec.md 13)
 GENERATION_CODER = "huff"
 LEGACY_CODER = "ans"  # the coder of a serialised config that names none (`to_dict` leaves ``ans`` out)
 

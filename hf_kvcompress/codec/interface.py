@@ -23,6 +23,7 @@ import torch
 
 from ..errors import CorruptStreamError
 from ..kernels import dispatch
+from ..validation import check_int
 from .codec_config import CodecConfig
 from .symbols import Format, format_of
 from .tables import Marginal
@@ -113,9 +114,11 @@ class CodecStats:
     0.02 p_hat with each element's own (mean, std); ``exact_codec_bits``: that mixture with the codec's
     weights (escape probability by window tier), so ``model_bits - exact_codec_bits`` is what the table
     approximations (quantised std, t and offset, finite alphabets, ulp-uniform N bins) give up. A coder
-    that does not measure ideal code lengths (``lanes``) leaves ``model_bits`` and ``escapes`` None.
+    that does not measure ideal code lengths (``lanes``) leaves ``model_bits`` and ``escapes`` None. ``coder``:
+    the `CodecConfig.coder` that coded the stream.
     """
 
+    coder: str
     n_elements: int
     n_windows: int
     total_bytes: int
@@ -134,7 +137,6 @@ class CodecStats:
     exact_bits: float | None = None
     exact_codec_bits: float | None = None
     locality: dict | None = None
-    coder: str = "ans"
 
     @property
     def bits_per_scalar(self) -> float:
@@ -375,14 +377,13 @@ def _one(stat):
 def check_parallel(threads: int, workers: int) -> None:
     """`decode`'s ``threads`` and ``workers``: ints >= 1."""
     for name, v in (("threads", threads), ("workers", workers)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"codec: {name} must be an int >= 1, got {v!r}")
+        check_int(f"codec: {name}", v, minimum=1)
 
 
 def check_range(start: int, stop: int, n: int) -> None:
+    """`decode_range`'s ``start`` / ``stop``: ints with ``0 <= start <= stop <= n``."""
     for name, v in (("start", start), ("stop", stop)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"codec: {name} must be an int, got {type(v).__name__}")
+        check_int(f"codec: {name}", v)
     if not 0 <= start <= stop <= n:
         raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
 
@@ -456,8 +457,7 @@ def triton_device(*values) -> torch.device | None:
 def check_threads(threads: int | None) -> int:
     if threads is None:
         return 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"codec: threads must be an int >= 1, got {threads!r}")
+    check_int("codec: threads", threads, minimum=1)
     return threads
 
 

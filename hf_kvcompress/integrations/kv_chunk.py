@@ -55,6 +55,7 @@ from ..predictors.generic import BlockStatsSession, block_stats
 from ..predictors.grid import GridPredictor
 from ..predictors.registry import head_set
 from ..predictors.rope import RopeFrame
+from ..validation import check_int
 
 MAGIC = b"HFKVCHNK"
 VERSION = 3  # 3: mode `MODE_GRID` (issue 48); 2: portable statistics (float64, settled; listed elements after each
@@ -250,8 +251,7 @@ class ChunkCoder:
     def __init__(self, calibration: Calibration | None = None, *, layers: int | None = None,
                  kv_heads: int | None = None, head_dim: int | None = None, rope: RopeFrame | None = None,
                  threads: int = 1):
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        check_int("ChunkCoder: threads", threads, minimum=1)
         self.threads = threads
         self.calibration = calibration
         self._codecs: dict[int, BlockCodec] = {}  # `_codec_config`'s, per payload mode
@@ -280,8 +280,8 @@ class ChunkCoder:
             self.predictor = None  # per chunk: ChunkStatsPredictor of the chunk's frame
             self.model_id = bytes(8)
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None:
+                check_int(f"ChunkCoder: {name}", value, minimum=1)
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
 
     @classmethod

@@ -35,6 +35,7 @@ copied back into the destination on its device. A payload that cannot decode exa
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from ..calibration import Calibration, calibration_dir
 from ..predictors.rope import RopeFrame
+from ..validation import check_int, check_number
 from .kv_chunk import HEADER, ChunkCoder, ChunkError
 
 SERDE_NAME = "hf_kvcompress"
@@ -162,8 +164,7 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
         if calibration is not None:
             raise ValueError("hf_kvcompress serde: rope_theta is for model-free coding; a calibration has its own")
         theta, head_dim = kwargs["rope_theta"], sizes["head_dim"]
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
-            raise ValueError(f"hf_kvcompress serde: rope_theta must be a number > 1, got {theta!r}")
+        check_number("hf_kvcompress serde: rope_theta", theta, low=1.0, high=math.inf, low_open=True)
         if head_dim is None or head_dim % 2:
             raise ValueError("hf_kvcompress serde: rope_theta needs an even head_dim")
         rope = RopeFrame.standard(theta, head_dim)
@@ -174,8 +175,8 @@ def coder_from_kwargs(kwargs: dict[str, Any]) -> ChunkCoder:
 
 def _optional_int(kwargs: dict[str, Any], name: str) -> int | None:
     value = kwargs.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"hf_kvcompress serde: {name} must be a positive int, got {value!r}")
+    if value is not None:
+        check_int(f"hf_kvcompress serde: {name}", value, minimum=1)
     return value
 
 
@@ -203,8 +204,7 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     workers = kwargs.pop("max_workers", 1)
     if not isinstance(pad, bool):
         raise ValueError(f"hf_kvcompress serde: pad_to_estimate must be true or false, got {pad!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"hf_kvcompress serde: max_workers must be a positive int, got {workers!r}")
+    check_int("hf_kvcompress serde: max_workers", workers, minimum=1)
     coder = coder_from_kwargs(kwargs)
     return AsyncSerdeProcessor(LosslessSerializer(coder, pad), LosslessDeserializer(coder), max_workers=workers)
 

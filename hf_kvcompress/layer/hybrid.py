@@ -40,6 +40,8 @@ class RecurrentStateMixin(LinearAttentionLayer):
     """The linear-attention half of a hybrid layer; the attention half is the class that follows it in the MRO
     (a `CompressedLayer` or one of its subclasses), reached with ``super(LinearAttentionCacheLayerMixin, self)``."""
 
+    keeps_generated_blocks = False  # the recurrent state is held beside the blocks
+
     def _init_states(self, number_of_states: int) -> None:
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 

@@ -46,6 +46,10 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     #: whether updates seal blocks (a sliding window too small to be worth coding does not)
     seals = True
+    #: whether the layer holds K/V as generation codes it: every token from position 0, sealed into
+    #: ``block_tokens`` blocks and none dropped, with nothing else held (`holds_as_generated`). False on a
+    #: sliding window (drops blocks), a lossy layer (drops tokens) and a hybrid (also holds a recurrent state)
+    keeps_generated_blocks = True
 
     def __getattr__(self, name: str):
         # only reached for an attribute the layer lacks: a model calling a method of its own cache layer class
@@ -398,6 +402,12 @@ def held_with(layer: CompressedLayer, key_states: torch.Tensor, value_states: to
         values[..., at : at + n, :].copy_(v)
         at += n
     return keys, values
+
+
+def holds_as_generated(layer: object) -> bool:
+    """Whether ``layer`` holds K/V as generation codes it (`CompressedLayer.keeps_generated_blocks`): the one test
+    before a save writes, a load adopts or the prefix store takes a layer's coded blocks as they are."""
+    return isinstance(layer, CompressedLayer) and layer.keeps_generated_blocks
 
 
 def held_parts(layer: CompressedLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

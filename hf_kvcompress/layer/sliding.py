@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_int
 from .layer import CompressedLayer
 from .storage import Block, Storage, owned
 
@@ -18,12 +19,12 @@ class SlidingWindowLayer(CompressedLayer):
     "Sliding windows")."""
 
     is_sliding = True
+    keeps_generated_blocks = False
     STEP_FIELDS = (*CompressedLayer.STEP_FIELDS, "window_start")
 
     def __init__(self, storage: Storage, *, sliding_window: int, seals: bool = True, **sizes):
         layer_idx = sizes.get("layer_idx")
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"layer {layer_idx}: sliding_window must be a positive int, got {sliding_window!r}")
+        check_int(f"layer {layer_idx}: sliding_window", sliding_window, minimum=1)
         self.sliding_window = sliding_window
         self.seals = seals
         #: the first position `DynamicSlidingWindowLayer` would still hold (what ``keys`` / ``values`` show)

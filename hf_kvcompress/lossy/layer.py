@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from .budget import budget_bytes, full_budget, token_bytes
 from .methods import METHODS
 from .queries import QueryBuffer, query_bytes
 from .summarize import SummaryMixin
+
+if TYPE_CHECKING:  # the state is KVzip's; the layer only holds it
+    from .methods.kvzip import ReplayState
 
 
 class LossyLayer(SummaryMixin, CompressedLayer):
@@ -54,6 +57,8 @@ class LossyLayer(SummaryMixin, CompressedLayer):
     after every summary it holds at most its budget less the room those queries will take; between summaries it
     may exceed its budget by the tokens that arrived since the last one (at most ``interval - 1`` decode steps).
     """
+
+    keeps_generated_blocks = False  # summaries drop and merge tokens
 
     def __init__(self, cache: Any, *, layer_idx: int):
         # sliding-window layers are never lossy: their memory is bounded already, and the cache holds them as
@@ -86,16 +91,9 @@ class LossyLayer(SummaryMixin, CompressedLayer):
             weakref.finalize(self, release, weakref.ref(self.model), acquire(self.model))
         self.pending = False
         self.since_summary = 0
-        #: a context replay in progress (`methods.kvzip.compress_context`): "hold" (no summary, the context is held
-        #: whole) or "score" (this layer's forwards are the replay: they score the entries held before it)
-        self.replay_phase: str | None = None
-        #: ``[b, h, held]`` float32: the most attention any replay query gave each entry held before the replay
-        self.replay_scores: torch.Tensor | None = None
-        #: ``[r]`` physical positions of the replay queries to keep (a method registered with ``context_replay=
-        #: "queries"``, set by `methods.kvzip.replay`); ``replay_queries``: ``[b, q_heads, m, head_dim]`` float32, those
-        #: kept so far, then the reference queries of the prune's summary (`SummaryMixin.summarize`)
-        self.replay_picks: torch.Tensor | None = None
-        self.replay_queries: torch.Tensor | None = None
+        #: a context replay in progress (`methods.kvzip.ReplayState`, KVzip's own: its phase, scores and queries);
+        #: None: none. While one runs the layer summarises nothing; a scoring phase takes the forwards' queries
+        self.replay_state: ReplayState | None = None
         #: the share of what the uniform budget leaves beyond sinks, window and queries this layer keeps (set by a
         #: prune across layers, KVzip's); None: the method's `layer_share`, or the uniform budget
         self.budget_share: float | None = None
@@ -136,7 +134,7 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         self.since_summary += count
         self._new_valid = None
         self.expected_kv = keys.shape[-2]
-        if self.replay_phase is None and self.over_budget() and (count > 1 or self.since_summary >= self.lossy.interval):
+        if self.replay_state is None and self.over_budget() and (count > 1 or self.since_summary >= self.lossy.interval):
             self.pending = True
         if self.attached:
             set_active(self.layer_idx, self)
@@ -227,8 +225,8 @@ class LossyLayer(SummaryMixin, CompressedLayer):
             self.residual_valid[:, -count:] = self._new_valid.to(self.residual_valid.device)
         current = (query, self.seen_tokens - count, self._new_valid)
         self._new_valid = None
-        if self.replay_phase == "score":
-            self._score_replay(query, count)
+        if self.replay_state is not None and self.replay_state.scoring:
+            self.replay_state.score(self, query, count)
         elif self.pending:
             self.summarize(current)  # this forward's queries are used where they are, never kept
         else:
@@ -284,9 +282,8 @@ class LossyLayer(SummaryMixin, CompressedLayer):
         queries, a KVzip replay's running scores and kept queries (between its replay and its pruning)."""
         total = sum(block.nbytes() for block in self.blocks)
         total += tensor_nbytes(self.residual_keys) + tensor_nbytes(self.residual_values)
-        total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes() + tensor_nbytes(self.replay_scores)
-        total += tensor_nbytes(self.replay_picks) + tensor_nbytes(self.replay_queries)
-        return total
+        total += tensor_nbytes(self.residual_valid) + self.query_buffer.nbytes()
+        return total + (self.replay_state.nbytes() if self.replay_state is not None else 0)
 
     def query_reserve(self) -> int:
         """Bytes per row kept free after a summary for the queries the layer keeps until the next one."""
@@ -297,12 +294,12 @@ class LossyLayer(SummaryMixin, CompressedLayer):
     # ------------------------------------------------------------------ a failed step
 
     STEP_FIELDS = (*CompressedLayer.STEP_FIELDS, "residual_valid", "sink_block", "pending", "since_summary",
-                   "expected_kv", "_new_valid", "scaling", "summary_seconds", "replay_phase", "replay_scores",
-                   "replay_picks", "replay_queries", "budget_share")
+                   "expected_kv", "_new_valid", "scaling", "summary_seconds", "replay_state", "budget_share")
 
     def checkpoint(self) -> dict[str, Any]:
         state = super().checkpoint()
         state["query_buffer"] = copy.copy(self.query_buffer)  # `QueryBuffer.add` replaces its tensors, never writes
+        state["replay_state"] = copy.copy(self.replay_state)  # as `ReplayState.score`
         return state
 
     # ------------------------------------------------------------------ bookkeeping overrides
@@ -320,8 +317,7 @@ class LossyLayer(SummaryMixin, CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.replay_phase = self.replay_scores = self.budget_share = None
-        self.replay_picks = self.replay_queries = None
+        self.replay_state = self.budget_share = None
         self.residual_valid = None
         self.sink_block = None
         self.pending = False

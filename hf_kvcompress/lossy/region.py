@@ -92,7 +92,7 @@ class FitContext:
 
         One head at a time: its bias, row maximum, shift and exp run while its ``[m, n]`` product is in cache, and
         the exp writes straight into the output (assembling every head's product first cost one more pass over
-        the logits: 0.08 s of a 2,048-token prefill's summaries; docs/lossy.md, *Fourth look*). In base 2:
+        the logits: 0.08 s of a 2,048-token prefill's summaries; docs/results/lossy.md, *Fourth look*). In base 2:
         ``exp(l - top) = exp2(l log2(e) - top log2(e))``, the factor folded into the queries' scale, because
         ``torch.exp2`` ran 4.5x faster than ``torch.exp`` on this project's CPU (0.22 against 0.98 ms for
         ``768 x 1980``; both vectorised, within about 1 ulp)."""

@@ -17,11 +17,6 @@ from .queries import group_by_kv_head, proxy_queries, reposition
 from .region import FitContext, Region, gather_entries
 
 NEG_INF = float("-inf")
-#: logits one scoring step of a replay (`SummaryMixin._score_replay`) holds: one batch row and KV head, as many
-#: replay rows as fit. On CPU 2**20 float32 (4 MiB) stays in cache: a layer's scoring at 2,048 tokens, batch 10, went
-#: from 7.6 s (256 rows of every batch row and head at once, broadcast matmul) to 2.2 s (docs/results/long_context.md,
-#: "The replay's cost"); a GPU takes larger steps to keep its launches few
-REPLAY_LOGITS = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 
 class SummaryMixin:
@@ -38,8 +33,9 @@ class SummaryMixin:
         self.since_summary = 0
         budget = max(0, self.budget_bytes() - self.query_reserve())
         per_token = self.token_bytes
-        scores, replayed = self.replay_scores, self.replay_queries
-        self.replay_scores = self.replay_queries = None
+        # a prune's replay scores and queries (KVzip's `ReplayState`), used by this summary and then let go
+        replay, self.replay_state = self.replay_state, None
+        scores, replayed = (None, None) if replay is None else (replay.scores, replay.queries)
         if self.sink_block is None:
             prior = sum(block.entries for block in self.blocks)
             rest = self._make_sink_block(budget // per_token)
@@ -123,49 +119,6 @@ class SummaryMixin:
         if self.residual_valid is not None:
             self.residual_valid = torch.gather(self.residual_valid, 1, rest)
         return rest
-
-    def _score_replay(self, query: torch.Tensor, count: int) -> None:
-        """A replay forward (KVzip): keep, per entry held before the replay, the most attention any replay query (of
-        any head of its group) gives it, softmax over everything the query sees (held entries, the replay so far).
-
-        One batch row and KV head at a time, in steps of replay rows: each step's logits stay in cache (a batched
-        step was memory-bound), a query's weights come as ``exp(logit - logsumexp)`` (no softmax tensor is
-        written), and a step reads only the keys its rows can see (the replay is causal)."""
-        keys = self.keys  # every held entry, then the replay's tokens (all still exact in the residual)
-        held = self.replay_scores.shape[-1] if self.replay_scores is not None else keys.shape[-2] - count
-        total = keys.shape[-2]
-        before = total - count  # the entries held before this forward
-        bias = self._held_bias(before)
-        b, heads = keys.shape[:2]
-        scale = self.scaling or keys.shape[-1] ** -0.5
-        grouped = group_by_kv_head(query.float() * scale, heads)  # [b, h, g * q, d]
-        groups = grouped.shape[-2] // count
-        grouped = grouped.view(b, heads, groups, count, -1)
-        keys_t = keys.float().transpose(-1, -2)  # [b, h, d, total]
-        limit = REPLAY_LOGITS["cuda" if keys.is_cuda else "cpu"]
-        step = max(1, min(count, limit // max(1, groups * total)))
-        # the query at replay position i sees every earlier entry and itself: causal within the step's own rows
-        future = torch.ones(step, step, dtype=torch.bool, device=keys.device).triu(1)
-        best = torch.full((b, heads, held), NEG_INF, device=keys.device)
-        for row in range(b):
-            for head in range(heads):
-                top = best[row, head]
-                for start in range(0, count, step):
-                    end = min(count, start + step)
-                    seen = before + end
-                    logits = grouped[row, head, :, start:end] @ keys_t[row, head, :, :seen]  # [g, r, seen]
-                    if bias is not None:
-                        logits[..., :before] += bias[row, head]
-                    logits[..., before + start :].masked_fill_(future[: end - start, : end - start], NEG_INF)
-                    logits = logits[..., :held].sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
-                    torch.maximum(top, logits.amax(dim=(0, 1)), out=top)
-        best = best.exp_()
-        self.replay_scores = best if self.replay_scores is None else torch.maximum(self.replay_scores, best)
-        if self.replay_picks is not None:  # the replay queries this layer's method fits on
-            first = self.seen_tokens - count
-            picks = self.replay_picks[(self.replay_picks >= first) & (self.replay_picks < first + count)] - first
-            kept = query[..., picks.to(query.device), :].float()
-            self.replay_queries = kept if self.replay_queries is None else torch.cat([self.replay_queries, kept], -2)
 
     def _region(self, window: int) -> Region:
         """Everything between the sinks and the last ``window`` residual tokens."""

@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import torch
 
+from ..codec.codec_config import DEFAULT_CODER
+
 KINDS = ("k", "v")
 
 
@@ -185,10 +187,10 @@ class Predictor(ABC):
     fitted_by_calibration: ClassVar[bool] = False
     #: the coder its blocks are coded with in generation when `LosslessConfig.coder` names none (one decision
     #: per predictor, from the measured frontier: docs/codec.md "The coders")
-    coder: ClassVar[str] = "lanes"
+    coder: ClassVar[str] = DEFAULT_CODER
     #: the coder a file or a stored chunk codes its tokens with when they are coded again (not generation's
     #: blocks taken as they are): for size (docs/codec.md "The coders")
-    storage_coder: ClassVar[str] = "lanes"
+    storage_coder: ClassVar[str] = DEFAULT_CODER
     #: the name of another predictor whose calibration head set it codes with (None: its own name): a fit asked
     #: for it fits that head set, and a calibration with that head set serves it (`registry.head_set`)
     reads_heads_of: ClassVar[str | None] = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..codec.codec_config import GENERATION_CODER
 from .base import KINDS, BlockInputs, PlainSession, Predictor, PredictorSession, register
 
 BLOCK_MEAN, BLOCK_STD = "block_mean", "block_std"
@@ -127,7 +128,7 @@ class GenericPredictor(Predictor):
 
     name = "generic"
     exact_everywhere = True
-    coder = "huff"  # per-channel statistics: the decode step takes the speed (docs/results/codec.md 13)
+    coder = GENERATION_CODER  # per-channel statistics: the decode step takes the speed (docs/results/codec.md 13)
 
     def side_data(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return block_stats(keys, values)

@@ -56,6 +56,10 @@ def head_set(name: str) -> str:
     return predictor_class(name).reads_heads_of or name
 
 
+#: the head sets a first-use calibration fits (`calibration.calibration_for`): the ones calibrated storage reads
+FIRST_USE: tuple[str, ...] = (head_set(CALIBRATED_STORAGE),)
+
+
 def reads_calibration(name: str) -> bool:
     """Whether the predictor called ``name`` codes with a calibration when it has one (``context``, ``none``,
     ``probe``, ``twin``; `AUTO`, calibrated storage, where one is found); ``generic``, ``framed`` and ``self`` never

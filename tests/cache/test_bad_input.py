@@ -77,7 +77,7 @@ def test_layer_index_out_of_range():
         cache.update(k, v, 2)
     with pytest.raises(IndexError, match=">= 0"):
         cache.update(k, v, -1)
-    with pytest.raises(TypeError, match="layer_idx must be an int"):
+    with pytest.raises(TypeError, match="layer_idx must be an integer"):
         cache.update(k, v, "0")  # type: ignore[arg-type]
     with pytest.raises(IndexError, match=r"layer 1 has not been created|holds no KV"):
         CompressedCache(NONE).layer(1)

@@ -45,3 +45,4 @@ def test_stats_without_mean_and_std():
 def test_stats_empty(coder):
     blob, st = codec.encode_with_stats(torch.zeros(0, dtype=torch.bfloat16), config=CodecConfig(coder=coder))
     assert st.n_elements == 0 and st.n_windows == 0 and st.total_bytes == len(blob)
+    assert st.coder == coder  # every coder's stats name it (no default to fall back on)

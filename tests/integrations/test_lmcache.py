@@ -137,11 +137,11 @@ def test_calibration_fingerprint_lookup(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"bogus": 1}, "unknown option"),
-    ({"layers": 0}, "positive int"),
+    ({"layers": 0}, "layers must be >= 1"),
     ({"rope_theta": 10000.0}, "even head_dim"),
     ({"pad_to_estimate": "yes"}, "true or false"),
-    ({"max_workers": 0}, "positive int"),
-    ({"threads": 0}, "positive int"),
+    ({"max_workers": 0}, "max_workers must be >= 1"),
+    ({"threads": 0}, "threads must be >= 1"),
     ({"calibration": "/nonexistent", "calibration_fingerprint": "ab"}, "not both"),
     ({"portable": "yes"}, "true or false"),
     ({"portable": True, "rope_theta": 10000.0, "head_dim": 64}, "not both"),

@@ -5,6 +5,7 @@ layer overriding the base's named update hooks rather than re-implementing ``upd
 from __future__ import annotations
 
 import pytest
+from helpers import fresh_tiny_model, sliding_model
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     DummyLayer,
@@ -14,8 +15,10 @@ from transformers.cache_utils import (
 
 from hf_kvcompress import CompressedCache, CompressionConfig
 from hf_kvcompress.cache.cache import LAYER_FACTORIES, SUPPORTED_LAYER_TYPES
-from hf_kvcompress.layer import CompressedLayer, SlidingWindowLayer
+from hf_kvcompress.identity import not_full_attention
+from hf_kvcompress.layer import CompressedLayer, RawStorage, SlidingWindowLayer
 from hf_kvcompress.layer.hybrid import CompressedHybridLayer, SlidingHybridLayer
+from hf_kvcompress.layer.layer import holds_as_generated
 from hf_kvcompress.lossy.layer import LossyHybridLayer, LossyLayer
 
 KINDS = [("full_attention", {}), ("sliding_attention", {"sliding_window": 48}),
@@ -57,8 +60,30 @@ def test_each_layer_type_gets_its_class(mode):
     assert cache.layers[6].number_of_states == 2
 
 
+@pytest.mark.parametrize("mode", ["none", "lossless", "lossy"])
+def test_only_a_plain_full_attention_layer_holds_kv_as_generation_codes_it(mode):
+    """One predicate (`holds_as_generated`) decides whether a save, a load or the prefix store takes a layer's
+    blocks as they are: windows, lossy layers and hybrids answer no by their class trait, a subclass of the
+    full-attention layer that changes nothing answers yes (no ``type(...) is`` test)."""
+    config = CompressionConfig(mode=mode, block_tokens=8, residual_tokens=4, lossy={"method": "streaming"})
+    cache = CompressedCache(config, calibration=None)
+    cache.build_layers(KINDS)
+    expected = [mode != "lossy", False, False, mode != "lossy", False, False, False, False, False]
+    assert [holds_as_generated(layer) for layer in cache.layers] == expected
+
+    class Traced(CompressedLayer):
+        pass
+
+    assert holds_as_generated(Traced(RawStorage(), block_tokens=8, residual_tokens=4))
+
+
 def test_a_sliding_layer_refuses_adopted_blocks():
     cache = CompressedCache(CompressionConfig(block_tokens=8, residual_tokens=4), calibration=None)
     cache.build_layers([("sliding_attention", {"sliding_window": 48})])
     with pytest.raises(ValueError, match="adopt\\(\\) is for full-attention layers"):
         cache.layers[0].adopt([])
+
+
+def test_full_attention_only_is_one_test_of_the_models_layer_types():
+    assert not_full_attention(fresh_tiny_model("llama-gqa").config) == []
+    assert not_full_attention(sliding_model(16).config) == ["sliding_attention"]

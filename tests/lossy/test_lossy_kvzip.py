@@ -35,16 +35,16 @@ def test_replay_scores_are_the_largest_weight_any_replay_query_gives():
     model = fresh_tiny_model("llama-gqa", layers=6)
     cache = _cache(model)
     for layer in cache.layers:
-        layer.replay_phase = "hold"
+        layer.replay_state = kvzip.ReplayState("hold")
     model(context, cache=cache)
     for layer in cache.layers:
-        layer.replay_phase = "score"
+        layer.replay_state = kvzip.ReplayState("score")
     for start in (0, 20):  # the replay in two forwards: the scores are the running maximum
         model(torch.cat([repeat, context], -1)[:, start : start + 20 if start == 0 else None], cache=cache)
     for layer, attn in zip(cache.layers, weights):
         heads = layer.residual_keys.shape[1]
         expected = attn[..., :CONTEXT].unflatten(1, (heads, -1)).amax(dim=(2, 3))  # [b, kv heads, context]
-        torch.testing.assert_close(layer.replay_scores, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(layer.replay_state.scores, expected, atol=1e-5, rtol=1e-4)
         assert not layer.summary_seconds  # nothing was summarised while the context was held for the replay
 
 
@@ -56,7 +56,7 @@ def test_compress_context_prunes_across_layers_at_one_threshold():
     share = kvzip._share_budget
 
     def capture(layers):
-        captured.update({layer.layer_idx: layer.replay_scores.clone() for layer in layers})
+        captured.update({layer.layer_idx: layer.replay_state.scores.clone() for layer in layers})
         share(layers)
 
     kvzip._share_budget = capture
@@ -101,3 +101,21 @@ def test_compress_context_refuses_layers_a_replay_would_change_for_good():
     cache = CompressedCache(CompressionConfig(mode="lossy", lossy=lossy), model=model)
     with pytest.raises(ValueError, match="sliding windows drop context entries"):
         kvzip.compress_context(model, cache, random_ids(1, 8), random_ids(1, 2))
+
+
+def test_the_replay_state_is_kvzips_own():
+    """KVzip's replay lives in its module's `ReplayState`: the shared lossy layer holds one such state while a
+    replay runs (None otherwise), counted in its bytes, and none of its parts as attributes of its own."""
+    model = fresh_tiny_model("llama-gqa", layers=2)
+    cache = _cache(model)
+    model(random_ids(1, CONTEXT, seed=24), cache=cache)
+    layer = cache.layers[0]
+    assert layer.replay_state is None
+    assert not {"replay_phase", "replay_scores", "replay_picks", "replay_queries"} & set(vars(layer))
+    before = layer.total_held_bytes()
+    layer.replay_state = kvzip.ReplayState("prune", scores=torch.zeros(1, 2, 10))
+    assert layer.total_held_bytes() == before + 80
+    layer.reset()
+    assert layer.replay_state is None
+    with pytest.raises(ValueError, match=r"ReplayState.phase must be one of \['hold', 'score', 'prune'\]"):
+        kvzip.ReplayState("replay")

@@ -141,3 +141,14 @@ def test_the_docs_have_a_row_for_every_method_setting():
                   for name in re.findall(r"`(\w+)`", cell)}
     declared = {f.name for method in METHODS.values() for f in dataclasses.fields(method.settings)}
     assert documented == declared
+
+
+def test_pyramidkv_and_adakv_settings_extend_snapkvs():
+    """PyramidKV and AdaKV select by SnapKV's scores: their settings are SnapKV's by inheritance (one declaration of
+    ``window`` / ``kernel`` and their checks), plus their own field."""
+    for cls, own in ((pyramidkv.PyramidKVSettings, "beta"), (adakv.AdaKVSettings, "safeguard")):
+        assert issubclass(cls, snapkv.SnapKVSettings)
+        assert [f.name for f in dataclasses.fields(cls)] == ["window", "kernel", own]
+        assert cls().window == snapkv.WINDOW and cls().kernel == snapkv.KERNEL
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.kernel must be odd"):
+            cls(kernel=4)

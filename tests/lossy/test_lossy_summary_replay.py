@@ -156,7 +156,7 @@ def test_compress_context_keeps_kvzips_layer_budgets_and_fits_on_sampled_replay_
     for layer in cache.layers:
         assert layer.held_bytes() <= layer.budget_bytes()
         assert layer.stats()["held_bytes"] == walked_bytes(layer)
-        assert layer.replay_queries is None and layer.replay_picks is None
+        assert layer.replay_state is None
         kept = layer.blocks[-1]
         assert isinstance(kept, LossyBlock) and block_bias(kept) is not None  # fitted biases
     out = model.generate(torch.cat([context, random_ids(1, 3, seed=24)], -1), cache=cache, max_new_tokens=12,

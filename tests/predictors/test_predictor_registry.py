@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvcompress.calibration import Calibration
+from hf_kvcompress import codec
+from hf_kvcompress.calibration import FIRST_USE_PREDICTORS, Calibration
 from hf_kvcompress.cli import build_parser
+from hf_kvcompress.codec import CodecConfig
 from hf_kvcompress.config import LosslessConfig
 from hf_kvcompress.predictors import linear, registry
 from hf_kvcompress.predictors.base import REGISTERED, Predictor, register
@@ -25,6 +27,20 @@ def test_every_name_list_is_the_registrys():
     assert Calibration.fit.__kwdefaults__["predictors"] == registry.FITTED
     calibrate = build_parser().parse_args(["calibrate"])
     assert calibrate.predictors == registry.FITTED  # "all", converted by the option's type at parse time
+
+
+
+def test_the_first_use_fit_and_each_coder_come_from_the_registry():
+    # a first-use calibration fits what calibrated storage reads (grid reads below's heads), not a list of its own
+    assert FIRST_USE_PREDICTORS == registry.FIRST_USE == (registry.head_set(registry.CALIBRATED_STORAGE),)
+    assert registry.FIRST_USE == ("below",)
+    # the coder is each predictor's trait: the default config takes generation's default predictor's
+    for name, cls in registry.PREDICTORS.items():
+        assert {cls.coder, cls.storage_coder} <= set(codec.CODERS), name
+        if name not in registry.STORAGE_ONLY:
+            assert LosslessConfig(predictor=name).coder == cls.coder
+    assert LosslessConfig().coder == registry.PREDICTORS["generic"].coder == codec.GENERATION_CODER == "huff"
+    assert CodecConfig().coder == Predictor.coder == Predictor.storage_coder == codec.DEFAULT_CODER == "lanes"
 
 
 def test_one_module_per_predictor_and_names_match():

@@ -50,7 +50,8 @@ def encode_with_stats(
         tiers[t] = tiers.get(t, 0) + 1
     model_bits = float(tr.model_bits.sum()) if tr.model_bits is not None else 0.0
     st = CodecStats(
-        n_elements=n, n_windows=int(lengths.size), total_bytes=len(blob), header_bytes=tr.header_bytes,
+        coder=config.coder, n_elements=n, n_windows=int(lengths.size), total_bytes=len(blob),
+        header_bytes=tr.header_bytes,
         table_bytes=tr.table_bytes, payload_bytes=int(tr.payload_sizes.sum()), encode_seconds=enc_s,
         model_bits=model_bits, escapes=_escapes(x, mean, std, cfg, tr),
         window_hist=dict(sorted(hist.items())), tier_hist=dict(sorted(tiers.items())),

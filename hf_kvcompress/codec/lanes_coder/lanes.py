@@ -38,6 +38,7 @@ from ..interface import (
     check_config,
     check_has_data,
     check_out,
+    check_range,
     check_stat,
     check_threads,
     out_layout,
@@ -116,10 +117,6 @@ def lanes_digest(cfg: CodecConfig) -> int:
     h.update(bytes.fromhex(cfg.marginal_or_default.sha256))
     h.update(json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":")).encode())
     return int.from_bytes(h.digest()[:4], "little")
-
-
-def is_lanes(blob) -> bool:
-    return bytes(blob[:3]) == MAGIC
 
 
 def lanes_for(n: int) -> int:
@@ -681,11 +678,7 @@ def decode_range_one(blob, start: int, stop: int, mean, std, config: CodecConfig
     h, m, s = _one_stats(blob, mean, std, config)
     assert config is not None
     n = math.prod(h.shape)
-    for name, v in (("start", start), ("stop", stop)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"codec: {name} must be an int, got {type(v).__name__}")
-    if not 0 <= start <= stop <= n:
-        raise ValueError(f"codec: need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
+    check_range(start, stop, n)
     return decode_batch_impl([blob], m, s, config)[0].reshape(-1)[start:stop].clone()
 
 

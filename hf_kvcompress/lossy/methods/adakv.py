@@ -18,27 +18,25 @@ from typing import ClassVar
 import torch
 
 from ...layer.storage import Block
-from ...validation import check_int, check_number, checked
+from ...validation import check_number, checked
 from ..blocks import RaggedBlock
 from ..budget import entry_bytes
 from ..region import FitContext, Region
-from ..registry import MethodSettings, register
-from .snapkv import KERNEL, WINDOW, _odd, snap_scores
+from ..registry import register
+from .snapkv import SnapKVSettings, snap_scores
 
 #: every head keeps at least this share of an even split of the layer's entries (the paper's safeguard, 0.2)
 SAFEGUARD = 0.2
 
 
 @dataclass(frozen=True)
-class AdaKVSettings(MethodSettings):
-    """AdaKV's own settings (Feng et al. 2024, https://arxiv.org/abs/2407.11550): ``safeguard``, the share of an even
-    split every head keeps at least (`SAFEGUARD`); ``window`` / ``kernel``: SnapKV's scores (`snapkv.SnapKVSettings`)."""
+class AdaKVSettings(SnapKVSettings):
+    """AdaKV's own settings (Feng et al. 2024, https://arxiv.org/abs/2407.11550): SnapKV's (``window``, ``kernel``: its
+    scores, inherited) and ``safeguard``, the share of an even split every head keeps at least (`SAFEGUARD`)."""
 
     PAPER: ClassVar[str] = "https://arxiv.org/abs/2407.11550"
 
     safeguard: float = checked(SAFEGUARD, check_number, low=0.0, high=1.0)
-    window: int = checked(WINDOW, check_int, minimum=1)
-    kernel: int = checked(KERNEL, _odd)
 
 
 def adaptive_keep(score: torch.Tensor, total: int, safeguard: float = SAFEGUARD) -> torch.Tensor:

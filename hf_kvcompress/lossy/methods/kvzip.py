@@ -8,7 +8,7 @@ Two ways in:
 - `compress_context(model, cache, context_ids, repeat_ids)`: the paper's method. The context is prefilled with no
   summary (held whole: KVzip needs the whole context before its replay; with ``chunk_size`` the prefill and the
   replay run in chunks, which bounds the activations, not the cache), the replay scores every held entry
-  (`SummaryMixin._score_replay`, lossy/summarize.py; the replay's own entries are cropped off afterwards), one threshold over the scores of
+  (`ReplayState.score`, each layer's replay state; the replay's own entries are cropped off afterwards), one threshold over the scores of
   every layer's region (all rows' selections averaged per layer) sets each layer's share of the budget
   (`LossyLayer.budget_share`), and each layer then keeps its best entries, per head as many as pass (heads hold
   different numbers: `blocks.RaggedBlock`). Batches must not be padded (refused).
@@ -29,12 +29,14 @@ from typing import Any, ClassVar
 import torch
 
 from ...layer.hybrid import RecurrentStateMixin
-from ...layer.storage import Block
+from ...layer.storage import Block, tensor_nbytes
 from ..blocks import RaggedBlock
 from ..budget import entry_bytes
 from ..matching import Kernel
+from ..queries import group_by_kv_head
 from ..region import FitContext, Region
 from ..registry import METHODS, MethodSettings, register
+from ..summarize import NEG_INF
 from .adakv import adaptive_keep
 
 #: the repeat prompt of the paper (fed before the context's second pass; tokenize it with the model's tokenizer)
@@ -95,7 +97,7 @@ def compress_context(model, cache, context_ids: torch.Tensor, repeat_ids: torch.
 def kvzip_layers(cache) -> list[Any]:
     """The lossy layers of ``cache`` that run KVzip's replay (a method registered with ``context_replay``); refuses
     a cache with none, or with layers a replay would change in a way cropping cannot undo."""
-    layers = [layer for layer in cache.layers if getattr(layer, "replay_phase", False) is None
+    layers = [layer for layer in cache.layers if getattr(layer, "replay_state", False) is None
               and getattr(getattr(layer, "method", None), "context_replay", None) is not None]
     if not layers:
         names = " or ".join(repr(name) for name, method in METHODS.items() if method.context_replay is not None)
@@ -119,11 +121,94 @@ def hold_context(cache) -> Iterator[list[Any]]:
     layers = kvzip_layers(cache)
     try:
         for layer in layers:
-            layer.replay_phase = "hold"
+            layer.replay_state = ReplayState("hold")
         yield layers
     finally:
         for layer in layers:
-            layer.replay_phase = None
+            layer.replay_state = None
+
+
+#: logits one scoring step of a replay (`ReplayState.score`) holds: one batch row and KV head, as many replay rows
+#: as fit. On CPU 2**20 float32 (4 MiB) stays in cache: a layer's scoring at 2,048 tokens, batch 10, went from 7.6 s
+#: (256 rows of every batch row and head at once, broadcast matmul) to 2.2 s (docs/results/long_context.md, "The
+#: replay's cost"); a GPU takes larger steps to keep its launches few
+REPLAY_LOGITS = {"cpu": 1 << 20, "cuda": 1 << 26}
+#: a replay's phases: the context held whole (no summary), the replay's forwards scoring what is held, the prune's
+#: summary reading the scores
+PHASES = ("hold", "score", "prune")
+
+
+@dataclass
+class ReplayState:
+    """One layer's part of a context replay (`LossyLayer.replay_state` while one runs): its phase (`PHASES`);
+    ``scores`` ``[b, h, held]`` float32, the most attention any replay query gave each entry held before the replay;
+    ``picks`` ``[r]``, the physical positions of the replay queries to keep (a method registered with
+    ``context_replay="queries"``); ``queries`` ``[b, q_heads, m, head_dim]`` float32, those kept so far, then the
+    reference queries of the prune's summary (`SummaryMixin.summarize`)."""
+
+    phase: str
+    scores: torch.Tensor | None = None
+    picks: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"ReplayState.phase must be one of {list(PHASES)}, got {self.phase!r}")
+
+    @property
+    def scoring(self) -> bool:
+        """Whether the layer's forwards are the replay (they score the entries held before it)."""
+        return self.phase == "score"
+
+    def nbytes(self) -> int:
+        """The bytes the state holds (counted in the layer's `held_bytes` between the replay and the prune)."""
+        return sum(tensor_nbytes(t) for t in (self.scores, self.picks, self.queries))
+
+    @torch.no_grad()
+    def score(self, layer: Any, query: torch.Tensor, count: int) -> None:
+        """A replay forward over ``layer``: keep, per entry held before the replay, the most attention any replay
+        query (of any head of its group) gives it, softmax over everything the query sees (held entries, the replay
+        so far).
+
+        One batch row and KV head at a time, in steps of replay rows: each step's logits stay in cache (a batched
+        step was memory-bound), a query's weights come as ``exp(logit - logsumexp)`` (no softmax tensor is
+        written), and a step reads only the keys its rows can see (the replay is causal)."""
+        keys = layer.keys  # every held entry, then the replay's tokens (all still exact in the residual)
+        held = self.scores.shape[-1] if self.scores is not None else keys.shape[-2] - count
+        total = keys.shape[-2]
+        before = total - count  # the entries held before this forward
+        bias = layer._held_bias(before)
+        b, heads = keys.shape[:2]
+        scale = layer.scaling or keys.shape[-1] ** -0.5
+        grouped = group_by_kv_head(query.float() * scale, heads)  # [b, h, g * q, d]
+        groups = grouped.shape[-2] // count
+        grouped = grouped.view(b, heads, groups, count, -1)
+        keys_t = keys.float().transpose(-1, -2)  # [b, h, d, total]
+        limit = REPLAY_LOGITS["cuda" if keys.is_cuda else "cpu"]
+        step = max(1, min(count, limit // max(1, groups * total)))
+        # the query at replay position i sees every earlier entry and itself: causal within the step's own rows
+        future = torch.ones(step, step, dtype=torch.bool, device=keys.device).triu(1)
+        best = torch.full((b, heads, held), NEG_INF, device=keys.device)
+        for row in range(b):
+            for head in range(heads):
+                top = best[row, head]
+                for start in range(0, count, step):
+                    end = min(count, start + step)
+                    seen = before + end
+                    logits = grouped[row, head, :, start:end] @ keys_t[row, head, :, :seen]  # [g, r, seen]
+                    if bias is not None:
+                        logits[..., :before] += bias[row, head]
+                    logits[..., before + start :].masked_fill_(future[: end - start, : end - start], NEG_INF)
+                    logits = logits[..., :held].sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+                    torch.maximum(top, logits.amax(dim=(0, 1)), out=top)
+        best = best.exp_()
+        # new tensors, never written in place: a checkpoint's shallow copy keeps the state before a failed step
+        self.scores = best if self.scores is None else torch.maximum(self.scores, best)
+        if self.picks is not None:  # the replay queries this layer's method fits on
+            first = layer.seen_tokens - count
+            picks = self.picks[(self.picks >= first) & (self.picks < first + count)] - first
+            kept = query[..., picks.to(query.device), :].float()
+            self.queries = kept if self.queries is None else torch.cat([self.queries, kept], -2)
 
 
 @dataclass
@@ -152,18 +237,16 @@ def replay(model, cache, context_ids: torch.Tensor, repeat_ids: torch.Tensor, *,
     end = cache.get_seq_length()
     try:
         for layer in layers:
-            layer.replay_phase, layer.replay_scores = "score", None
-            layer.replay_picks = layer.replay_queries = None
+            layer.replay_state = ReplayState("score")
             if layer.method.context_replay == "queries":
                 picks = torch.linspace(0, length - 1, min(layer.lossy.reference_queries, length), dtype=torch.float64)
-                layer.replay_picks = end + picks.round().long().unique()
+                layer.replay_state.picks = end + picks.round().long().unique()
         _forward(model, cache, torch.cat([repeat_ids.to(context_ids.device), context_ids], dim=-1), step)
         cache.crop(end - cache.get_seq_length())  # the replay's own entries (exact, in the residual) go
-        found = Replay([layer.replay_scores for layer in layers], [layer.replay_queries for layer in layers])
+        found = Replay([layer.replay_state.scores for layer in layers], [layer.replay_state.queries for layer in layers])
     finally:
         for layer in layers:
-            layer.replay_phase, layer.replay_scores = None, None
-            layer.replay_picks = layer.replay_queries = None
+            layer.replay_state = None
     return found
 
 
@@ -189,13 +272,12 @@ def prune(cache, scores: list[torch.Tensor], queries: list[torch.Tensor | None] 
         if (query is None) != (layer.method.context_replay != "queries"):
             raise ValueError(f"prune: layer {layer.layer_idx} (method {layer.method.name!r}) needs "
                              f"{'the replay queries' if query is None else 'no replay queries'}")
-        layer.replay_scores = score.clone()
-        layer.replay_queries = query
+        layer.replay_state = ReplayState("prune", scores=score.clone(), queries=query)
     _share_budget(layers)
     for layer in layers:
         if layer.over_budget():
-            layer.summarize()
-        layer.replay_scores = layer.replay_queries = None
+            layer.summarize()  # reads the state's scores and queries, and lets it go
+        layer.replay_state = None
 
 
 def _forward(model, cache, ids: torch.Tensor, step: int) -> None:
@@ -209,7 +291,7 @@ def _share_budget(layers: list[Any]) -> None:
     parts, room = [], 0
     for layer in layers:
         layer.budget_share = None  # the uniform budget, to share out
-        scores = layer.replay_scores
+        scores = layer.replay_state.scores
         sinks = layer.sink_block.entries if layer.sink_block is not None else min(layer.lossy.sinks, scores.shape[-1])
         window = min(layer.residual_tokens, scores.shape[-1] - sinks)
         keys, values = layer.residual_keys, layer.residual_values

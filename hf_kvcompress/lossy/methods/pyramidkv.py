@@ -13,26 +13,24 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...layer.storage import Block
-from ...validation import check_int, check_number, checked
+from ...validation import check_number, checked
 from ..budget import kept_blocks
 from ..region import FitContext, Region
-from ..registry import MethodSettings, register
-from .snapkv import KERNEL, WINDOW, _odd, snap_scores
+from ..registry import register
+from .snapkv import SnapKVSettings, snap_scores
 
 #: the top layer's budget is the uniform one divided by BETA (the paper's default, 20)
 BETA = 20.0
 
 
 @dataclass(frozen=True)
-class PyramidKVSettings(MethodSettings):
-    """PyramidKV's own settings (Cai et al. 2024, https://arxiv.org/abs/2406.02069): ``beta``, the top layer's budget
-    is the uniform one divided by it (`BETA`); ``window`` / ``kernel``: SnapKV's selection (`snapkv.SnapKVSettings`)."""
+class PyramidKVSettings(SnapKVSettings):
+    """PyramidKV's own settings (Cai et al. 2024, https://arxiv.org/abs/2406.02069): SnapKV's (``window``, ``kernel``:
+    its selection, inherited) and ``beta``, the top layer's budget is the uniform one divided by it (`BETA`)."""
 
     PAPER: ClassVar[str] = "https://arxiv.org/abs/2406.02069"
 
     beta: float = checked(BETA, check_number, low=1.0, high=1e6)
-    window: int = checked(WINDOW, check_int, minimum=1)
-    kernel: int = checked(KERNEL, _odd)
 
 
 def layer_share(layer: int, layers: int, beta: float = BETA) -> float:
