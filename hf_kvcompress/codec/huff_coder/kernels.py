@@ -210,11 +210,12 @@ def read_lengths(b8, at, end, alphabet, lengths):
 
 
 @_jit
-def build_table(b8, at, end, alphabet, ew, lengths, table, max_len):
+def build_table(b8, at, end, alphabet, ew, lengths, table, max_len, paired):
     """Fill ``table`` (2^max_len uint32: ``u << 8 | length``, u = the sign-xor and offset bits, ``ew`` of them
-    below the sign's) from the code lengths at byte ``at``: the position after them, or -1 if they do not form a
-    code. (mhuff passes its offset width, exponent and top mantissa bits, as ``ew``.)"""
-    at = read_lengths(b8, at, end, alphabet, lengths)
+    below the sign's) from the code lengths at byte ``at`` (``paired``: `read_length_pairs`' format, else
+    `read_lengths`'): the position after them, or -1 if they do not form a code. (mhuff passes its offset width,
+    exponent and top mantissa bits, as ``ew``.)"""
+    at = read_length_pairs(b8, at, end, alphabet, lengths) if paired else read_lengths(b8, at, end, alphabet, lengths)
     if at < 0:
         return -1
     size = 1 << max_len
@@ -245,11 +246,12 @@ def build_table(b8, at, end, alphabet, ew, lengths, table, max_len):
 
 
 @_jit
-def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len, ctx, crow, rows, run, ew, mw, out,
-                   obase, a_step, b_step, err, s_lo, s_hi):
+def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len, paired, ctx, crow, rows, run, ew, mw,
+                   out, obase, a_step, b_step, err, s_lo, s_hi):
     """Decode streams ``s_lo..s_hi`` into ``out`` (element ``(r, t)`` of stream ``s`` at ``obase[s] + r * a_step + t *
     b_step``), coded ones four at a time. ``ntab`` tables of 2^max_len entries per stream, each element's chosen by
-    its context's bits above the sign's (huff: one; mhuff: its class). ``err[s]`` gets an ERR_ code for a stream
+    its context's bits above the sign's (huff: one; mhuff: its class), their code lengths in ``paired`` form or
+    not (`build_table`). ``err[s]`` gets an ERR_ code for a stream
     that fails: a group of four with a failure is decoded again stream by stream, so that the error lands on the
     stream it belongs to."""
     tables = np.empty((4, ntab << max_len), np.uint32)
@@ -269,14 +271,15 @@ def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len,
         ok = True
         for j in range(4):
             q = lanes[j]
-            ok = ok and _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, ew, lengths, tables[j])
+            ok = ok and _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, paired, ew, lengths,
+                                         tables[j])
         if not ok or _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, max_len, out, obase, a_step,
                               b_step, lanes) != 0:
             for j in range(4):
                 q = lanes[j]
                 one = np.full(4, q, np.int64)
                 for i in range(4):
-                    if not _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, ew, lengths,
+                    if not _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, paired, ew, lengths,
                                          tables[i]):
                         err[q] = ERR_TABLE
                 if err[q] == 0:
@@ -285,11 +288,11 @@ def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len,
 
 
 @_jit
-def _build_tables(b8, at, end, alphabet, ntab, max_len, ew, lengths, tables):
+def _build_tables(b8, at, end, alphabet, ntab, max_len, paired, ew, lengths, tables):
     """The ``ntab`` consecutive tables of one stream from its ``ntab`` code-length tables at byte ``at``."""
     size = 1 << max_len
     for t in range(ntab):
-        at = build_table(b8, at, end, alphabet, ew, lengths, tables[t * size : (t + 1) * size], max_len)
+        at = build_table(b8, at, end, alphabet, ew, lengths, tables[t * size : (t + 1) * size], max_len, paired)
         if at < 0:
             return False
     return True
@@ -548,6 +551,151 @@ def length_segments(lengths, gap):
     return out[:at]
 
 
+# ------------------------------------------------------------------- paired code-length tables (mhuff version 2)
+
+#: mhuff version 2's code-length tables (`length_pairs`) go by pairs of symbols (one offset, sign-xor 0 and 1): a
+#: run of `PAIR_GAP` or more unused pairs starts a new segment (SmolLM2 grid statistics, experiments/mhuff_tables.py:
+#: 2 pairs 82.9 bytes a stream's four tables, 4 80.0, 6 79.2, 10 79.1; nibbles: 140.7)
+PAIR_GAP = 6
+#: static prefix codes of a pair's lengths: ``EVEN_LENGTHS[p, e]`` the code length of even length ``e`` after a pair
+#: whose even length was ``p`` (0 at a segment's start), ``ODD_LENGTHS[e, o]`` that of odd length ``o`` after even
+#: length ``e``. Huffman codes of the counts + 1 (every length codable) of SmolLM2's grid + mhuff streams at 2,048
+#: held-out tokens, 960 streams (experiments/mhuff_tables.py); canonical (by length, then value), LSB first
+EVEN_LENGTHS = np.array([
+    [1, 9, 10, 10, 8, 7, 6, 5, 4, 3, 2], [5, 6, 1, 2, 6, 5, 5, 5, 5, 5, 5], [8, 4, 1, 3, 3, 3, 5, 7, 8, 7, 7],
+    [8, 4, 3, 1, 3, 3, 5, 6, 8, 8, 8], [9, 10, 4, 2, 1, 3, 5, 6, 7, 8, 10], [9, 10, 10, 6, 2, 1, 3, 4, 5, 7, 8],
+    [7, 9, 9, 8, 4, 2, 1, 4, 4, 6, 5], [7, 10, 10, 9, 8, 5, 2, 1, 3, 6, 4], [6, 9, 9, 9, 9, 7, 5, 2, 1, 4, 3],
+    [4, 8, 8, 8, 8, 6, 5, 3, 2, 2, 2], [2, 9, 9, 8, 8, 8, 6, 5, 3, 4, 1]], np.int64)
+ODD_LENGTHS = np.array([
+    [1, 7, 7, 7, 7, 7, 7, 6, 4, 3, 2], [1, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4], [1, 6, 6, 6, 6, 6, 6, 6, 6, 3, 2],
+    [1, 9, 9, 8, 8, 8, 5, 6, 4, 3, 2], [2, 8, 8, 8, 8, 6, 1, 4, 4, 5, 4], [1, 8, 8, 8, 8, 6, 2, 5, 4, 4, 4],
+    [2, 8, 8, 8, 8, 6, 2, 2, 4, 5, 3], [2, 8, 8, 7, 7, 7, 5, 2, 2, 4, 3], [2, 7, 7, 7, 7, 6, 6, 4, 2, 3, 2],
+    [1, 8, 8, 8, 8, 7, 7, 5, 4, 3, 2], [1, 8, 8, 8, 8, 7, 7, 5, 4, 3, 2]], np.int64)
+#: the longest of those codes: a decoder peeks this many bits
+PAIR_BITS = 10
+
+
+def _pair_codes() -> tuple[np.ndarray, np.ndarray]:
+    """The 22 static codes (11 even contexts, then 11 odd) as (bit-reversed codes [22, 11], decode tables
+    [22, 2^PAIR_BITS] of ``length << 4 | value``), canonical as the streams' own codes (`canonical_codes`' rule,
+    in Python: built at import, before any kernel compiles)."""
+    lengths = np.concatenate([EVEN_LENGTHS, ODD_LENGTHS])
+    codes = np.zeros(lengths.shape, np.int64)
+    decode = np.zeros((lengths.shape[0], 1 << PAIR_BITS), np.int64)
+    for t, row in enumerate(lengths.tolist()):
+        assert sum(1 << (PAIR_BITS - n) for n in row) == 1 << PAIR_BITS  # complete: every pattern decodes
+        code, last = 0, 0
+        for n, v in sorted((n, v) for v, n in enumerate(row)):  # by length, then value
+            code <<= n - last
+            last = n
+            rev = int(f"{code:0{n}b}"[::-1], 2)
+            codes[t, v] = rev
+            decode[t, rev :: 1 << n] = n << 4 | v
+            code += 1
+    return codes, decode
+
+
+_PAIR_CODES, _PAIR_DECODE = _pair_codes()
+
+
+@_jit
+def length_pairs(lengths, gap):
+    """mhuff version 2's bytes of one code-length table (uint8 lengths of ``alphabet`` symbols, even): nseg
+    varint, per segment of used pairs (less than ``gap`` unused pairs apart) the unused pairs since the last one's
+    end and its pairs (varints); then every segment's pairs' lengths, each pair its even symbol's length in the
+    static code chosen by the previous pair's (0 at a segment's start), its odd symbol's in the one chosen by the
+    even one's, LSB first, zero-padded to a byte."""
+    npairs = lengths.size >> 1
+    starts = np.empty(npairs, np.int64)
+    counts = np.empty(npairs, np.int64)
+    nseg, last = 0, -1
+    for p in range(npairs):
+        if lengths[2 * p] or lengths[2 * p + 1]:
+            if last < 0 or p - last - 1 >= gap:
+                starts[nseg] = p
+                nseg += 1
+            counts[nseg - 1] = p - starts[nseg - 1] + 1
+            last = p
+    out = np.zeros(10 + 20 * nseg + (2 * PAIR_BITS * npairs) // 8 + 2, np.uint8)
+    at = _put_varint(out, 0, nseg)
+    end = 0
+    for i in range(nseg):
+        at = _put_varint(out, at, starts[i] - end)
+        at = _put_varint(out, at, counts[i])
+        end = starts[i] + counts[i]
+    acc, nacc = 0, 0
+    for i in range(nseg):
+        prev = 0
+        for p in range(starts[i], starts[i] + counts[i]):
+            e, o = np.int64(lengths[2 * p]), np.int64(lengths[2 * p + 1])
+            acc |= _PAIR_CODES[prev, e] << nacc
+            nacc += EVEN_LENGTHS[prev, e]
+            acc |= _PAIR_CODES[11 + e, o] << nacc
+            nacc += ODD_LENGTHS[e, o]
+            prev = e
+            while nacc >= 8:
+                out[at] = np.uint8(acc & 0xFF)
+                acc >>= 8
+                nacc -= 8
+                at += 1
+    if nacc:
+        out[at] = np.uint8(acc)
+        at += 1
+    return out[:at]
+
+
+@_jit
+def read_length_pairs(b8, at, end, alphabet, lengths):
+    """The code length of every symbol from a `length_pairs` table at byte ``at``: the position after it, or -1 if
+    it does not parse inside ``end`` (lengths over a stream's limit are `build_table`'s to refuse)."""
+    lengths[:] = 0
+    npairs = alphabet >> 1
+    nseg, at = _varint(b8, at, end)
+    if at < 0 or nseg > npairs:
+        return -1
+    starts = np.empty(nseg, np.int64)
+    counts = np.empty(nseg, np.int64)
+    p = 0
+    for i in range(nseg):
+        gap, at = _varint(b8, at, end)
+        if at < 0:
+            return -1
+        count, at = _varint(b8, at, end)
+        if at < 0 or count == 0 or gap > npairs or count > npairs or p + gap + count > npairs:
+            return -1
+        starts[i] = p + gap
+        counts[i] = count
+        p += gap + count
+    pos, limit = 8 * at, 8 * end
+    for i in range(nseg):
+        prev = 0
+        for q in range(starts[i], starts[i] + counts[i]):
+            w = _peek_bits(b8, pos, limit)
+            ent = _PAIR_DECODE[prev, w & ((1 << PAIR_BITS) - 1)]
+            pos += ent >> 4
+            e = ent & 15
+            w = _peek_bits(b8, pos, limit)
+            ent = _PAIR_DECODE[11 + e, w & ((1 << PAIR_BITS) - 1)]
+            pos += ent >> 4
+            if pos > limit:  # (bits past it read as zero: a damaged table ends here, not in another's bytes)
+                return -1
+            lengths[2 * q] = e
+            lengths[2 * q + 1] = ent & 15
+            prev = e
+    return (pos + 7) >> 3
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _peek_bits(b8, pos, limit):
+    """The (up to) 24 bits from bit ``pos`` on, LSB first; bytes at or past ``limit`` bits read as zero."""
+    v = 0
+    byte = pos >> 3
+    for k in range(3):
+        if 8 * (byte + k) < limit:
+            v |= np.int64(b8[byte + k]) << (8 * k)
+    return v >> (pos & 7)
+
+
 @nb.njit(cache=True, nogil=True, inline="always")
 def _varint(b8, at, end):
     """(value, next position) of the LEB128 varint at ``at``; position -1 if it runs past ``end`` or 9 bytes."""
@@ -564,9 +712,11 @@ def _varint(b8, at, end):
 
 
 @_jit
-def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_len, fp, tat, pstart, pbits, stored):
+def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_len, paired, fp, tat, pstart, pbits,
+                  stored):
     """Every stream's fields after the common ``prefix`` (magic, flags, shape: the first stream's, which every
-    stream must repeat): context fingerprint, ``ntab`` code-length tables of ``alphabet`` symbols, payload
+    stream must repeat): context fingerprint, ``ntab`` code-length tables of ``alphabet`` symbols (``paired``:
+    `read_length_pairs`' form), payload
     (elements of ``width`` bits, ``raw`` of them after each code). The index of the first stream whose header does
     not parse or whose length does not add up, else -1."""
     plen = prefix.size
@@ -585,7 +735,8 @@ def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_le
         tat[s] = at
         used = 0
         for _ in range(ntab):
-            at = read_lengths(b8, at, end, alphabet, lengths)
+            at = read_length_pairs(b8, at, end, alphabet, lengths) if paired else \
+                read_lengths(b8, at, end, alphabet, lengths)
             if at < 0:
                 return s
             used = max(used, lengths.max())
