@@ -193,11 +193,13 @@ def encode_family(x: torch.Tensor, mean, std, spec: Spec, threads: int | None = 
     out = []
     for s, bits in enumerate(_bits(x)):
         words, nbits, lengths = spec.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, lay)
-        tables = map(length_pairs if lay.paired else length_segments, lengths)
+        tables = [*map(length_pairs if lay.paired else length_segments, lengths)]
+        if lay.paired:  # their byte count first: a parser skips them
+            tables.insert(0, varint_bytes(sum(map(len, tables))))
         coded = [*tables, varint_bytes(max(int(nbits), 0)),
                  words.view(np.uint8)[: (int(nbits) + 7) // 8]]  # nbits -1: no code of max_len bits exists
         if bits.size and (nbits < 0 or sum(len(c) for c in coded) >= bits.nbytes + 3 + 3 * lay.ntab):  # stored
-            coded = [varint_bytes(0)] * lay.ntab + [varint_bytes(8 * bits.nbytes),
+            coded = [varint_bytes(lay.ntab)] * lay.paired + [varint_bytes(0)] * lay.ntab + [varint_bytes(8 * bits.nbytes),
                                                     bits.astype(bits.dtype.newbyteorder("<"))]
         body = b"".join((prefix, struct.pack("<I", int(fps[s])), *(bytes(c) if not isinstance(c, bytes) else c
                                                                     for c in coded)))

@@ -28,10 +28,14 @@ from . import huff, kernels
 MAGIC = b"\x89KN"
 #: version 1: tables as nibbles (`huff.length_segments`), decoded only
 MAGIC_V1 = b"\x89KM"
-#: top mantissa bits in the symbol. SmolLM2 `below` statistics (experiments/mhuff_rate.py, bf16, real bytes with
-#: tables and headers): k=2 8.591 bits/scalar, k=3 8.613 (its entropy is 0.08 lower, its tables cost more; huff
-#: 9.219, lanes 8.298); float16 / float32 take as many
-K_BITS = 2
+#: top mantissa bits in the symbol, version 2. SmolLM2 grid statistics of a default save at 2,048 held-out tokens
+#: (experiments/mhuff_tables.py, real bytes with tables and headers, every 4th coding call): version 2's tables
+#: k=2 8.522 bits/scalar, k=3 8.492, k=4 8.523 (version 1's nibbles: k=2 8.578, k=3 8.599); float16 / float32 take
+#: as many
+K_BITS = 3
+#: version 1's (its tables as nibbles made k=3 cost more than its entropy saves: experiments/mhuff_rate.py, `below`,
+#: k=2 8.591, k=3 8.613)
+K_BITS_V1 = 2
 #: longest code: 4 tables of 2^MAX_LEN entries per stream to build per stream (experiments/mhuff_rate.py: 11 or 12
 #: bits code 8.587 bits/scalar, 10 bits 8.591 with half 11's table entries)
 MAX_LEN = 10
@@ -46,9 +50,12 @@ def layouts(k: int = K_BITS, max_len: int = MAX_LEN, paired: bool = True) -> dic
             for code, (ew, mw) in huff.FIELDS.items()}
 
 
-def spec(k: int = K_BITS, max_len: int = MAX_LEN, version: int = 2) -> huff.Spec:
-    """The mhuff coder's `huff.Spec` of stream ``version`` 2 or 1 (other ``k`` / ``max_len``: the measurement's
-    variants; streams of them are not mhuff streams)."""
+def spec(k: int | None = None, max_len: int = MAX_LEN, version: int = 2) -> huff.Spec:
+    """The mhuff coder's `huff.Spec` of stream ``version`` 2 or 1 (``k`` default the version's; other ``k`` /
+    ``max_len``: the measurement's variants, whose streams are not mhuff streams)."""
+    if version not in (1, 2):
+        raise ValueError(f"mhuff stream versions are 1 and 2, got {version!r}")
+    k = (K_BITS if version == 2 else K_BITS_V1) if k is None else k
 
     def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, shape: tuple[int, ...],
                  n_streams: int) -> huff.Contexts:
@@ -66,8 +73,6 @@ def spec(k: int = K_BITS, max_len: int = MAX_LEN, version: int = 2) -> huff.Spec
         words, nbits, lengths = kernels.mhuff_encode_stream(bits, ctx, lay.ew - k, lay.raw + k, k, lay.max_len)
         return words, nbits, list(lengths)
 
-    if version not in (1, 2):
-        raise ValueError(f"mhuff stream versions are 1 and 2, got {version!r}")
     return huff.Spec("mhuff", MAGIC if version == 2 else MAGIC_V1, layouts(k, max_len, version == 2), contexts,
                      encode_stream)
 
