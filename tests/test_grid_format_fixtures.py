@@ -73,8 +73,8 @@ def test_pinned_mhuff_stream_decodes_bit_exactly_and_recodes_byte_identically(st
         decoded = codec.decode_batch([blob], mean, std, config)[0]
         x = x[0]
     else:
-        lead = (lambda t: None if t is None else t[None])
-        assert huff.encode_family(x[None], lead(mean), lead(std), mhuff.SPEC_V1) == [blob]
+        mean1, std1 = (None if t is None else t[None] for t in (mean, std))
+        assert huff.encode_family(x[None], mean1, std1, mhuff.SPEC_V1) == [blob]
         decoded = codec.decode(blob, mean, std, config=config)
     assert decoded.dtype == x.dtype and same_bits(decoded, x)
 

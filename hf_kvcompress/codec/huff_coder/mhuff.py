@@ -1,7 +1,7 @@
 """The ``mhuff`` coder (`CodecConfig(coder="mhuff")`): `huff` for a calibrated predictor's per-element statistics
-(`below`'s). Each element's sign, exponent and top `K_BITS` (2) mantissa bits are one Huffman symbol against the
-exponent and top bits of ``max(|mean|, std)`` (the sign against the mean's), coded with one of four tables per
-stream chosen by the element's class (the exponent gap of ``max(|mean|, std)`` over ``std``, clipped to 3: how far
+(`below`'s). Each element's sign, exponent and top `K_BITS` (3; version 1: 2) mantissa bits are one Huffman
+symbol against the exponent and top bits of ``max(|mean|, std)`` (the sign against the mean's), coded with one of
+four tables per stream chosen by the element's class (the exponent gap of ``max(|mean|, std)`` over ``std``, clipped to 3: how far
 the mean stands above its spread); the other mantissa bits are stored as they are. The huff family's pieces
 (length-limited canonical Huffman, bit packer, headers, crc, fingerprints, the four-stream decode loop) are
 `huff`'s and `kernels`'; this module holds what differs: contexts, symbols and the layout's four tables.
@@ -151,11 +151,10 @@ def _decode_mixed(blobs, mean, std, out: torch.Tensor | None, threads: int | Non
     for flag, spec in ((True, SPEC_V1), (False, SPEC)):
         index = np.flatnonzero(v1 == flag)
         pick = torch.from_numpy(index)
-
-        def rows(t):  # statistics of the batch's full rank with one row per stream: this version's rows
-            return t[pick] if isinstance(t, torch.Tensor) and t.dim() == ndim and t.shape[0] == len(blobs) else t
-
-        parts[flag] = (pick, huff.decode_batch_impl([blobs[i] for i in index.tolist()], rows(mean), rows(std),
+        # statistics of the batch's full rank with one row per stream: this version's rows
+        mean_v, std_v = (t[pick] if isinstance(t, torch.Tensor) and t.dim() == ndim and t.shape[0] == len(blobs)
+                         else t for t in (mean, std))
+        parts[flag] = (pick, huff.decode_batch_impl([blobs[i] for i in index.tolist()], mean_v, std_v,
                                                    threads=threads, verify=[bool(v) for v in check[index]], spec=spec))
     first = parts[False][1]
     x = torch.empty((len(blobs), *first.shape[1:]), dtype=first.dtype)
