@@ -10,7 +10,8 @@ headers), per version the table bytes per stream, and (``--fit``) the static cod
 (`kernels.PAIR_GAP`) of the streams' tables at k = `mhuff.K_BITS`.
 
 Answer (SmolLM2 bf16, 2,048 tokens, a save's 60 calls of 48 streams of 64 x 128, every 4th): version 1 (k=2)
-8.578 bits/scalar with 140.7 table bytes a stream; version 2 k=2 8.522, k=3 8.492, k=4 8.523. The whole save's file
+8.578 bits/scalar with 138.2 table bytes a stream; version 2 k=2 8.527, k=3 8.487 (121.3 table bytes; 237.1 as
+nibbles), k=4 8.520. The whole save's file
 bits: experiments/calibrated_storage_times.py.
 
     python experiments/mhuff_tables.py [--calibration DIR] [--tokens 2048] [--every 4] [--fit]

@@ -567,7 +567,7 @@ def length_segments(lengths, gap):
 
 #: mhuff version 2's code-length tables (`length_pairs`) go by pairs of symbols (one offset, sign-xor 0 and 1): a
 #: run of `PAIR_GAP` or more unused pairs starts a new segment (SmolLM2 grid + mhuff k=2 streams, a stream's four
-#: tables: 2 pairs 82.9 bytes, 4 80.0, 6 79.2, 10 79.1; as nibbles 140.7)
+#: tables in codes fitted to them: 2 pairs 82.9 bytes, 4 80.0, 6 79.2, 10 79.1; as nibbles 140.7)
 PAIR_GAP = 6
 #: static prefix codes of a pair's lengths: ``EVEN_LENGTHS[p, e]`` the code length of even length ``e`` after a pair
 #: whose even length was ``p`` (0 at a segment's start), ``ODD_LENGTHS[e, o]`` that of odd length ``o`` after even

@@ -8,7 +8,7 @@ the mean stands above its spread); the other mantissa bits are stored as they ar
 
 Layout of one stream: huff's (`huff` module docstring) with four code-length tables, one per class, in class
 order. Version 2 (magic "\\x89KN", what the coder writes) codes each table by pairs of symbols in static prefix
-codes (`kernels.length_pairs`: ~79 bytes a stream's four tables against ~141 as nibbles, SmolLM2); version 1
+codes (`kernels.length_pairs`: 121 bytes a stream's four tables against 237 as nibbles, SmolLM2); version 1
 (magic "\\x89KM", nibbles as huff's) still decodes. docs/codec_format.md section 14.
 """
 
@@ -30,7 +30,7 @@ MAGIC = b"\x89KN"
 MAGIC_V1 = b"\x89KM"
 #: top mantissa bits in the symbol, version 2. SmolLM2 grid statistics of a default save at 2,048 held-out tokens
 #: (experiments/mhuff_tables.py, real bytes with tables and headers, every 4th coding call): version 2's tables
-#: k=2 8.522 bits/scalar, k=3 8.492, k=4 8.523 (version 1's nibbles: k=2 8.578, k=3 8.599); float16 / float32 take
+#: k=2 8.527 bits/scalar, k=3 8.487, k=4 8.520 (version 1's nibbles: k=2 8.578, k=3 8.599); float16 / float32 take
 #: as many
 K_BITS = 3
 #: version 1's (its tables as nibbles made k=3 cost more than its entropy saves: experiments/mhuff_rate.py, `below`,
