@@ -55,6 +55,9 @@ def spec(k: int | None = None, max_len: int = MAX_LEN, version: int = 2) -> huff
     ``max_len``: the measurement's variants, whose streams are not mhuff streams)."""
     if version not in (1, 2):
         raise ValueError(f"mhuff stream versions are 1 and 2, got {version!r}")
+    if version == 2 and max_len > len(kernels.EVEN_LENGTHS) - 1:  # the static codes cover lengths 0..10
+        raise ValueError(f"mhuff version 2's tables code lengths up to {len(kernels.EVEN_LENGTHS) - 1}, got "
+                         f"max_len={max_len}")
     k = (K_BITS if version == 2 else K_BITS_V1) if k is None else k
 
     def contexts(mean32: np.ndarray | None, std32: np.ndarray | None, fmt: Format, shape: tuple[int, ...],
