@@ -116,8 +116,9 @@ def test_a_non_finite_element_does_not_spoil_later_predictions(predictor):
     # two escaped elements and one token's larger spread: a few bytes of ~13,000 (a feature clamped to a large
     # bound instead of read as 0 cost 60 more; a NaN mean or spread would be refused)
     # a Huffman-table coder (``grid`` generates with ``mhuff``) also lists the two new symbols in its stream's
-    # code-length table: a segment of ~3 bytes each
-    allowed = 8 if config.lossless.coder == "lanes" else 16
+    # code-length table: a segment of ~3 bytes each (mhuff version 2, k = 3: its gap and count varints and its pair
+    # codes, ~5 bytes each, and the codes around them; measured 21, version 1 13)
+    allowed = 8 if config.lossless.coder == "lanes" else 24
     assert sizes[1] - sizes[0] <= allowed, sizes
 
 

@@ -78,6 +78,20 @@ def test_triton_decoder_equals_cpu(dtype, coder):
     assert coded
 
 
+def test_triton_decoder_reads_mhuff_version_1_streams():
+    """Version 1 streams (nibble tables, k=2: still decoded, `mhuff.SPEC_V1`) through the Triton decoder: the
+    numba decoder's bits, every bit pattern's specials included."""
+    from hf_kvcompress.codec.huff_coder import huff, mhuff
+
+    x = _data(torch.bfloat16, 1)
+    mean, std = _stats("channel")
+    blobs = huff.encode_family(x, mean, std, mhuff.SPEC_V1)
+    assert all(bytes(b[:3]) == mhuff.MAGIC_V1 for b in blobs)
+    y = huff.decode_batch_triton(blobs, mean, std, mhuff.SPEC_V1)
+    assert_bit_exact(y, x)
+    assert_bit_exact(y, codec.decode_batch(blobs, mean, std, CodecConfig(coder="mhuff")))
+
+
 def _outcome(decode, *args, **kwargs):
     """The decoded tensor, or the CorruptStreamError's message."""
     try:

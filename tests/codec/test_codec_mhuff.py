@@ -20,7 +20,7 @@ from codec_testutil import (
 
 from hf_kvcompress import codec
 from hf_kvcompress.codec import CodecConfig
-from hf_kvcompress.codec.huff_coder import huff, mhuff
+from hf_kvcompress.codec.huff_coder import huff, kernels, mhuff
 from hf_kvcompress.errors import CorruptStreamError, ParameterMismatchError
 
 MHUFF = CodecConfig(coder="mhuff")
@@ -160,3 +160,83 @@ def test_damage_is_a_corrupt_stream_error():
     x = x[0].transpose(1, 2).contiguous()
     mean, std = x.float() + 0.01 * torch.randn(x.shape), scale[0].transpose(1, 2).expand(x.shape)
     assert_damage_is_caught(x, mean, std, MHUFF)
+
+
+# ------------------------------------------------------------------------- stream versions (issue 48's rate)
+
+
+def test_version_1_streams_decode_alone_and_mixed_with_version_2():
+    """Version 1 streams (k = 2, tables as nibbles: what files and chunks hold from before) decode bit for bit,
+    alone and in one batch with version 2 streams (a store written before and after), into ``out`` too; a mixed
+    batch has no decode-ahead job (`decode_batch` splits it)."""
+    pats = np.concatenate([pattern_sample(torch.bfloat16), special_patterns(torch.bfloat16)])
+    x = from_patterns(pats[: 6 * 64 * 16], torch.bfloat16).view(6, 64, 16)
+    g = torch.Generator().manual_seed(7)
+    mean, std = torch.randn(x.shape, generator=g) * 3, torch.rand(x.shape, generator=g) + 0.01
+    old = huff.encode_family(x, mean, std, mhuff.SPEC_V1)
+    new = codec.encode_batch(x, mean, std, MHUFF)
+    assert all(b[:3] == mhuff.MAGIC_V1 for b in old) and all(b[:3] == mhuff.MAGIC for b in new)
+    assert_bit_exact(codec.decode_batch(old, mean, std, MHUFF), x)
+    mixed = [old[i] if i % 2 else new[i] for i in range(6)]
+    assert_bit_exact(codec.decode_batch(mixed, mean, std, MHUFF), x)
+    out = torch.full_like(x, -1.0)
+    codec.decode_batch(mixed, mean, std, MHUFF, out=out, threads=2, verify=[True, False] * 3)
+    assert_bit_exact(out, x)
+    coder = mhuff.MHuffCoder()
+    assert coder.start_decode_batch(mixed, mean, std, MHUFF) is None
+    assert coder.start_decode_batch(old, mean, std, MHUFF) is not None
+    assert coder.stream_infos(mixed, MHUFF) == [(torch.bfloat16, (64, 16))] * 6
+    damaged = bytearray(old[3])
+    damaged[12] ^= 0x10
+    with pytest.raises(CorruptStreamError, match="crc32"):
+        codec.decode_batch([*new[:3], bytes(damaged), *new[4:]], mean, std, MHUFF)
+
+
+def test_version_2_tables_cost_less_than_nibbles():
+    """Version 2's tables (pairs of lengths in static prefix codes) on predicted streams: under 0.65x the bytes of
+    the same lengths as nibbles, and the streams smaller than version 1's (k = 2, nibbles) and than k = 3 with
+    nibbles, whose tables would eat what k = 3 saves."""
+    x, mean, std = _predicted((8, 64, 128), seed=9)
+    size = {name: sum(map(len, huff.encode_family(x, mean, std, spec)))
+            for name, spec in (("v2", mhuff.SPEC), ("v1", mhuff.SPEC_V1), ("k3 nibbles", mhuff.spec(3, version=1)))}
+    assert size["v2"] < size["k3 nibbles"] - 8 * 60 and size["v2"] < size["v1"], size
+    fmt = huff.format_of(x.dtype)
+    cx = mhuff.SPEC.contexts(mean.numpy(), std.numpy(), fmt, tuple(x.shape[1:]), x.shape[0])
+    lay = mhuff.SPEC.layouts[fmt.code]
+    paired = nibbles = 0
+    for s, bits in enumerate(huff._bits(x)):
+        tables = mhuff.SPEC.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, lay)[2]
+        paired += sum(len(huff.length_pairs(t)) for t in tables)
+        nibbles += sum(len(huff.length_segments(t)) for t in tables)
+    assert paired < 0.65 * nibbles, (paired, nibbles)
+
+
+def _read_pairs(blob: bytes, alphabet: int):
+    b8 = np.zeros(len(blob) + 64, np.uint8)
+    b8[: len(blob)] = np.frombuffer(blob, np.uint8)
+    used = np.empty((2, alphabet), np.int64)
+    at, n = kernels.read_length_pairs(b8, 0, len(blob), alphabet, used)
+    lengths = np.zeros(alphabet, np.int64)
+    lengths[used[0, :n]] = used[1, :n]
+    return at, lengths
+
+
+def test_length_pairs_round_trip_and_refuse_a_cut_table():
+    """`kernels.length_pairs` / `read_length_pairs`: any lengths 0..10 (every pair of them, runs of unused pairs
+    longer and shorter than `PAIR_GAP`, the alphabet's edges) come back as written, ending at the table's last
+    byte; a table cut short is refused (-1), never read past its end."""
+    g = np.random.default_rng(3)
+    pairs = np.array([(e, o) for e in range(11) for o in range(11)]).reshape(-1)
+    cases = [np.zeros(2048, np.uint8), np.r_[pairs, np.zeros(2048 - pairs.size)].astype(np.uint8)]
+    for density in (0.02, 0.2, 0.9):
+        cases.append((g.integers(0, 11, 4096) * (g.random(4096) < density)).astype(np.uint8))
+    edges = np.zeros(512, np.uint8)
+    edges[[0, 511]] = (3, 10)
+    cases.append(edges)
+    for lengths in cases:
+        blob = huff.length_pairs(lengths)
+        at, back = _read_pairs(blob, lengths.size)
+        assert at == len(blob) and np.array_equal(back, lengths)
+        for cut in range(1, len(blob)):
+            assert _read_pairs(blob[:cut], lengths.size)[0] in (-1, cut) and \
+                (_read_pairs(blob[:cut], lengths.size)[0] == -1 or not lengths.any())

@@ -65,7 +65,8 @@ _ERRORS = {
 class Layout(NamedTuple):
     """What a stream's kernels need of its format: ``ntab`` code tables of ``alphabet`` symbols (an offset of
     ``ew`` bits and a sign-xor bit), ``raw`` bits after each code, ``width`` bits an element, codes up to
-    ``max_len`` bits."""
+    ``max_len`` bits, their lengths written as nibbles (`length_segments`) or, ``paired``, in static codes by pairs
+    of symbols (`kernels.length_pairs`: mhuff version 2)."""
 
     ntab: int
     alphabet: int
@@ -73,6 +74,7 @@ class Layout(NamedTuple):
     raw: int
     width: int
     max_len: int
+    paired: bool = False
 
 
 class Spec(NamedTuple):
@@ -192,10 +194,13 @@ def encode_family(x: torch.Tensor, mean, std, spec: Spec, threads: int | None = 
     out = []
     for s, bits in enumerate(_bits(x)):
         words, nbits, lengths = spec.encode_stream(bits, cx.ctx[cx.crow[s]], cx.rows, cx.run, lay)
-        coded = [*map(length_segments, lengths), varint_bytes(max(int(nbits), 0)),
+        tables = [*map(length_pairs if lay.paired else length_segments, lengths)]
+        if lay.paired:  # their byte count first: a parser skips them
+            tables.insert(0, varint_bytes(sum(map(len, tables))))
+        coded = [*tables, varint_bytes(max(int(nbits), 0)),
                  words.view(np.uint8)[: (int(nbits) + 7) // 8]]  # nbits -1: no code of max_len bits exists
         if bits.size and (nbits < 0 or sum(len(c) for c in coded) >= bits.nbytes + 3 + 3 * lay.ntab):  # stored
-            coded = [varint_bytes(0)] * lay.ntab + [varint_bytes(8 * bits.nbytes),
+            coded = [varint_bytes(lay.ntab)] * lay.paired + [varint_bytes(0)] * lay.ntab + [varint_bytes(8 * bits.nbytes),
                                                     bits.astype(bits.dtype.newbyteorder("<"))]
         body = b"".join((prefix, struct.pack("<I", int(fps[s])), *(bytes(c) if not isinstance(c, bytes) else c
                                                                     for c in coded)))
@@ -208,6 +213,12 @@ def length_segments(lengths: np.ndarray) -> bytes:
     nseg varint, then per segment the gap since the last one's end, its count and its lengths as nibbles
     (`kernels.length_segments`, compiled: one per table of every stream)."""
     return kernels.length_segments(np.ascontiguousarray(lengths, dtype=np.uint8), SEGMENT_GAP).tobytes()
+
+
+def length_pairs(lengths: np.ndarray) -> bytes:
+    """The code lengths in mhuff version 2's form (`kernels.length_pairs`: segments of used pairs of symbols, their
+    lengths in static codes; compiled)."""
+    return kernels.length_pairs(np.ascontiguousarray(lengths, dtype=np.uint8), kernels.PAIR_GAP).tobytes()
 
 
 def parse_prefix(blob, spec: Spec | None = None) -> Header:
@@ -272,7 +283,7 @@ def _parse_all(blobs: Sequence, head: Header, check: np.ndarray, spec: Spec) -> 
     m = math.prod(head.shape)
     lay = spec.layouts[head.fmt.code]
     bad = kernels.parse_headers(b8, start, sizes, np.frombuffer(head.prefix, np.uint8), m, lay.ntab, lay.alphabet,
-                                lay.width, lay.raw, lay.max_len, *fields)
+                                lay.width, lay.raw, lay.max_len, lay.paired, *fields)
     if bad >= 0:
         other = parse_prefix(blobs[bad], spec)  # the clearer error first: another shape, dtype or statistics
         if other.prefix != head.prefix:
@@ -359,7 +370,7 @@ class DecodeJob(ChunkedJob):
         fmt, shape, n = head.fmt, head.shape, len(blobs)
         host, flat, base, a_step, b_step = _destination(out, fmt, (n, *shape), cx)
         args = (parsed.b8, parsed.b64, parsed.pstart, parsed.pbits, parsed.stored, parsed.tat, lay.alphabet,
-                lay.ntab, lay.max_len, cx.ctx, cx.crow, cx.rows, cx.run, lay.ew, lay.raw, flat, base, a_step,
+                lay.ntab, lay.max_len, lay.paired, cx.ctx, cx.crow, cx.rows, cx.run, lay.ew, lay.raw, flat, base, a_step,
                 b_step, np.zeros(n, np.int32))
         groups = -(-n // 4) if math.prod(shape) else 0
         k = max(1, min(chunks, groups))

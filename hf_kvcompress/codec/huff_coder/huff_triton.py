@@ -104,7 +104,7 @@ def decode_prepared(prep, corrupt: str, errors: dict[int, str], device: torch.de
     if m:
         tables = np.zeros((n, lay.ntab << lay.max_len), np.uint32)
         kernels.build_stream_tables(parsed.b8, parsed.tat, parsed.pstart, parsed.stored, lay.alphabet, lay.ntab,
-                                    lay.max_len, lay.ew, tables, err)
+                                    lay.max_len, lay.paired, lay.ew, tables, err)
         words = parsed.b64.view(np.int32)  # the joined streams (padded), as uint32 words' bits
         on = {name: torch.from_numpy(a).to(device) for name, a in (
             ("words", words), ("pstart", parsed.pstart), ("pend", parsed.pstart + parsed.pbits),

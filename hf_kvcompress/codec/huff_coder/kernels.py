@@ -185,75 +185,89 @@ def context_fingerprint(ctx, rows, run):
 
 
 @_jit
-def read_lengths(b8, at, end, alphabet, lengths):
-    """The code length of every symbol from the stream's segments at byte ``at`` (nseg, then per segment: gap
-    varint, count varint, count nibbles); the position after them, or -1 if they do not parse."""
-    lengths[:] = 0
+def read_lengths(b8, at, end, alphabet, used):
+    """The used symbols and their code lengths from the stream's segments at byte ``at`` (nseg, then per segment:
+    gap varint, count varint, count nibbles): (the position after them or -1 if they do not parse, n), symbol
+    ``used[0, i]`` of length ``used[1, i]`` for i < n, in symbol order."""
     nseg, at = _varint(b8, at, end)
     if at < 0 or nseg > alphabet:
-        return -1
-    sym = 0
+        return -1, 0
+    sym, n = 0, 0
     for _ in range(nseg):
         gap, at = _varint(b8, at, end)
         if at < 0:
-            return -1
+            return -1, 0
         count, at = _varint(b8, at, end)
         if at < 0 or gap > alphabet or count > alphabet or sym + gap + count > alphabet or \
                 at + ((count + 1) >> 1) > end:
-            return -1
+            return -1, 0
         sym += gap
         for k in range(count):
-            lengths[sym + k] = np.int64((b8[at + (k >> 1)] >> (4 * (k & 1))) & 15)
+            length = np.int64((b8[at + (k >> 1)] >> (4 * (k & 1))) & 15)
+            if length:
+                used[0, n] = sym + k
+                used[1, n] = length
+                n += 1
         sym += count
         at += (count + 1) >> 1
-    return at
+    return at, n
 
 
 @_jit
-def build_table(b8, at, end, alphabet, ew, lengths, table, max_len):
+def build_table(b8, at, end, alphabet, ew, used, table, max_len, paired):
     """Fill ``table`` (2^max_len uint32: ``u << 8 | length``, u = the sign-xor and offset bits, ``ew`` of them
-    below the sign's) from the code lengths at byte ``at``: the position after them, or -1 if they do not form a
-    code. (mhuff passes its offset width, exponent and top mantissa bits, as ``ew``.)"""
-    at = read_lengths(b8, at, end, alphabet, lengths)
+    below the sign's) from the code lengths at byte ``at`` (``paired``: `read_length_pairs`' format, else
+    `read_lengths`'; ``used``: their scratch, int64 [2, alphabet]): the position after them, or -1 if they do not
+    form a code. (mhuff passes its offset width, exponent and top mantissa bits, as ``ew``.) Loops run over the
+    used symbols only: `canonical_codes`' codes, assigned by length, then symbol."""
+    at, n = read_length_pairs(b8, at, end, alphabet, used) if paired else read_lengths(b8, at, end, alphabet, used)
     if at < 0:
         return -1
     size = 1 << max_len
     kraft = 0
-    for s in range(alphabet):
-        if lengths[s] > max_len:
+    per_length = np.zeros(max_len + 1, np.int64)
+    for i in range(n):
+        length = used[1, i]
+        if length > max_len:
             return -1
-        if lengths[s]:
-            kraft += 1 << (max_len - lengths[s])
+        kraft += 1 << (max_len - length)
+        per_length[length] += 1
     if kraft > size:
         return -1  # (no code at all: a table of a class no element has, every entry invalid)
     if kraft < size:
         table[:] = INVALID
-    codes, bad = canonical_codes(lengths, max_len)
-    if bad:
-        return -1
+    next_code = np.zeros(max_len + 1, np.int64)
+    code = 0
+    for length in range(1, max_len + 1):
+        code = (code + per_length[length - 1]) << 1
+        next_code[length] = code
     emask = (1 << ew) - 1
     half = 1 << (ew - 1)
-    for s in range(alphabet):
-        length = lengths[s]
-        if length == 0:
-            continue
+    for i in range(n):
+        s, length = used[0, i], used[1, i]
+        c = next_code[length]
+        next_code[length] += 1
+        rev = 0
+        for b in range(length):
+            rev |= ((c >> (length - 1 - b)) & 1) << b
         u = (((s >> 1) - half) & emask) | ((s & 1) << ew)
         entry = np.uint32((u << 8) | length)
-        for j in range(codes[s], size, 1 << length):
+        for j in range(rev, size, 1 << length):
             table[j] = entry
     return at
 
 
 @_jit
-def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len, ctx, crow, rows, run, ew, mw, out,
-                   obase, a_step, b_step, err, s_lo, s_hi):
+def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len, paired, ctx, crow, rows, run, ew, mw,
+                   out, obase, a_step, b_step, err, s_lo, s_hi):
     """Decode streams ``s_lo..s_hi`` into ``out`` (element ``(r, t)`` of stream ``s`` at ``obase[s] + r * a_step + t *
     b_step``), coded ones four at a time. ``ntab`` tables of 2^max_len entries per stream, each element's chosen by
-    its context's bits above the sign's (huff: one; mhuff: its class). ``err[s]`` gets an ERR_ code for a stream
+    its context's bits above the sign's (huff: one; mhuff: its class), their code lengths in ``paired`` form or
+    not (`build_table`). ``err[s]`` gets an ERR_ code for a stream
     that fails: a group of four with a failure is decoded again stream by stream, so that the error lands on the
     stream it belongs to."""
     tables = np.empty((4, ntab << max_len), np.uint32)
-    lengths = np.empty(alphabet, np.int64)
+    used = np.empty((2, alphabet), np.int64)
     coded = np.empty(s_hi - s_lo, np.int64)
     n = 0
     for s in range(s_lo, s_hi):
@@ -269,14 +283,15 @@ def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len,
         ok = True
         for j in range(4):
             q = lanes[j]
-            ok = ok and _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, ew, lengths, tables[j])
+            ok = ok and _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, paired, ew, used,
+                                         tables[j])
         if not ok or _decode4(b8, pstart, pbits, tables, ctx, crow, rows, run, ew, mw, max_len, out, obase, a_step,
                               b_step, lanes) != 0:
             for j in range(4):
                 q = lanes[j]
                 one = np.full(4, q, np.int64)
                 for i in range(4):
-                    if not _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, ew, lengths,
+                    if not _build_tables(b8, tat[q], pstart[q] >> 3, alphabet, ntab, max_len, paired, ew, used,
                                          tables[i]):
                         err[q] = ERR_TABLE
                 if err[q] == 0:
@@ -285,24 +300,24 @@ def decode_streams(b8, b64, pstart, pbits, stored, tat, alphabet, ntab, max_len,
 
 
 @_jit
-def _build_tables(b8, at, end, alphabet, ntab, max_len, ew, lengths, tables):
+def _build_tables(b8, at, end, alphabet, ntab, max_len, paired, ew, used, tables):
     """The ``ntab`` consecutive tables of one stream from its ``ntab`` code-length tables at byte ``at``."""
     size = 1 << max_len
     for t in range(ntab):
-        at = build_table(b8, at, end, alphabet, ew, lengths, tables[t * size : (t + 1) * size], max_len)
+        at = build_table(b8, at, end, alphabet, ew, used, tables[t * size : (t + 1) * size], max_len, paired)
         if at < 0:
             return False
     return True
 
 
 @_jit
-def build_stream_tables(b8, tat, pstart, stored, alphabet, ntab, max_len, ew, tables, err):
+def build_stream_tables(b8, tat, pstart, stored, alphabet, ntab, max_len, paired, ew, tables, err):
     """Every coded stream's ``ntab`` decode tables into ``tables[s]`` (``ntab << max_len`` uint32, `build_table`'s
-    entries) for a decoder elsewhere (`huff_triton`); ``err[s] = ERR_TABLE`` where they do not form codes (a stored
-    stream's row is left as it is)."""
-    lengths = np.empty(alphabet, np.int64)
+    entries; lengths in ``paired`` form or not) for a decoder elsewhere (`huff_triton`); ``err[s] = ERR_TABLE`` where
+    they do not form codes (a stored stream's row is left as it is)."""
+    used = np.empty((2, alphabet), np.int64)
     for s in range(tat.size):
-        if not stored[s] and not _build_tables(b8, tat[s], pstart[s] >> 3, alphabet, ntab, max_len, ew, lengths,
+        if not stored[s] and not _build_tables(b8, tat[s], pstart[s] >> 3, alphabet, ntab, max_len, paired, ew, used,
                                                tables[s]):
             err[s] = ERR_TABLE
 
@@ -560,6 +575,159 @@ def length_segments(lengths, gap):
     return out[:at]
 
 
+# ------------------------------------------------------------------- paired code-length tables (mhuff version 2)
+
+#: mhuff version 2's code-length tables (`length_pairs`) go by pairs of symbols (one offset, sign-xor 0 and 1): a
+#: run of `PAIR_GAP` or more unused pairs starts a new segment (SmolLM2 grid + mhuff k=2 streams, a stream's four
+#: tables in codes fitted to them: 2 pairs 82.9 bytes, 4 80.0, 6 79.2, 10 79.1; as nibbles 140.7)
+PAIR_GAP = 6
+#: static prefix codes of a pair's lengths: ``EVEN_LENGTHS[p, e]`` the code length of even length ``e`` after a pair
+#: whose even length was ``p`` (0 at a segment's start), ``ODD_LENGTHS[e, o]`` that of odd length ``o`` after even
+#: length ``e``: Huffman codes (10 bits) of the counts + 1 (every length codable) in SmolLM2's grid + mhuff k=3
+#: streams of a default save at 2,048 held-out tokens, 960 streams (experiments/mhuff_tables.py --fit); canonical
+#: (by length, then value), LSB first
+EVEN_LENGTHS = np.array([
+    [1, 10, 9, 10, 8, 7, 6, 5, 4, 3, 2], [6, 6, 1, 2, 5, 5, 5, 5, 5, 5, 5], [7, 6, 1, 3, 2, 4, 7, 7, 7, 7, 7],
+    [9, 6, 3, 1, 2, 4, 5, 9, 8, 8, 8], [9, 9, 4, 3, 1, 2, 5, 6, 7, 9, 9], [9, 10, 10, 5, 3, 1, 2, 4, 6, 7, 8],
+    [9, 10, 10, 8, 5, 2, 1, 3, 4, 6, 7], [7, 10, 10, 9, 8, 6, 2, 1, 3, 5, 4], [6, 9, 9, 9, 9, 7, 5, 2, 1, 4, 3],
+    [3, 8, 8, 7, 7, 7, 5, 4, 2, 2, 2], [2, 9, 9, 8, 8, 8, 6, 5, 3, 4, 1],
+], np.int64)
+ODD_LENGTHS = np.array([
+    [1, 7, 7, 7, 7, 7, 7, 6, 4, 3, 2], [1, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4], [1, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4],
+    [1, 6, 6, 5, 5, 5, 5, 5, 5, 5, 2], [1, 9, 9, 8, 8, 8, 6, 3, 5, 4, 2], [2, 9, 9, 8, 8, 8, 5, 1, 4, 6, 3],
+    [2, 8, 8, 7, 7, 7, 4, 2, 3, 5, 2], [2, 8, 8, 7, 7, 7, 5, 3, 2, 4, 2], [1, 8, 8, 8, 8, 7, 7, 5, 3, 4, 2],
+    [1, 8, 8, 8, 8, 7, 7, 5, 4, 3, 2], [1, 8, 8, 8, 8, 7, 7, 5, 3, 4, 2],
+], np.int64)
+#: the longest of those codes: a decoder peeks this many bits
+PAIR_BITS = 10
+
+
+def _pair_codes() -> tuple[np.ndarray, np.ndarray]:
+    """The 22 static codes (11 even contexts, then 11 odd) as (bit-reversed codes [22, 11], decode tables
+    [22, 2^PAIR_BITS] of ``length << 4 | value``), canonical as the streams' own codes (`canonical_codes`' rule,
+    in Python: built at import, before any kernel compiles)."""
+    lengths = np.concatenate([EVEN_LENGTHS, ODD_LENGTHS])
+    codes = np.zeros(lengths.shape, np.int64)
+    decode = np.zeros((lengths.shape[0], 1 << PAIR_BITS), np.int64)
+    for t, row in enumerate(lengths.tolist()):
+        assert sum(1 << (PAIR_BITS - n) for n in row) == 1 << PAIR_BITS  # complete: every pattern decodes
+        code, last = 0, 0
+        for n, v in sorted((n, v) for v, n in enumerate(row)):  # by length, then value
+            code <<= n - last
+            last = n
+            rev = int(f"{code:0{n}b}"[::-1], 2)
+            codes[t, v] = rev
+            decode[t, rev :: 1 << n] = n << 4 | v
+            code += 1
+    return codes, decode
+
+
+_PAIR_CODES, _PAIR_DECODE = _pair_codes()
+
+
+@_jit
+def length_pairs(lengths, gap):
+    """mhuff version 2's bytes of one code-length table (uint8 lengths of ``alphabet`` symbols, even): nseg
+    varint, per segment of used pairs (less than ``gap`` unused pairs apart) the unused pairs since the last one's
+    end and its pairs (varints); then every segment's pairs' lengths, each pair its even symbol's length in the
+    static code chosen by the previous pair's (0 at a segment's start), its odd symbol's in the one chosen by the
+    even one's, LSB first, zero-padded to a byte."""
+    npairs = lengths.size >> 1
+    starts = np.empty(npairs, np.int64)
+    counts = np.empty(npairs, np.int64)
+    nseg, last = 0, -1
+    for p in range(npairs):
+        if lengths[2 * p] or lengths[2 * p + 1]:
+            if last < 0 or p - last - 1 >= gap:
+                starts[nseg] = p
+                nseg += 1
+            counts[nseg - 1] = p - starts[nseg - 1] + 1
+            last = p
+    out = np.zeros(10 + 20 * nseg + (2 * PAIR_BITS * npairs) // 8 + 2, np.uint8)
+    at = _put_varint(out, 0, nseg)
+    end = 0
+    for i in range(nseg):
+        at = _put_varint(out, at, starts[i] - end)
+        at = _put_varint(out, at, counts[i])
+        end = starts[i] + counts[i]
+    acc, nacc = 0, 0
+    for i in range(nseg):
+        prev = 0
+        for p in range(starts[i], starts[i] + counts[i]):
+            e, o = np.int64(lengths[2 * p]), np.int64(lengths[2 * p + 1])
+            acc |= _PAIR_CODES[prev, e] << nacc
+            nacc += EVEN_LENGTHS[prev, e]
+            acc |= _PAIR_CODES[11 + e, o] << nacc
+            nacc += ODD_LENGTHS[e, o]
+            prev = e
+            while nacc >= 8:
+                out[at] = np.uint8(acc & 0xFF)
+                acc >>= 8
+                nacc -= 8
+                at += 1
+    if nacc:
+        out[at] = np.uint8(acc)
+        at += 1
+    return out[:at]
+
+
+@_jit
+def read_length_pairs(b8, at, end, alphabet, used):
+    """`read_lengths` of a `length_pairs` table at byte ``at``: (the position after it, or -1 if it does not parse
+    inside ``end``, n), ``used[:, :n]`` its used symbols and their lengths in symbol order (lengths over a stream's
+    limit are `build_table`'s to refuse)."""
+    npairs = alphabet >> 1
+    nseg, at = _varint(b8, at, end)
+    if at < 0 or nseg > npairs:
+        return -1, 0
+    starts = np.empty(nseg, np.int64)
+    counts = np.empty(nseg, np.int64)
+    p = 0
+    for i in range(nseg):
+        gap, at = _varint(b8, at, end)
+        if at < 0:
+            return -1, 0
+        count, at = _varint(b8, at, end)
+        if at < 0 or count == 0 or gap > npairs or count > npairs or p + gap + count > npairs:
+            return -1, 0
+        starts[i] = p + gap
+        counts[i] = count
+        p += gap + count
+    pos, limit, n = 8 * at, 8 * end, 0
+    for i in range(nseg):
+        prev = 0
+        for q in range(starts[i], starts[i] + counts[i]):
+            w = _peek_bits(b8, pos)  # >= 25 bits: both codes of the pair (10 bits at most each)
+            ent = _PAIR_DECODE[prev, w & ((1 << PAIR_BITS) - 1)]
+            e = ent & 15
+            w >>= ent >> 4
+            pos += ent >> 4
+            ent = _PAIR_DECODE[11 + e, w & ((1 << PAIR_BITS) - 1)]
+            pos += ent >> 4
+            if pos > limit:  # (an entry depends only on the bits its code takes: none past the table's end)
+                return -1, 0
+            if e:
+                used[0, n] = 2 * q
+                used[1, n] = e
+                n += 1
+            if ent & 15:
+                used[0, n] = 2 * q + 1
+                used[1, n] = ent & 15
+                n += 1
+            prev = e
+    return (pos + 7) >> 3, n
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _peek_bits(b8, pos):
+    """The 25 or more bits from bit ``pos`` on, LSB first (4 bytes read: the joined buffer's `PAD_BYTES` cover a
+    read past its last stream)."""
+    byte = pos >> 3
+    v = np.int64(b8[byte]) | (np.int64(b8[byte + 1]) << 8) | (np.int64(b8[byte + 2]) << 16) | \
+        (np.int64(b8[byte + 3]) << 24)
+    return v >> (pos & 7)
+
+
 @nb.njit(cache=True, nogil=True, inline="always")
 def _varint(b8, at, end):
     """(value, next position) of the LEB128 varint at ``at``; position -1 if it runs past ``end`` or 9 bytes."""
@@ -576,13 +744,15 @@ def _varint(b8, at, end):
 
 
 @_jit
-def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_len, fp, tat, pstart, pbits, stored):
+def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_len, paired, fp, tat, pstart, pbits,
+                  stored):
     """Every stream's fields after the common ``prefix`` (magic, flags, shape: the first stream's, which every
-    stream must repeat): context fingerprint, ``ntab`` code-length tables of ``alphabet`` symbols, payload
-    (elements of ``width`` bits, ``raw`` of them after each code). The index of the first stream whose header does
-    not parse or whose length does not add up, else -1."""
+    stream must repeat): context fingerprint, ``ntab`` code-length tables of ``alphabet`` symbols (``paired``:
+    `read_length_pairs`' form after their byte count, skipped here: `build_table` reads them), payload (elements
+    of ``width`` bits, ``raw`` of them after each code). The index of the first stream whose header does not parse
+    or whose length does not add up, else -1."""
     plen = prefix.size
-    lengths = np.empty(alphabet, np.int64)
+    used = np.empty((2, alphabet), np.int64)
     for s in range(start.size):
         at, end = start[s], start[s] + size[s] - 4  # the crc32 closes every stream
         if end < at + plen + 4:
@@ -594,15 +764,25 @@ def parse_headers(b8, start, size, prefix, m, ntab, alphabet, width, raw, max_le
         fp[s] = np.uint32(b8[at]) | (np.uint32(b8[at + 1]) << 8) | (np.uint32(b8[at + 2]) << 16) | \
             (np.uint32(b8[at + 3]) << 24)
         at += 4
-        tat[s] = at
-        used = 0
-        for _ in range(ntab):
-            at = read_lengths(b8, at, end, alphabet, lengths)
-            if at < 0:
+        codes = 0
+        if paired:  # the tables' bytes, then the tables: none coded (a stored stream) is ntab empty ones, 0 each
+            tbytes, at = _varint(b8, at, end)
+            if at < 0 or tbytes < ntab or at + tbytes > end:
                 return s
-            used = max(used, lengths.max())
+            for k in range(ntab):
+                codes += b8[at + k] != 0
+            codes += tbytes > ntab
+            tat[s] = at
+            at += tbytes
+        else:
+            tat[s] = at
+            for _ in range(ntab):
+                at, n = read_lengths(b8, at, end, alphabet, used)
+                if at < 0:
+                    return s
+                codes += n
         nbits, at = _varint(b8, at, end)
-        stored[s] = used == 0 and m > 0  # no code: the elements' bits as they are
+        stored[s] = codes == 0 and m > 0  # no code: the elements' bits as they are
         if stored[s]:
             if at < 0 or nbits != m * width:
                 return s
