@@ -36,6 +36,7 @@ import torch
 from ..codec.detmath import SINCOS_LIMIT, det_exp, det_sincos
 from .base import BlockInputs, LayerValues, PredictorSession, register
 from .below import BelowPredictor, PhasedHeads, same_shaped
+from .grid_kernels import quantize_features_compiled, quantize_folded_compiled
 from .linear import F32_MAX, SURPRISE_RANGE, finite_features
 from .rope import RopeFrame
 
@@ -132,6 +133,13 @@ def quantize_features(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     integers ``|q| <= Q_MAX`` (float32) and the int64 exponents ``E`` ``[rows, 1, features]`` with
     ``x ~ q * 2^(E - GRID_BITS)``: per row and channel, from `torch.frexp` of the channel's largest ``|x|`` (exact
     operations: frexp, a power-of-two scaling, round half to even, clamp)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:  # the same bits in one compiled pass per output
+        return quantize_features_compiled(x, GRID_BITS, Q_MAX)
+    return quantize_features_torch(x)
+
+
+def quantize_features_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_features` in torch operations (any device; the reference of its compiled CPU loop)."""
     top = x.abs().amax(dim=1, keepdim=True)
     if not bool(torch.isfinite(top).all()):  # checked on the maxima: a pass over x only where one is not finite
         x = finite_features(x)
@@ -166,10 +174,7 @@ def grid_means(pieces: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Te
     if n == 0:
         return weight[0].to(torch.float32).expand(rows, tokens, -1).clamp(-F32_MAX, F32_MAX)
     exponent = torch.cat([e for _, e in pieces], dim=-1)
-    folded = weight[1:].to(torch.float64).unsqueeze(0) * pow2(exponent - GRID_BITS).transpose(1, 2)  # exact
-    _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))  # [rows, 1, out]
-    shift = column.to(torch.int64) - GRID_BITS
-    qw = torch.round(folded * pow2(-shift)).clamp(-Q_MAX, Q_MAX)
+    qw, shift = quantized_weights(weight[1:], exponent)
     if n > EXACT_FEATURES:  # chunks of exact float32 sums (float64 in a reduced-precision mode), added in order
         q = torch.cat([q for q, _ in pieces], dim=-1)
         sums = _integer_products(q[..., :EXACT_FEATURES], qw[:, :EXACT_FEATURES]).to(torch.float64)
@@ -195,14 +200,30 @@ def grid_means(pieces: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Te
     return means.clamp_(-F32_MAX, F32_MAX)
 
 
+def quantized_weights(weight: torch.Tensor, exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[n, out]`` (a head's rows past the bias) folded with each row's feature scales ``2^(exponent -
+    GRID_BITS)`` (``exponent`` ``[rows, 1, n]``, from `quantize_features`) and each output column quantized to
+    ``|q| <= Q_MAX`` at scale ``2^shift``: the integers (float32 ``[rows, n, out]``) and ``shift`` (int64 ``[rows,
+    1, out]``). Exact operations: a power-of-two scaling, `torch.frexp`, round half to even, clamp."""
+    if weight.device.type == "cpu" and bool(torch.isfinite(weight).all()):  # one compiled pass per output
+        return quantize_folded_compiled(weight, exponent, GRID_BITS, Q_MAX)
+    return quantized_weights_torch(weight, exponent)
+
+
+def quantized_weights_torch(weight: torch.Tensor, exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantized_weights` in torch operations (any device, any weights; the reference of its compiled loop)."""
+    folded = weight.to(torch.float64).unsqueeze(0) * pow2(exponent - GRID_BITS).transpose(1, 2)  # exact
+    _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))  # [rows, 1, out]
+    shift = column.to(torch.int64) - GRID_BITS
+    return torch.round(folded * pow2(-shift)).clamp(-Q_MAX, Q_MAX).to(torch.float32), shift
+
+
 def _integer_products(q: torch.Tensor, qw: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``into + q @ qw`` of integer-valued operands (``[rows, tokens, <= EXACT_FEATURES]``, float64 ``qw``): float32
+    """``into + q @ qw`` of integer-valued float32 operands (``[rows, tokens, <= EXACT_FEATURES]``): float32
     products (exact while every partial sum stays below 2^24), or float64 ones under a reduced-precision float32
     mode (exact too)."""
-    if exact_float32_matmul():
-        qw = qw.to(torch.float32)
-    else:
-        q = q.to(torch.float64)
+    if not exact_float32_matmul():
+        q, qw = q.to(torch.float64), qw.to(torch.float64)
     return torch.bmm(q, qw) if into is None else torch.baddbmm(into.to(qw.dtype), q, qw)
 
 
