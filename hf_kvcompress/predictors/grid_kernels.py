@@ -28,6 +28,10 @@ def quantize_rows(x, bits, limit, q, exponent):
     ``q`` (float32, same shape) and ``exponent`` (int64 ``[rows, features]``)."""
     rows, tokens, features = x.shape
     top = np.zeros(features, np.float32)
+    # per channel, float32 factors as torch forms them: 2^min(shift, 127), then (a channel of subnormals, beyond
+    # float32's exponent range) 2^(shift - 127), 1 elsewhere (an exact no-op)
+    first = np.zeros(features, np.float32)
+    second = np.ones(features, np.float32)
     for r in range(rows):
         top[:] = 0.0
         for t in range(tokens):
@@ -35,20 +39,22 @@ def quantize_rows(x, bits, limit, q, exponent):
                 v = abs(x[r, t, f])
                 if v > top[f] and v != np.inf:  # NaN compares False; infinity reads as 0 (below)
                     top[f] = v
+        two_steps = False
         for f in range(features):
             e = math.frexp(np.float64(top[f]))[1]
             exponent[r, f] = e
+            shift = bits - e
+            first[f] = np.float32(_pow2(min(shift, 127)))
+            second[f] = np.float32(_pow2(max(shift - 127, 0)))
+            two_steps = two_steps or shift > 127
         for t in range(tokens):
             for f in range(features):
                 v = x[r, t, f]
                 if not (abs(v) < np.inf):  # NaN or infinite: 0 (`linear.finite_features`)
                     v = np.float32(0.0)
-                shift = bits - exponent[r, f]
-                # float32 products as torch forms them: by 2^min(shift, 127) then, beyond float32's exponent
-                # range (a channel of subnormals), by the rest
-                s = np.float32(v * np.float32(_pow2(min(shift, 127))))
-                if shift > 127:
-                    s = np.float32(s * np.float32(_pow2(shift - 127)))
+                s = v * first[f]
+                if two_steps:
+                    s = s * second[f]
                 s = np.rint(s)
                 q[r, t, f] = min(max(s, -limit), limit)
 
