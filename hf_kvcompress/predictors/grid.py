@@ -36,7 +36,12 @@ import torch
 from ..codec.detmath import SINCOS_LIMIT, det_exp, det_sincos
 from .base import BlockInputs, LayerValues, PredictorSession, register
 from .below import BelowPredictor, PhasedHeads, same_shaped
-from .grid_kernels import quantize_features_compiled, quantize_folded_compiled
+from .grid_kernels import (
+    error_sums_compiled,
+    quantize_features_compiled,
+    quantize_folded_compiled,
+    unrotate_compiled,
+)
 from .linear import F32_MAX, SURPRISE_RANGE, finite_features
 from .rope import RopeFrame
 
@@ -303,7 +308,13 @@ class GridLayer:
         return x.permute(0, 1, 3, 2, 4).reshape(self.rows, self.tokens, -1)
 
     def _unrotate(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tables is None else self.frame.unrotate_by(x, *self.tables)
+        """Keys ``[blocks, batch, heads, tokens, dim]`` to the pre-RoPE frame; for the features and the errors
+        only, which read a NaN as 0: on the CPU a compiled pass (the same bits but for NaN payloads)."""
+        if self.tables is None:
+            return x
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            return unrotate_compiled(x, *self.tables)
+        return self.frame.unrotate_by(x, *self.tables)
 
     def _level(self, sums: torch.Tensor, streams: int) -> torch.Tensor:
         thresholds = level_thresholds(streams * self.dim)
@@ -348,8 +359,13 @@ class GridLayer:
         framed = self._unrotate(stacked) if kind == "k" else stacked
         if kind == "k":
             self.own_keys = quantize_features(self._flat(framed))
-        predicted = self._phase[kind][0].view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
-        errors = (framed - predicted) / self.heads.sigma[kind][:, None, :]  # a NaN element counts 0
+        means, sigma = self._phase[kind][0], self.heads.sigma[kind]  # [rows, tokens, heads * dim], [heads, dim]
+        if means.device.type == "cpu" and framed.dtype == sigma.dtype == torch.float32:  # one compiled pass
+            self.errors[kind] = error_sums_compiled(framed.reshape(self.rows, heads, self.tokens, dim), means, sigma,
+                                                    E2_CAP, E2_BITS)
+            return
+        predicted = means.view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
+        errors = (framed - predicted) / sigma[:, None, :]  # a NaN element counts 0
         self.errors[kind] = squared_error_sums(errors).reshape(self.rows, self.tokens)
 
     def finish(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:

@@ -87,6 +87,45 @@ def quantize_folded(weight, exponent, bits, limit, qw, shift):
                 qw[r, i, j] = min(max(s, -limit), limit)
 
 
+@_jit
+def error_sums(x, predicted, sigma, cap, bits, out):
+    """`grid.GridLayer`'s surprise sums: ``x`` ``[rows, heads, tokens, dim]`` (float32, in the means' frame),
+    ``predicted`` ``[rows, tokens, heads * dim]`` (float32 means), ``sigma`` ``[heads, dim]``; per row and token the
+    int64 sum over heads and channels of ``floor(min(((x - mean) / sigma)^2, cap) * 2^bits)`` (NaN counts 0):
+    `grid.squared_error_sums` of the standardised errors, each element the same float32 operations."""
+    rows, heads, tokens, dim = x.shape
+    scale = np.float32(_pow2(bits))
+    for r in range(rows):
+        for t in range(tokens):
+            total = 0
+            for h in range(heads):
+                for d in range(dim):
+                    e = (x[r, h, t, d] - predicted[r, t, h * dim + d]) / sigma[h, d]
+                    e2 = e * e
+                    if e2 != e2:  # NaN
+                        continue
+                    if e2 > cap:
+                        e2 = cap
+                    total += np.int64(math.floor(e2 * scale))
+            out[r, t] = total
+
+
+@_jit
+def unrotate(x, cos, sin, out):
+    """`rope.RopeFrame.unrotate_by` of float32 keys ``x`` ``[blocks, rows, tokens, dim]`` with each block's tables
+    ``cos`` / ``sin`` ``[blocks, tokens, dim]``: ``x * cos - rotate_half(x) * sin`` element by element, the same
+    float32 products and difference (a NaN's payload aside: the grid reads a NaN key as 0 wherever it reads one)."""
+    blocks, rows, tokens, dim = x.shape
+    half = dim // 2
+    low = dim - half  # rotate_half: [-x[half:], x[:half]]
+    for b in range(blocks):
+        for r in range(rows):
+            for t in range(tokens):
+                for d in range(dim):
+                    rot = -x[b, r, t, half + d] if d < low else x[b, r, t, d - low]
+                    out[b, r, t, d] = x[b, r, t, d] * cos[b, t, d] - rot * sin[b, t, d]
+
+
 def quantize_features_compiled(x: torch.Tensor, bits: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` of a float32 ``[rows, tokens, features]`` tensor: ``q`` and exponents ``[rows, 1,
     features]`` as `grid.quantize_features` gives them."""
@@ -112,3 +151,24 @@ def quantize_folded_compiled(weight: torch.Tensor, exponent: torch.Tensor, bits:
     shift = torch.empty((rows, out), dtype=torch.int64)
     quantize_folded(weight.numpy(), exponent.numpy(), bits, float(limit), qw.numpy(), shift.numpy())
     return qw, shift.unsqueeze(1)
+
+
+def error_sums_compiled(x: torch.Tensor, predicted: torch.Tensor, sigma: torch.Tensor, cap: float,
+                        bits: int) -> torch.Tensor:
+    """`error_sums` of float32 tensors: int64 ``[rows, tokens]``."""
+    x, predicted = x.contiguous(), predicted.contiguous()
+    sigma = sigma.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], x.shape[2], dtype=torch.int64)
+    error_sums(x.numpy(), predicted.numpy(), sigma.numpy(), np.float32(cap), bits, out.numpy())
+    return out
+
+
+def unrotate_compiled(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`unrotate` of float32 keys ``[blocks, ..., tokens, dim]`` with float32 tables ``[blocks, 1, ..., tokens,
+    dim]`` (one per block, broadcast over the dims between): the same shape."""
+    blocks, tokens, dim = x.shape[0], x.shape[-2], x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    unrotate(x.view(blocks, -1, tokens, dim).numpy(), cos.reshape(blocks, tokens, dim).contiguous().numpy(),
+             sin.reshape(blocks, tokens, dim).contiguous().numpy(), out.view(blocks, -1, tokens, dim).numpy())
+    return out

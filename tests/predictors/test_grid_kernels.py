@@ -83,3 +83,32 @@ def test_the_grid_runs_the_compiled_loops_on_the_cpu(monkeypatch):
     q, exponent = grid.quantize_features(torch.randn(2, 9, 6, generator=g))
     means = grid.grid_means([(q, exponent)], torch.randn(7, 4, generator=g))
     assert calls == {"features": 1, "weights": 1} and means.shape == (2, 9, 4)
+
+
+@pytest.mark.parametrize("rows,heads,tokens,dim", [(1, 1, 1, 1), (3, 2, 7, 5), (16, 3, 128, 64)])
+def test_compiled_error_sums_are_the_torch_sums(rows, heads, tokens, dim):
+    g = torch.Generator().manual_seed(rows + heads + tokens + dim)
+    x = special_features(rows * heads, tokens, dim, seed=dim).view(rows, heads, tokens, dim)
+    means = torch.randn(rows, tokens, heads * dim, generator=g) * 3
+    means.view(-1)[:: max(1, means.numel() // 7)] = float("nan")
+    sigma = torch.rand(heads, dim, generator=g) * 2 + 1e-3
+    sigma.view(-1)[0] = 1e-38  # huge errors: the cap
+    got = grid_kernels.error_sums_compiled(x, means, sigma, grid.E2_CAP, grid.E2_BITS)
+    predicted = means.view(rows, tokens, heads, dim).transpose(1, 2)
+    want = grid.squared_error_sums(((x - predicted) / sigma[:, None, :]).unsqueeze(0)).view(rows, tokens)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("blocks,rows,tokens,dim", [(1, 1, 1, 2), (3, 2, 7, 5), (16, 3, 128, 64)])
+def test_compiled_unrotation_is_the_frames_bits(blocks, rows, tokens, dim):
+    frame = grid.ExactRopeFrame(1.0 / 10000 ** (torch.arange(0, dim - dim % 2, 2, dtype=torch.float32) / dim))
+    if dim % 2:  # an odd width: the tables of the frame's even one, one channel more
+        frame = grid.ExactRopeFrame(torch.cat([frame.inv_freq, frame.inv_freq[-1:]]))
+    tables = [frame.cos_sin(torch.arange(b * tokens, (b + 1) * tokens)) for b in range(blocks)]
+    cos, sin = (torch.stack([t[i][..., :dim] for t in tables]).view(blocks, 1, 1, tokens, dim) for i in (0, 1))
+    x = special_features(blocks * rows, tokens, dim, seed=tokens).view(blocks, 1, rows, tokens, dim)
+    got = grid_kernels.unrotate_compiled(x, cos, sin)
+    want = frame.unrotate_by(x, cos, sin)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)  # a NaN's payload aside (the grid reads NaN keys as 0)
+    assert same(torch.where(nan, 0.0, got), torch.where(nan, 0.0, want))
