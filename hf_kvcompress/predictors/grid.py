@@ -24,6 +24,10 @@ quarter-octave thresholds (over `SURPRISE_RANGE`) its sum passes, the multiplier
 head a table from `detmath.det_exp`. Everything else is element-wise IEEE arithmetic, so sessions are not
 `PredictorSession.portable`: their float32 statistics are the same bits on every CPU, thread count and matrix
 library path, and a saved file needs no settled listing.
+
+On the CPU the element-wise passes (feature quantization, weight folding, key unrotation, the surprise's error
+sums) run as compiled loops (`grid_kernels`) with the same IEEE operations: the same bits as the torch expressions
+kept here for other devices (tests/predictors/test_grid_kernels.py).
 """
 
 from __future__ import annotations
