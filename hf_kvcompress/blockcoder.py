@@ -278,19 +278,65 @@ def encode_blocks(items: list[EncodeItem], threads: int = 1) -> list[CodedStream
                 _encode(out, found, threads)
                 item.session.observe(kind, head, x)
     _encode(out, pending, threads)
+    # exact dense statistics a kind at a time: scaled and coded from stacked tensors (`_encode_kind`)
+    stacked = [i for i in phased if items[i].session.stacks_kind and not items[i].session.portable]
     for kind in KINDS:  # one codec call per kind for all phased blocks (per shape of statistics)
+        _encode_kind(out, items, stacked, kind, threads)
+        for i in stacked:
+            items[i].session.observe_kind(kind, items[i].keys if kind == "k" else items[i].values)
         found = []
         for i in phased:
+            if i in stacked:
+                continue
             item, heads = items[i], items[i].keys.shape[1]
             for index, (k, head) in enumerate(stream_order(heads)):
                 if k == kind:
                     found += _scaled(item, out[i], i, index, kind, head, (item.keys if kind == "k" else item.values)[:, head])
         _encode(out, found, threads)
         for i in phased:
+            if i in stacked:
+                continue
             item = items[i]
             for head in range(item.keys.shape[1]):
                 item.session.observe(kind, head, (item.keys if kind == "k" else item.values)[:, head])
     return out
+
+
+def _encode_kind(out: list[CodedStreams], items: list[EncodeItem], members: list[int], kind: str,
+                 threads: int) -> None:
+    """The streams of ``kind`` of the `PredictorSession.stacks_kind` blocks ``members`` (not `portable`): the bytes
+    and scale codes `_scaled` and `_encode` give them stream by stream (the same statistics, `choose_scales`' codes
+    and float32 factors), from each block's `PredictorSession.predict_kind` stacked: one codec call per codec
+    setting and shape, the statistics as `_decode_kind` gives them to the decoder."""
+    groups: dict[tuple, list[int]] = {}
+    for i in members:
+        x = items[i].keys if kind == "k" else items[i].values
+        groups.setdefault((id(items[i].config), *x.shape[2:], x.dtype), []).append(i)
+    for (_, tokens, width, _), group in groups.items():
+        xs, means, stds = [], [], []
+        for i in group:
+            item = items[i]
+            x = (item.keys if kind == "k" else item.values).transpose(0, 1)  # [heads, rows, tokens, width]
+            heads, rows = x.shape[:2]
+            first = 0 if kind == "k" else heads  # the kind's first stream in `stream_order`
+            mean, std = item.session.predict_kind(kind, heads)  # [heads, rows, tokens, width]
+            codes = choose_scales(x, mean, std)  # [heads, rows]
+            for b in range(rows):
+                out[i].codes[b][first : first + heads] = array("b", codes[:, b].tolist())
+            std = std * scale_factors(codes)[..., None, None]
+            xs.append(x.transpose(-1, -2).reshape(heads * rows, width, tokens))
+            means.append(mean.transpose(-1, -2).reshape(heads * rows, width, tokens))
+            stds.append(std.transpose(-1, -2).reshape(heads * rows, width, tokens))
+        blobs = encode_streams(torch.cat(xs), torch.cat(means), torch.cat(stds), items[group[0]].config,
+                               threads=threads)
+        at = 0
+        for i in group:
+            heads, rows = items[i].keys.shape[1], len(out[i].blobs)
+            first = 0 if kind == "k" else heads
+            for h in range(heads):
+                for b in range(rows):
+                    out[i].blobs[b][first + h] = blobs[at + h * rows + b]
+            at += heads * rows
 
 
 def encode_stacked(keys: torch.Tensor, values: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,

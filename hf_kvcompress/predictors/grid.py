@@ -24,6 +24,10 @@ quarter-octave thresholds (over `SURPRISE_RANGE`) its sum passes, the multiplier
 head a table from `detmath.det_exp`. Everything else is element-wise IEEE arithmetic, so sessions are not
 `PredictorSession.portable`: their float32 statistics are the same bits on every CPU, thread count and matrix
 library path, and a saved file needs no settled listing.
+
+On the CPU the element-wise passes (feature quantization, weight folding, key unrotation, the surprise's error
+sums) run as compiled loops (`grid_kernels`) with the same IEEE operations: the same bits as the torch expressions
+kept here for other devices (tests/predictors/test_grid_kernels.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ import torch
 from ..codec.detmath import SINCOS_LIMIT, det_exp, det_sincos
 from .base import BlockInputs, LayerValues, PredictorSession, register
 from .below import BelowPredictor, PhasedHeads, same_shaped
+from .grid_kernels import (
+    error_sums_compiled,
+    quantize_features_compiled,
+    quantize_folded_compiled,
+    unrotate_compiled,
+)
 from .linear import F32_MAX, SURPRISE_RANGE, finite_features
 from .rope import RopeFrame
 
@@ -132,6 +142,13 @@ def quantize_features(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     integers ``|q| <= Q_MAX`` (float32) and the int64 exponents ``E`` ``[rows, 1, features]`` with
     ``x ~ q * 2^(E - GRID_BITS)``: per row and channel, from `torch.frexp` of the channel's largest ``|x|`` (exact
     operations: frexp, a power-of-two scaling, round half to even, clamp)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:  # the same bits in one compiled pass per output
+        return quantize_features_compiled(x, GRID_BITS, Q_MAX)
+    return quantize_features_torch(x)
+
+
+def quantize_features_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_features` in torch operations (any device; the reference of its compiled CPU loop)."""
     top = x.abs().amax(dim=1, keepdim=True)
     if not bool(torch.isfinite(top).all()):  # checked on the maxima: a pass over x only where one is not finite
         x = finite_features(x)
@@ -166,10 +183,7 @@ def grid_means(pieces: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Te
     if n == 0:
         return weight[0].to(torch.float32).expand(rows, tokens, -1).clamp(-F32_MAX, F32_MAX)
     exponent = torch.cat([e for _, e in pieces], dim=-1)
-    folded = weight[1:].to(torch.float64).unsqueeze(0) * pow2(exponent - GRID_BITS).transpose(1, 2)  # exact
-    _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))  # [rows, 1, out]
-    shift = column.to(torch.int64) - GRID_BITS
-    qw = torch.round(folded * pow2(-shift)).clamp(-Q_MAX, Q_MAX)
+    qw, shift = quantized_weights(weight[1:], exponent)
     if n > EXACT_FEATURES:  # chunks of exact float32 sums (float64 in a reduced-precision mode), added in order
         q = torch.cat([q for q, _ in pieces], dim=-1)
         sums = _integer_products(q[..., :EXACT_FEATURES], qw[:, :EXACT_FEATURES]).to(torch.float64)
@@ -195,14 +209,30 @@ def grid_means(pieces: list[tuple[torch.Tensor, torch.Tensor]], weight: torch.Te
     return means.clamp_(-F32_MAX, F32_MAX)
 
 
+def quantized_weights(weight: torch.Tensor, exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[n, out]`` (a head's rows past the bias) folded with each row's feature scales ``2^(exponent -
+    GRID_BITS)`` (``exponent`` ``[rows, 1, n]``, from `quantize_features`) and each output column quantized to
+    ``|q| <= Q_MAX`` at scale ``2^shift``: the integers (float32 ``[rows, n, out]``) and ``shift`` (int64 ``[rows,
+    1, out]``). Exact operations: a power-of-two scaling, `torch.frexp`, round half to even, clamp."""
+    if weight.device.type == "cpu" and bool(torch.isfinite(weight).all()):  # one compiled pass per output
+        return quantize_folded_compiled(weight, exponent, GRID_BITS, Q_MAX)
+    return quantized_weights_torch(weight, exponent)
+
+
+def quantized_weights_torch(weight: torch.Tensor, exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantized_weights` in torch operations (any device, any weights; the reference of its compiled loop)."""
+    folded = weight.to(torch.float64).unsqueeze(0) * pow2(exponent - GRID_BITS).transpose(1, 2)  # exact
+    _, column = torch.frexp(folded.abs().amax(dim=1, keepdim=True))  # [rows, 1, out]
+    shift = column.to(torch.int64) - GRID_BITS
+    return torch.round(folded * pow2(-shift)).clamp(-Q_MAX, Q_MAX).to(torch.float32), shift
+
+
 def _integer_products(q: torch.Tensor, qw: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``into + q @ qw`` of integer-valued operands (``[rows, tokens, <= EXACT_FEATURES]``, float64 ``qw``): float32
+    """``into + q @ qw`` of integer-valued float32 operands (``[rows, tokens, <= EXACT_FEATURES]``): float32
     products (exact while every partial sum stays below 2^24), or float64 ones under a reduced-precision float32
     mode (exact too)."""
-    if exact_float32_matmul():
-        qw = qw.to(torch.float32)
-    else:
-        q = q.to(torch.float64)
+    if not exact_float32_matmul():
+        q, qw = q.to(torch.float64), qw.to(torch.float64)
     return torch.bmm(q, qw) if into is None else torch.baddbmm(into.to(qw.dtype), q, qw)
 
 
@@ -282,7 +312,13 @@ class GridLayer:
         return x.permute(0, 1, 3, 2, 4).reshape(self.rows, self.tokens, -1)
 
     def _unrotate(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tables is None else self.frame.unrotate_by(x, *self.tables)
+        """Keys ``[blocks, batch, heads, tokens, dim]`` to the pre-RoPE frame; for the features and the errors
+        only, which read a NaN as 0: on the CPU a compiled pass (the same bits but for NaN payloads)."""
+        if self.tables is None:
+            return x
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            return unrotate_compiled(x, *self.tables)
+        return self.frame.unrotate_by(x, *self.tables)
 
     def _level(self, sums: torch.Tensor, streams: int) -> torch.Tensor:
         thresholds = level_thresholds(streams * self.dim)
@@ -327,8 +363,13 @@ class GridLayer:
         framed = self._unrotate(stacked) if kind == "k" else stacked
         if kind == "k":
             self.own_keys = quantize_features(self._flat(framed))
-        predicted = self._phase[kind][0].view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
-        errors = (framed - predicted) / self.heads.sigma[kind][:, None, :]  # a NaN element counts 0
+        means, sigma = self._phase[kind][0], self.heads.sigma[kind]  # [rows, tokens, heads * dim], [heads, dim]
+        if means.device.type == "cpu" and framed.dtype == sigma.dtype == torch.float32:  # one compiled pass
+            self.errors[kind] = error_sums_compiled(framed.reshape(self.rows, heads, self.tokens, dim), means, sigma,
+                                                    E2_CAP, E2_BITS)
+            return
+        predicted = means.view(self.blocks, self.batch, self.tokens, heads, dim).transpose(2, 3)
+        errors = (framed - predicted) / sigma[:, None, :]  # a NaN element counts 0
         self.errors[kind] = squared_error_sums(errors).reshape(self.rows, self.tokens)
 
     def finish(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> LayerValues:

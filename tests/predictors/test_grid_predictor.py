@@ -363,3 +363,20 @@ def test_save_load_round_trip_is_exact_and_lists_nothing(tmp_path):
         want = model(ids[:, 50:], cache=reference).logits
         got = model(ids[:, 50:], cache=loaded).logits
     assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+
+
+def test_a_save_codes_grid_blocks_a_kind_at_a_time_with_the_bytes_of_stream_by_stream(tmp_path, monkeypatch):
+    from hf_kvcompress import blockcoder
+
+    model, ids = model6(), random_ids(2, 60, seed=3)
+    cache = CompressedCache(config(), model=model, calibration=calibration())
+    with torch.no_grad():
+        model(ids, cache=cache)
+    per_stream = []
+    original = blockcoder._scaled
+    monkeypatch.setattr(blockcoder, "_scaled", lambda *a, **k: per_stream.append(1) or original(*a, **k))
+    stacked = cache.save(tmp_path / "stacked.kvc", predictor="grid").read_bytes()
+    assert not per_stream  # every grid stream scaled and coded from stacked tensors
+    monkeypatch.setattr(GridSession, "stacks_kind", False)  # the encoder's stream-by-stream path
+    one_by_one = cache.save(tmp_path / "streams.kvc", predictor="grid").read_bytes()
+    assert per_stream and stacked == one_by_one
