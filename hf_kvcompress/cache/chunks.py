@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from ..blockcodec import BlockCodec, CodedBlock
 from ..calibration import Calibration, calibration_for
@@ -114,6 +114,8 @@ class Chunks:
         if any(w is not None for w in self.windows) and predictor not in (AUTO, "generic"):
             raise ValueError(f"PrefixStore: predictor {predictor!r} needs a calibration, and calibrations cover "
                              "full-attention models only; this one has sliding-window layers (use 'generic')")
+        if self.windowed:
+            self.layer_shapes  # noqa: B018 - its forward refuses here, at construction, a model it cannot run
 
     @property
     def windowed(self) -> bool:
@@ -184,9 +186,9 @@ class Chunks:
     def raw_bytes(self) -> int:
         """The K/V bytes a chunk holds uncompressed (every layer, keys and values; at most, for a window layer:
         the tokens its window needs at the chunk's end, `window_first`)."""
-        dtype, heads, dim = self.kv_shape()
-        tokens = sum(self.chunk_tokens - (self.window_first(0, w) if w is not None else 0) for w in self.windows)
-        return 2 * tokens * heads * dim * dtype.itemsize
+        dtype, shapes = self.layer_shapes
+        return sum(2 * (self.chunk_tokens - (self.window_first(0, w) if w is not None else 0)) * heads * dim
+                   for w, (heads, dim) in zip(self.windows, shapes)) * dtype.itemsize
 
     def max_bytes(self) -> int:
         """The most a chunk file of this model may hold: twice its raw K/V (coded streams of incompressible
@@ -195,9 +197,30 @@ class Chunks:
         return 2 * self.raw_bytes() + (1 << 20)
 
     def kv_shape(self) -> tuple[torch.dtype, int, int]:
-        """The model's K/V dtype, KV heads and head size (from its weights' dtype and its config)."""
-        heads, dim = kv_shape(self.model.config)
-        return next(self.model.parameters()).dtype, heads, dim
+        """The model's K/V dtype, KV heads and head size of its first layer (`layer_shapes`)."""
+        dtype, shapes = self.layer_shapes
+        return dtype, *shapes[0]
+
+    @functools.cached_property
+    def layer_shapes(self) -> tuple[torch.dtype, list[tuple[int, int]]]:
+        """The model's K/V dtype and each layer's KV heads and key width: of a full-attention model from its
+        weights' dtype and its config; of a window model from one forward of one token, since window layers
+        may have other heads or widths than full ones (MiMo-V2-Flash, Gemma 4) and some models keep weights in
+        float32 beside bfloat16 K/V (ERGO). A model whose forward fails there is refused (a ``ValueError``)."""
+        if not self.windowed:
+            heads, dim = kv_shape(self.model.config)
+            return next(self.model.parameters()).dtype, [(heads, dim)] * len(self.windows)
+        probe = DynamicCache(config=self.model.config)
+        embeddings = self.model.get_input_embeddings()
+        token = torch.tensor([[1]], device=embeddings.weight.device if embeddings is not None else "cpu")
+        try:
+            with torch.no_grad():
+                self.model(token, cache=probe, use_cache=True)
+            keys = [layer.keys for layer in probe.layers]
+            return keys[0].dtype, [(k.shape[1], k.shape[3]) for k in keys]
+        except Exception as err:
+            raise ValueError(f"PrefixStore: a forward of one token, which tells each layer's K/V shape, failed "
+                             f"({type(err).__name__}: {err})") from err
 
     @functools.cached_property
     def _codec(self) -> BlockCodec:
@@ -298,7 +321,7 @@ class Chunks:
             raise CacheFileError("the header names another format, key or namespace")
         if h["first"] != first or h["tokens"] != self.chunk_tokens or h["token_ids"] != row[first:first + self.chunk_tokens].tolist():
             raise CacheFileError("the chunk holds other tokens than its key")  # a hash collision or an edited file
-        dtype, heads, dim = self.kv_shape()
+        dtype, shapes = self.layer_shapes
         if DTYPES.get(h["dtype"]) != dtype or check_int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
             raise CacheFileError(f"dtype {h['dtype']!r} (the model's K/V: {dtype}) or payload length")
         layers = h["layers"]
@@ -308,7 +331,7 @@ class Chunks:
         cursor = [0]
         stop = first + self.chunk_tokens
         raw = 0
-        for i, (entry, window) in enumerate(zip(layers, self.windows)):
+        for i, (entry, window, (heads, dim)) in enumerate(zip(layers, self.windows, shapes)):
             entry = check_object(entry, f"layer {i}", _LAYER_FIELDS | ({"first"} if window is not None else set()))
             if (entry["layer"], entry["heads"], entry["key_dim"]) != (i, heads, dim):  # as `_check_kv` checks puts
                 raise CacheFileError(f"layer entry {i} names layer {entry['layer']!r} of {entry['heads']!r} heads x "
@@ -458,8 +481,8 @@ def _blame(index: int) -> Iterator[None]:
 
 def folder_model(folder: str | Path) -> str | None:
     """What the newest chunk in ``folder`` says of its model: its name (chunks written since 2026-12-04), dtype,
-    layers, KV heads x key width, from its header alone (read-only, unchecked: for listings), or None without a
-    readable one. ``folder`` is opened under its parent without following a link, as the store opens it."""
+    layers (and how many are sliding windows), KV heads x key width, from its header alone (read-only, unchecked:
+    for listings), or None without a readable one. ``folder`` is opened under its parent without following a link, as the store opens it."""
     folder = Path(folder)
     with opened(open_root(folder.parent)) as parent:
         try:
@@ -484,7 +507,10 @@ def _newest_header(folder_fd: int) -> str | None:
             finally:
                 os.close(fd)
             layers = header["layers"]
-            shape = f"{header['dtype']}, {len(layers)} layers, {layers[0]['heads']} KV heads x {layers[0]['key_dim']}"
+            windows = sum(isinstance(entry, dict) and "first" in entry for entry in layers)  # `encode`'s window entries
+            kinds = f" ({windows} sliding-window)" if windows else ""
+            shape = (f"{header['dtype']}, {len(layers)} layers{kinds}, {layers[0]['heads']} KV heads x "
+                     f"{layers[0]['key_dim']}")
             name = header.get("model")
             return f"{name[:80]} ({shape})" if isinstance(name, str) and name else shape
         except (CacheFileError, OSError, struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError):

@@ -4,7 +4,8 @@ A prompt's tokens are cut into chunks of ``chunk_tokens``; chunk ``i`` is keyed 
 LMCache key prefixes): ``key_0 = namespace``, ``key_{i+1} = sha256(key_i || ids of chunk i)``, where the
 namespace hashes the model's fingerprint (weights, dtype, config), the library version, the chunk format, the
 coding settings and the calibration's checksum, so another model, dtype, library version or calibration never
-matches. A chunk file holds every layer's blocks of its tokens, coded as generation codes them (the cache's
+matches. A chunk file holds every full layer's blocks of its tokens (a window layer's: those its window needs at
+the chunk's end, `chunks.Chunks.window_first`), coded as generation codes them (the cache's
 block coder: `generic` statistics, the cache's codec settings), so a hit is adopted by a `CompressedCache`
 without decoding: its blocks decode when attention first reads them. With ``predictor="context"`` (a
 calibration) chunks are ~20 % smaller and are transcoded once on lookup (slower to the first token).
@@ -114,8 +115,9 @@ class PrefixStore:
     >>> store.put(out, cache)          # stores the chunks it does not hold yet; returns the tokens stored
 
     Args:
-        model: the model whose KV is stored (full-attention layers only: a sliding window drops tokens a prefix
-            needs, and a recurrent state is not a sum of chunks).
+        model: the model whose KV is stored: full-attention and sliding-window (or chunked) layers; recurrent,
+            convolution, linear-attention and KV-sharing layers are refused, saying why (docs/prefix_store.md
+            "What a chunk holds per layer kind").
         path: the folder (default ``$HF_KVCOMPRESS_CACHE/prefixes``): new, empty or a store's (it holds the
             `MARKER` file); several models may share one.
         max_bytes: bound on the folder's chunk bytes (default `DEFAULT_MAX_BYTES` or a quarter of the free disk).
@@ -325,8 +327,8 @@ class PrefixStore:
     def _check_kv(self, cache: Cache) -> None:
         """The cache's K/V must be this model's: its dtype, KV heads and head size (a cache of another model or
         dtype would be stored under this model's keys)."""
-        dtype, heads, dim = self.chunks.kv_shape()
-        for i, layer in enumerate(cache.layers):
+        dtype, shapes = self.chunks.layer_shapes
+        for i, (layer, (heads, dim)) in enumerate(zip(cache.layers, shapes)):
             if not getattr(layer, "is_initialized", False):
                 continue
             # a compressed layer's residual has the dtype and shape of its K/V (its .keys would decode every block)
@@ -336,7 +338,8 @@ class PrefixStore:
             if keys.dtype != dtype or keys.shape[1] != heads or keys.shape[3] != dim:
                 raise ValueError(f"PrefixStore.put: layer {i} holds {keys.dtype} K/V of {keys.shape[1]} heads x "
                                  f"{keys.shape[3]}, this store's model {dtype} of {heads} x {dim}")
-            return  # one layer tells: the rest come from the same forward
+            if not self.chunks.windowed:
+                return  # one layer tells: the rest come from the same forward
 
     def stats(self) -> dict[str, int]:
         """Chunks and bytes on disk for this model and settings, raw bytes they hold, and this process's hits,

@@ -24,6 +24,7 @@ from test_prefix_store import DAMAGE, LOGGER, _resealed, chunk_path
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
+from hf_kvcompress.cache.store import folder_model
 
 BLOCK = 16
 CHUNK = 32
@@ -203,7 +204,7 @@ def test_every_window_architecture_continues_exactly_in_another_process(tmp_path
 
 
 #: window architectures of the matrix the store refuses, with the reason it gives
-REFUSED: dict[str, str] = {"dory": "a cache per loop"}
+REFUSED: dict[str, str] = {"dory": "a KV cache per loop"}
 
 
 # ---------------------------------------------------------------------- damage and trust
@@ -292,6 +293,14 @@ def test_put_refuses_a_window_cache_of_other_tokens(tmp_path):
     with pytest.raises(ValueError, match="not what the model computes"):
         store.put(ids[:, :PREFIX], prefill(model, random_ids(1, PREFIX, seed=8)))
     assert store.stats()["chunks"] == 0
+
+
+def test_listing_names_the_window_layers(stored):
+    """`hf-kvcompress store ls` describes a folder by its newest chunk: a window model's says how many of its
+    layers are windows (a full-attention model's line is as before: tests/test_cli_store.py)."""
+    root, _, _ = stored
+    (folder,) = [path for path in root.iterdir() if path.is_dir()]
+    assert folder_model(folder).endswith("(float32, 6 layers (3 sliding-window), 2 KV heads x 16)")
 
 
 # ---------------------------------------------------------------------- refusals
