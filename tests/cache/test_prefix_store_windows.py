@@ -108,6 +108,29 @@ def test_a_window_that_moved_on_stores_what_it_still_holds(tmp_path):
     assert same_generation(generate(model, ids, cache), generate(model, ids, copy.deepcopy(reference)))
 
 
+def test_put_after_generating_from_a_hit_stores_the_chunks_whose_windows_it_holds(tmp_path):
+    """`cache_for`, `generate`, `put(out, cache)`: the `CompressedCache`'s window still holds the new chunk's
+    window (48 tokens reach back from token 109 past the chunk's end at 96), so the next lookup restores 96 tokens,
+    holding the KV that cache held (bits)."""
+    model = sliding_model(48)
+    store = open_store(tmp_path, model)
+    ids = random_ids(1, 100, seed=9)
+    store.put(ids[:, :PREFIX], prefill(model, ids[:, :PREFIX]))
+    cache = store.cache_for(ids)
+    out = generate(model, ids, cache).sequences
+    assert store.put(out, cache) == CHUNK
+    again = store.cache_for(out)
+    assert again.get_seq_length() == 3 * CHUNK
+    for layer, held in zip(again.layers, cache.layers):
+        keys, values, first = held.keys, held.values, held.get_seq_length() - held.keys.shape[2]
+        start = 3 * CHUNK - layer.keys.shape[2]  # the restored layer's first token
+        shared = slice(max(first, start), 3 * CHUNK)
+        assert shared.start < shared.stop
+        assert same_bits(layer.keys[:, :, shared.start - start :], keys[:, :, shared.start - first : shared.stop - first])
+        assert same_bits(layer.values[:, :, shared.start - start :],
+                         values[:, :, shared.start - first : shared.stop - first])
+
+
 def test_sliding_only_model_reads_only_the_chunks_its_window_needs(tmp_path):
     """Every layer a 16-token window: the prefix's last chunk restores it on its own (the chain's key names the
     whole prefix), so a lookup neither needs nor reads the chunks before."""
