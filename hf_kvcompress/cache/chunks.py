@@ -266,8 +266,9 @@ class Chunks:
                 keys, values, held = whole[layer_idx]
                 start = min(stop, max(self.window_first(index, window), held))
                 coding = coding or self._coding(blocks)
-                taken = [coding.encode_block(layer_idx, keys[:, :, a - held : b - held], values[:, :, a - held : b - held],
-                                             a) for a, b in self._window_blocks(start, stop)]
+                taken = [coding.encode_block(layer_idx, keys[:, :, a - held : b - held],
+                                             values[:, :, a - held : b - held], a)
+                         for a, b in self._window_blocks(start, stop)]
                 dtype = dtype or (taken[0].dtype if taken else None)
                 layers.append({"layer": layer_idx, "heads": keys.shape[1], "key_dim": keys.shape[3],
                                "value_dim": values.shape[3], "first": start, "blocks": write_blocks(taken, payload)})
@@ -482,7 +483,8 @@ def _blame(index: int) -> Iterator[None]:
 def folder_model(folder: str | Path) -> str | None:
     """What the newest chunk in ``folder`` says of its model: its name (chunks written since 2026-12-04), dtype,
     layers (and how many are sliding windows), KV heads x key width, from its header alone (read-only, unchecked:
-    for listings), or None without a readable one. ``folder`` is opened under its parent without following a link, as the store opens it."""
+    for listings), or None without a readable one. ``folder`` is opened under its parent without following a
+    link, as the store opens it."""
     folder = Path(folder)
     with opened(open_root(folder.parent)) as parent:
         try:

@@ -422,11 +422,11 @@ class PrefixStore:
 
     def _hit(self, fd: int | None, keys: list[bytes], row: np.ndarray) -> tuple[CompressedCache, int, int, int]:
         """A cache holding the longest prefix of ``row`` that stored chunks restore, with the first chunk it read,
-        how many chunks long the prefix is (0: an empty cache, a miss) and the raw bytes the chunks read hold. The prefix ends where every layer's
-        tokens are held: full layers read every chunk before (stopping at the first missing one), window layers
-        read the chunks their windows reach (`Chunks.first_needed`), which must hold what the window needs there
-        (`Chunks.restorable`). Each chunk that fails a check, does not decode or does not bind to ``row``'s tokens
-        is removed with a warning, and a shorter prefix tried."""
+        how many chunks long the prefix is (0: an empty cache, a miss) and the raw bytes the chunks read hold. The
+        prefix ends where every layer's tokens are held: full layers read every chunk before (stopping at the first
+        missing one), window layers read the chunks their windows reach (`Chunks.first_needed`), which must hold
+        what the window needs there (`Chunks.restorable`). Each chunk that fails a check, does not decode or does
+        not bind to ``row``'s tokens is removed with a warning, and a shorter prefix tried."""
         found: dict[int, dict[str, Any] | None] = {}
 
         def chunk(index: int) -> dict[str, Any] | None:

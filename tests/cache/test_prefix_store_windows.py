@@ -126,7 +126,8 @@ def test_put_after_generating_from_a_hit_stores_the_chunks_whose_windows_it_hold
         start = 3 * CHUNK - layer.keys.shape[2]  # the restored layer's first token
         shared = slice(max(first, start), 3 * CHUNK)
         assert shared.start < shared.stop
-        assert same_bits(layer.keys[:, :, shared.start - start :], keys[:, :, shared.start - first : shared.stop - first])
+        assert same_bits(layer.keys[:, :, shared.start - start :],
+                         keys[:, :, shared.start - first : shared.stop - first])
         assert same_bits(layer.values[:, :, shared.start - start :],
                          values[:, :, shared.start - first : shared.stop - first])
 
@@ -218,7 +219,8 @@ def test_every_window_architecture_continues_exactly_in_another_process(tmp_path
     if not full_matrix_requested(pytestconfig):
         pytest.skip("the whole matrix: -m architectures or HF_KVCOMPRESS_ARCHITECTURES=1")
     names = tuple(name for name in window_architectures() if name not in REFUSED)
-    run_in_another_process(tmp_path, names, timeout=3600)  # 29 architectures x 2 dtypes: ~6 min on a quiet CPU
+    # 29 architectures x 2 dtypes: ~6 min in one process on the shared 2-core machine
+    run_in_another_process(tmp_path, names, timeout=3600)
     for name in REFUSED:
         from architectures import tiny_model
 
