@@ -159,7 +159,10 @@ def child_main(argv: list[str]) -> None:
     against a DynamicCache prefilled with the prefix there; prints one JSON line."""
     from architectures import tiny_model
 
-    root, names = Path(argv[0]), argv[1].split(",")
+    root, names, threads = Path(argv[0]), argv[1].split(","), int(argv[2])
+    # the reference prefill runs the kernels the stored one ran: another thread count splits float32 reductions
+    # otherwise on some models (ERGO, Kolibri1, PhiMoE: other bits in the last place)
+    torch.set_num_threads(threads)
     results = {}
     for name in names:
         for label, dtype in DTYPES.items():
@@ -184,8 +187,8 @@ def run_in_another_process(tmp_path: Path, names: tuple[str, ...], timeout: int 
             assert open_store(tmp_path / f"{name}-{label}", model).put(ids[:, :PREFIX],
                                                                         prefill(model, ids[:, :PREFIX])) == PREFIX
     path = os.pathsep.join([str(TESTS), str(TESTS / "cache"), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), ",".join(names)], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=path), timeout=timeout)
+    argv = [sys.executable, "-c", CHILD, str(tmp_path), ",".join(names), str(torch.get_num_threads())]
+    done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path), timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     want = {"tokens": PREFIX, "window": True, "exact": True}
