@@ -4,7 +4,8 @@ A prompt's tokens are cut into chunks of ``chunk_tokens``; chunk ``i`` is keyed 
 LMCache key prefixes): ``key_0 = namespace``, ``key_{i+1} = sha256(key_i || ids of chunk i)``, where the
 namespace hashes the model's fingerprint (weights, dtype, config), the library version, the chunk format, the
 coding settings and the calibration's checksum, so another model, dtype, library version or calibration never
-matches. A chunk file holds every layer's blocks of its tokens, coded as generation codes them (the cache's
+matches. A chunk file holds every full layer's blocks of its tokens (a window layer's: those its window needs at
+the chunk's end, `chunks.Chunks.window_first`), coded as generation codes them (the cache's
 block coder: `generic` statistics, the cache's codec settings), so a hit is adopted by a `CompressedCache`
 without decoding: its blocks decode when attention first reads them. With ``predictor="context"`` (a
 calibration) chunks are ~20 % smaller and are transcoded once on lookup (slower to the first token).
@@ -45,7 +46,7 @@ from transformers.cache_utils import Cache
 from ..calibration import Calibration
 from ..config import CompressionConfig
 from ..errors import CacheFileError
-from ..identity import layer_types, model_identity
+from ..identity import model_identity
 from ..layer import CompressedLayer
 from ..predictors.registry import AUTO
 from ..version import __version__
@@ -114,8 +115,9 @@ class PrefixStore:
     >>> store.put(out, cache)          # stores the chunks it does not hold yet; returns the tokens stored
 
     Args:
-        model: the model whose KV is stored (full-attention layers only: a sliding window drops tokens a prefix
-            needs, and a recurrent state is not a sum of chunks).
+        model: the model whose KV is stored: full-attention and sliding-window (or chunked) layers; recurrent,
+            convolution, linear-attention and KV-sharing layers are refused, saying why (docs/prefix_store.md
+            "What a chunk holds per layer kind").
         path: the folder (default ``$HF_KVCOMPRESS_CACHE/prefixes``): new, empty or a store's (it holds the
             `MARKER` file); several models may share one.
         max_bytes: bound on the folder's chunk bytes (default `DEFAULT_MAX_BYTES` or a quarter of the free disk).
@@ -157,13 +159,7 @@ class PrefixStore:
             raise TypeError(f"PrefixStore: secret must be non-empty bytes or None, got {type(secret).__name__}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
             raise ValueError(f"PrefixStore: max_bytes must be a positive int (bytes), got {max_bytes!r}")
-        types = layer_types(model.config)
-        if set(types) != {"full_attention"}:
-            raise ValueError(
-                f"PrefixStore: {model.config.model_type} has {sorted(set(types) - {'full_attention'})} layers; the "
-                "store holds full-attention KV only (a sliding window drops tokens a stored prefix needs, a recurrent "
-                "state is not a sum of chunks)"
-            )
+        chunks = Chunks(model, config, chunk_tokens, predictor, secret, calibration)  # refuses what it cannot hold
         self.model = model
         self.config = config
         self.chunk_tokens = chunk_tokens
@@ -174,7 +170,7 @@ class PrefixStore:
         if max_bytes is None:
             max_bytes = max(1, min(DEFAULT_MAX_BYTES, shutil.disk_usage(self._root_fd).free // 4))
         self.max_bytes = max_bytes
-        self.chunks = Chunks(model, config, chunk_tokens, predictor, secret, calibration)
+        self.chunks = chunks
         self._identity = model_identity(model)
         self._namespace: bytes | None = None
         self.hits = self.misses = self.hit_tokens = self.bytes_saved = 0
@@ -258,23 +254,16 @@ class PrefixStore:
         row = _one_row(ids)
         usable = (len(row) - 1) // self.chunk_tokens  # generate() needs at least one token to compute logits from
         keys = self.keys(row)[:usable]
-        chunks: list[dict[str, Any]] = []
         with self._folder(create=False) as fd:
-            if keys and fd is not None:
-                for index, key in enumerate(keys):
-                    found = self._read_chunk(fd, key, index, row)
-                    if found is None:
-                        break
-                    chunks.append(found)
-            cache, chunks = self._adopt(fd, row, chunks)
-            self.misses += usable - len(chunks)
-            if not chunks:
+            cache, base, count, served = self._hit(fd, keys, row)
+            self.misses += usable - count
+            if not count:
                 return cache
-            touch_chain(fd, [_name(key) for key in keys[: len(chunks)]])
-        self.hits += len(chunks)
-        self.hit_tokens += len(chunks) * self.chunk_tokens
-        self.bytes_saved += sum(c["raw_bytes"] for c in chunks)
-        tokens = len(chunks) * self.chunk_tokens
+            touch_chain(fd, [_name(key) for key in keys[base:count]])
+        self.hits += count - base
+        self.hit_tokens += count * self.chunk_tokens
+        self.bytes_saved += served
+        tokens = count * self.chunk_tokens
         cache.token_ids = torch.from_numpy(row[:tokens].copy()).unsqueeze(0)
         return cache
 
@@ -303,9 +292,17 @@ class PrefixStore:
                 touch_chain(fd, names)
                 return 0
         stop = (todo[-1] + 1) * self.chunk_tokens
-        whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: layer_kv(cache.layers[0], stop)}
-        problem = binding_problem(self.model, torch.from_numpy(row[:stop].copy()).unsqueeze(0), 0,
-                                  whole[0][0][:, :, :stop], whole[0][1][:, :, :stop])
+        window = self.chunks.windows[0]
+        whole = {0: layer_kv(cache.layers[0], stop, window)}
+        keys0, values0, held = whole[0]
+        # a full first layer binds the tokens stored; a window the tokens it still holds of ids (the chunks' window
+        # blocks are among them, and they tie the cache's other layers to ids as a full layer's do)
+        bound = stop if window is None else common
+        if bound <= held:
+            raise ValueError(f"PrefixStore.put: the cache's first layer (a window of {window}) holds none of ids' "
+                             "tokens, so the cache cannot be checked to hold their K/V; nothing stored")
+        problem = binding_problem(self.model, torch.from_numpy(row[:bound].copy()).unsqueeze(0), 0,
+                                  keys0[:, :, : bound - held], values0[:, :, : bound - held], held)
         if problem is not None:
             raise ValueError(f"PrefixStore.put: {problem[1]}; nothing stored")
         written = 0
@@ -330,8 +327,8 @@ class PrefixStore:
     def _check_kv(self, cache: Cache) -> None:
         """The cache's K/V must be this model's: its dtype, KV heads and head size (a cache of another model or
         dtype would be stored under this model's keys)."""
-        dtype, heads, dim = self.chunks.kv_shape()
-        for i, layer in enumerate(cache.layers):
+        dtype, shapes = self.chunks.layer_shapes
+        for i, (layer, (heads, dim)) in enumerate(zip(cache.layers, shapes)):
             if not getattr(layer, "is_initialized", False):
                 continue
             # a compressed layer's residual has the dtype and shape of its K/V (its .keys would decode every block)
@@ -341,7 +338,8 @@ class PrefixStore:
             if keys.dtype != dtype or keys.shape[1] != heads or keys.shape[3] != dim:
                 raise ValueError(f"PrefixStore.put: layer {i} holds {keys.dtype} K/V of {keys.shape[1]} heads x "
                                  f"{keys.shape[3]}, this store's model {dtype} of {heads} x {dim}")
-            return  # one layer tells: the rest come from the same forward
+            if not self.chunks.windowed:
+                return  # one layer tells: the rest come from the same forward
 
     def stats(self) -> dict[str, int]:
         """Chunks and bytes on disk for this model and settings, raw bytes they hold, and this process's hits,
@@ -422,28 +420,46 @@ class PrefixStore:
         log.warning("prefix store: %s is damaged (%s); removed, computing its tokens again", name, why)
         unlink(fd, name, 0)  # never follows a link: a link planted at a chunk's name is removed, not its target
 
-    def _adopt(self, fd: int | None, row: np.ndarray,
-               chunks: list[dict[str, Any]]) -> tuple[CompressedCache, list[dict[str, Any]]]:
-        """A cache holding the longest run of ``chunks`` that fills, decodes and binds to ``row``'s tokens (each
-        chunk that fails removed with a warning), and that run."""
-        while True:
+    def _hit(self, fd: int | None, keys: list[bytes], row: np.ndarray) -> tuple[CompressedCache, int, int, int]:
+        """A cache holding the longest prefix of ``row`` that stored chunks restore, with the first chunk it read,
+        how many chunks long the prefix is (0: an empty cache, a miss) and the raw bytes the chunks read hold. The
+        prefix ends where every layer's tokens are held: full layers read every chunk before (stopping at the first
+        missing one), window layers read the chunks their windows reach (`Chunks.first_needed`), which must hold
+        what the window needs there (`Chunks.restorable`). Each chunk that fails a check, does not decode or does
+        not bind to ``row``'s tokens is removed with a warning, and a shorter prefix tried."""
+        found: dict[int, dict[str, Any] | None] = {}
+
+        def chunk(index: int) -> dict[str, Any] | None:
+            if index not in found:
+                found[index] = None if fd is None else self._read_chunk(fd, keys[index], index, row)
+            return found[index]
+
+        last = len(keys) - 1
+        if self.chunks.first_needed(last) == 0:  # a layer holds every token: chunks are read in chain order
+            last = next((index for index in range(len(keys)) if chunk(index) is None), len(keys)) - 1
+        while last >= 0:
+            base = self.chunks.first_needed(last)
+            run = [chunk(index) for index in range(base, last + 1)]
+            if any(c is None for c in run) or not self.chunks.restorable(run, base):
+                last -= 1
+                continue
             cache = CompressedCache(self.config, model=self.model, calibration=None)
-            if not chunks:
-                return cache, chunks
             try:
-                bad = self.chunks.first_bad(cache, row, len(chunks), self.chunks.fill(cache, chunks))
+                bad = self.chunks.first_bad(cache, row, len(run), self.chunks.fill(cache, run, base), base)
             except BadChunk as err:
                 bad = (err.index, err.why)
             except Exception as err:  # not attributable to one chunk: a miss, nothing removed
                 log.warning("prefix store: a hit of %d chunks could not be adopted (%s: %s); computing its tokens "
-                            "again", len(chunks), type(err).__name__, err)
-                return CompressedCache(self.config, model=self.model, calibration=None), []
+                            "again", len(run), type(err).__name__, err)
+                break
             if bad is None:
-                return cache, chunks
+                return cache, base, last + 1, sum(c["raw_bytes"] for c in run)
             index, why = bad
             assert fd is not None  # chunks were read through it
-            self._drop(fd, f"{chunks[index]['key']}{SUFFIX}", why)
-            chunks = chunks[:index]
+            self._drop(fd, f"{run[index]['key']}{SUFFIX}", why)
+            found[base + index] = None
+            last = base + index - 1 if base == 0 else last - 1
+        return CompressedCache(self.config, model=self.model, calibration=None), 0, 0, 0
 
 
 def _check_bindable(model: torch.nn.Module) -> None:

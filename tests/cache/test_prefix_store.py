@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_tiny_model, random_ids, same_bits
+from helpers import fresh_tiny_model, hybrid_model, random_ids, same_bits
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
@@ -456,9 +456,8 @@ def test_refusals_name_the_problem(tmp_path):
         open_store(tmp_path, model, config=CompressionConfig(mode="lossless", lossless={"predictor": "context"}))
     with pytest.raises(ValueError, match="max_bytes"):
         open_store(tmp_path, model, max_bytes=-1)
-    sliding = fresh_tiny_model("qwen3-sliding", BF16, layers=2)
-    with pytest.raises(ValueError, match=r"\['sliding_attention'\] layers; the store holds full-attention KV only"):
-        open_store(tmp_path, sliding)
+    with pytest.raises(ValueError, match=r"lfm2 has layers the store cannot hold: conv \(layer 0\): a recurrent"):
+        open_store(tmp_path, hybrid_model("lfm2"))  # windows are held: test_prefix_store_windows.py
     assert chunk_files(tmp_path) == []
 
 
