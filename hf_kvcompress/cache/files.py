@@ -198,7 +198,7 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
     name = predictor or settings.save_predictor
     if name == AUTO:
         name = _auto_predictor(cache)
-    # the header's predictor object (`_header`): the name and, whatever the predictor, the probe layer (format 3)
+    # the header's predictor object (`_header`): the name and, whatever the predictor, the probe layer (the format's)
     values = {"probe_layer": probe_layer or settings.probe_layer}
     # portable: the file is read on other machines
     chosen = make_predictor(name, calibration=cache.calibration, model=cache.model,
