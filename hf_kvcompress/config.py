@@ -13,8 +13,19 @@ from .jsonconfig import JsonConfig
 from .lossy import methods as _lossy_methods  # noqa: F401 (the registry line: LossyConfig checks names against it)
 from .lossy.settings import LossyConfig
 from .predictors import registry as predictor_registry
+from .predictors.base import PredictorSettings
+from .predictors.probe import ProbeSettings
 from .threads import MAX_WORKERS
-from .validation import check_choice, check_fraction, check_int, check_number, checked, fail, validate
+from .validation import (
+    check_choice,
+    check_fraction,
+    check_int,
+    check_number,
+    checked,
+    checked_as,
+    fail,
+    validate,
+)
 
 MODES = ("none", "lossless", "lossy")
 
@@ -56,7 +67,8 @@ class LosslessConfig(JsonConfig):
             and every layer holds every token; else ``"generic"`` (the blocks generation codes: `load` adopts
             them without decoding). ``"generic"`` turns calibrated storage off; any of `PREDICTORS` names one,
             ``"probe"`` / ``"twin"`` included (docs/lossless.md "Save / load").
-        probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only).
+        probe_layer: k, the layer whose hidden state the probe heads read (``probe`` only): sets
+            `predictors.probe.ProbeSettings`, which declares its default and check.
         window, fixed_window, header, mean_steps, coder: the `CodecConfig` fields of the same names (the
             codec's documentation says what each does), validated by `CodecConfig` itself (`codec_config`): one
             source for their choices and bounds. ``coder`` None (the default) becomes the predictor's own coder
@@ -99,7 +111,7 @@ class LosslessConfig(JsonConfig):
     predictor: str = checked("generic", check_choice, choices=predictor_registry.NAMES)
     save_predictor: str = checked(predictor_registry.AUTO, check_choice,
                                   choices=(predictor_registry.AUTO, *predictor_registry.NAMES))
-    probe_layer: int = checked(8, check_int, minimum=1)
+    probe_layer: int = checked_as(ProbeSettings, "probe_layer")
     window: str = "fixed"
     fixed_window: int = 65536
     header: str = "compact"
@@ -140,6 +152,10 @@ class LosslessConfig(JsonConfig):
         every one of them has a Triton decoder, so its blocks decode on a CUDA model's device) rather than named
         by the caller. Not serialised: a config read back from `to_dict` names its coder."""
         return self._coder_auto
+
+    def predictor_settings(self) -> PredictorSettings:
+        """The settings of ``predictor`` (`Predictor.settings`), from the fields of the same names here."""
+        return predictor_registry.settings_for(self.predictor, self.to_dict())
 
     def codec_config(self) -> CodecConfig:
         """The `CodecConfig` of these settings (the codec's defaults for every field not set here)."""

@@ -100,6 +100,13 @@ def checked(default: Any, check: Callable[..., None], *, optional: bool = False,
     return dataclasses.field(default=default, metadata={"check": (check, bounds, optional)})
 
 
+def checked_as(owner: type, name: str) -> Any:
+    """A dataclass field declared as the dataclass ``owner``'s field ``name`` (same default, same check): a setting
+    that ``owner`` declares, exposed under the same name by another class (`LosslessConfig.probe_layer`)."""
+    source = next(f for f in dataclasses.fields(owner) if f.name == name)
+    return dataclasses.field(default=source.default, metadata=source.metadata)
+
+
 def validate(config: Any, owner: str | None = None) -> None:
     """Run the declared check (`checked`) of every field of the dataclass ``config``, in field order; errors name
     ``<owner>.<field>`` (owner: the class name)."""

@@ -24,6 +24,7 @@ from hf_kvcompress.cache.persist import read_header, stream_bytes
 from hf_kvcompress.codec import CodecConfig, encode_with_stats
 from hf_kvcompress.generation import greedy_generate
 from hf_kvcompress.predictors import make_predictor
+from hf_kvcompress.predictors.registry import settings_for
 
 from .baselines import baseline_bits, timed
 from .env import PeakMemory
@@ -70,7 +71,8 @@ def predictor_row(model, cache: CompressedCache, ids: torch.Tensor, spec: str, f
     label, name, k = parse_predictor(spec)
     pred_name = "context" if name == "generic" else name
     path = folder / f"{spec.replace(':', '')}.kvc"
-    predictor = make_predictor(pred_name, calibration=cache.calibration, model=model, probe_layer=k or 8)
+    predictor = make_predictor(pred_name, calibration=cache.calibration, model=model,
+                               settings=settings_for(pred_name, {"probe_layer": k} if k else {}))
     rerun_s = 0.0
     if not predictor.practical_in_generation:
         with torch.inference_mode():

@@ -384,9 +384,8 @@ def coding_for(cache) -> LosslessCoding:
     """The `LosslessCoding` of ``cache`` (a `CompressedCache` in lossless mode); the cache sets its
     ``layer_count`` once it knows the model's layers."""
     settings = cache.config.lossless
-    predictor = make_predictor(
-        settings.predictor, calibration=cache.calibration, model=cache.model, probe_layer=settings.probe_layer
-    )
+    predictor = make_predictor(settings.predictor, calibration=cache.calibration, model=cache.model,
+                               settings=settings.predictor_settings())
     # model-running predictors (probe, twin) never get here: LosslessConfig refuses them for generation
     _check_layer_chain(cache, predictor)
     coding = LosslessCoding(predictor, settings.codec_config(), cache.calibration, functools.partial(find_block, cache),

@@ -26,7 +26,14 @@ from ..layer.layer import holds_as_generated
 from ..layer.storage import Block
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
-from ..predictors.registry import AUTO, CALIBRATED_STORAGE, head_set, reads_calibration, storage_predictor
+from ..predictors.registry import (
+    AUTO,
+    CALIBRATED_STORAGE,
+    head_set,
+    reads_calibration,
+    settings_for,
+    storage_predictor,
+)
 from ..validation import check_bool, check_instance, check_path
 from ..version import __version__
 from .atomic import replace_file
@@ -103,7 +110,7 @@ class _Plan:
     file's version and the tokens it holds."""
 
     name: str
-    probe_layer: int | None
+    header_fields: dict[str, Any]  # the header's predictor object beside the name
     predictor: Predictor
     coding: BlockCodec
     blocks: dict[tuple[int, int], Block]  # the file's blocks as they are made, for the layer-below lookups
@@ -191,9 +198,11 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
     name = predictor or settings.save_predictor
     if name == AUTO:
         name = _auto_predictor(cache)
-    k = probe_layer or settings.probe_layer
+    # the header's predictor object (`_header`): the name and, whatever the predictor, the probe layer (the format's)
+    values = {"probe_layer": probe_layer or settings.probe_layer}
     # portable: the file is read on other machines
-    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model, probe_layer=k, portable=True)
+    chosen = make_predictor(name, calibration=cache.calibration, model=cache.model,
+                            settings=settings_for(name, values), portable=True)
     layered = not _fits_version_3(cache)
     if layered and chosen.below_depth() > 0:
         raise ValueError(
@@ -218,7 +227,7 @@ def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None
                                  lambda layer, start: blocks.get((layer, start)))
     if not chosen.practical_in_generation:
         coding.extras_source = chosen.model_extras(token_ids)
-    return _Plan(name, k, chosen, coding, blocks, layered, tokens, token_ids)
+    return _Plan(name, values, chosen, coding, blocks, layered, tokens, token_ids)
 
 
 def _write_layers(cache: CompressedCache, plan: _Plan, payload: bytearray,
@@ -288,7 +297,7 @@ def _header(cache: CompressedCache, plan: _Plan, entries: list[dict[str, Any]], 
         "version": LAYERED if layered else VERSION,
         "library_version": __version__,
         "config": cache.config.to_dict(),
-        "predictor": {"name": plan.name, "probe_layer": plan.probe_layer},
+        "predictor": {"name": plan.name, **plan.header_fields},
         "model": model_identity(cache.model).to_dict() if cache.model is not None else None,
         # only a file coded with the calibration names it (a 'generic' file loads without one)
         "calibration_sha256": cache.calibration.meta["tensors_sha256"]

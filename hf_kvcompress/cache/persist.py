@@ -42,7 +42,7 @@ from ..layer import CompressedLayer
 from ..layer.layer import held_parts, holds_as_generated
 from ..predictors import make_predictor
 from ..predictors.base import Predictor
-from ..predictors.registry import reads_calibration
+from ..predictors.registry import reads_calibration, settings_for
 from ..predictors.rerun import layer_device
 from ..version import __version__
 from .binding import binding_problem
@@ -273,11 +273,12 @@ def _reading(saved: _Saved, target: CompressedCache, model: torch.nn.Module | No
     """The file's predictor as it coded (with the calibration the file names, or without one) and every block of
     the file, checked (`container.check_block`) before any is decoded or allocated for."""
     header = saved.header
-    name, k = header["predictor"]["name"], header["predictor"]["probe_layer"]
+    name = header["predictor"]["name"]
     try:
         calibration = target.calibration if header["calibration_sha256"] is not None else None
         # portable: as it was written
-        predictor = make_predictor(name, calibration=calibration, model=model, probe_layer=k, portable=True)
+        predictor = make_predictor(name, calibration=calibration, model=model,
+                                   settings=settings_for(name, header["predictor"]), portable=True)
     except (ValueError, TypeError) as err:
         raise CacheFileError(f"cannot rebuild the {name!r} predictor it was saved with: {err}") from err
     blocks: dict[tuple[int, int], CodedBlock] = {}  # the file's blocks as they are checked: layer-below lookups

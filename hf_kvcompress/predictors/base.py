@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from ..codec.codec_config import DEFAULT_CODER
+from ..validation import Validated
 
 KINDS = ("k", "v")
 
@@ -167,6 +168,14 @@ class PlainSession(PredictorSession):
         return LayerValues.on_top_of(keys, values, torch.ones(keys.shape[0], keys.shape[2]), self.inputs.below)
 
 
+@dataclass(frozen=True)
+class PredictorSettings(Validated):
+    """A predictor's own settings: a frozen dataclass whose fields declare their checks (`validation.checked`), run
+    at construction, as `lossy.registry.MethodSettings` are a lossy method's. `Predictor.settings` names a
+    predictor's class; `registry.settings_for` builds one from a `LosslessConfig`'s or a file header's values, so
+    a field is named as the `LosslessConfig` field that sets it. Most predictors have none."""
+
+
 class Predictor(ABC):
     """A source of means and spreads for sealed blocks.
 
@@ -194,6 +203,8 @@ class Predictor(ABC):
     #: the name of another predictor whose calibration head set it codes with (None: its own name): a fit asked
     #: for it fits that head set, and a calibration with that head set serves it (`registry.head_set`)
     reads_heads_of: ClassVar[str | None] = None
+    #: its own settings' class (`PredictorSettings`: none by default), which `build` receives an instance of
+    settings: ClassVar[type[PredictorSettings]] = PredictorSettings
 
     def __init__(self, *, portable: bool = False):
         #: True: its sessions compute `PredictorSession.portable` statistics (float64 with bounds), which every
@@ -209,10 +220,11 @@ class Predictor(ABC):
         return False
 
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8,
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, settings: PredictorSettings,
               portable: bool = False) -> Predictor:
-        """The predictor `registry.make_predictor` returns, its requirements already checked; a predictor
-        that needs neither calibration nor model is built from ``portable`` alone."""
+        """The predictor `registry.make_predictor` returns, its requirements already checked and ``settings`` an
+        instance of its `settings` class; a predictor that needs neither calibration nor model, nor settings, is
+        built from ``portable`` alone."""
         return cls(portable=portable)
 
     @abstractmethod

@@ -36,6 +36,7 @@ from .base import (
     LayerValues,
     Predictor,
     PredictorSession,
+    PredictorSettings,
 )
 from .generic import BlockStatsSession, block_stats
 from .rope import RopeFrame
@@ -346,8 +347,8 @@ class CalibratedLinearPredictor(Predictor):
         self.frame = frame
 
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None,
-              probe_layer: int = 8, portable: bool = False) -> CalibratedLinearPredictor:
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, settings: PredictorSettings,
+              portable: bool = False) -> CalibratedLinearPredictor:
         return cls(calibration, portable=portable)
 
     @classmethod

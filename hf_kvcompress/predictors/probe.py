@@ -10,10 +10,12 @@ decode, so it pays off when a cache is saved and loaded (prefix caching), not fo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .base import BlockInputs, PlainSession, PredictorSession, register
+from ..validation import check_int, checked
+from .base import BlockInputs, PlainSession, PredictorSession, PredictorSettings, register
 from .linear import CalibratedLinearPredictor, FeatureRecipe
 from .rerun import HIDDEN, CacheExtras, run_decoder
 from .rope import RopeFrame
@@ -38,6 +40,15 @@ class ExactSession(PlainSession):
         return mean, mean.abs().clamp_min(1e-6) * 2.0**-9
 
 
+@dataclass(frozen=True)
+class ProbeSettings(PredictorSettings):
+    """``probe``'s own setting (`LosslessConfig.probe_layer` sets it): ``probe_layer``, k, the layer whose hidden
+    state the heads read; the decoder reruns layers 0..k-1. Default 8 of SmolLM2's 30 layers, the cheapest point measured
+    (docs/lossless.md "Results, in brief": k=8 reruns 0.24 of a prefill for 5.67 bits/scalar)."""
+
+    probe_layer: int = checked(8, check_int, minimum=1)
+
+
 @register
 class ProbePredictor(CalibratedLinearPredictor):
     """Early exit at layer ``k`` plus linear heads (see module docstring)."""
@@ -47,6 +58,7 @@ class ProbePredictor(CalibratedLinearPredictor):
     needs_model = True
     needs_calibration = True
     recipe = FeatureRecipe(below=2, inter_head=True, extras=(HIDDEN,))
+    settings = ProbeSettings
 
     def __init__(self, calibration, model: torch.nn.Module | None, k: int, frame: RopeFrame | None = None, *,
                  portable: bool = False):
@@ -55,9 +67,10 @@ class ProbePredictor(CalibratedLinearPredictor):
         self.k = k
 
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8,
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, settings: PredictorSettings,
               portable: bool = False) -> ProbePredictor:
-        return cls(calibration, model, probe_layer, portable=portable)
+        assert isinstance(settings, ProbeSettings)  # `registry.make_predictor` checked it
+        return cls(calibration, model, settings.probe_layer, portable=portable)
 
     @classmethod
     def fit_instances(cls, frame: RopeFrame, model: torch.nn.Module,

@@ -4,12 +4,16 @@ its traits: `Predictor`'s class attributes, decorated with `base.register`) and 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 # The registry line: importing a predictor module registers its class (`base.register`); a new predictor is a new
 # module named here.
 from . import below, context, framed, generic, grid, none, probe, selffit, twin  # noqa: F401
-from .base import REGISTERED, Predictor
+from .base import REGISTERED, Predictor, PredictorSettings
 
 #: name -> class, in name order (the order of error messages, config choices and `Calibration.fit`'s head sets)
 PREDICTORS: dict[str, type[Predictor]] = dict(sorted(REGISTERED.items()))
@@ -70,15 +74,29 @@ def reads_calibration(name: str) -> bool:
     return bool(cls.fitted_by_calibration or cls.needs_calibration)
 
 
+def settings_for(name: str, values: Mapping[str, Any]) -> PredictorSettings:
+    """The settings of the predictor called ``name`` (`Predictor.settings`) from ``values``, a `LosslessConfig`'s
+    dict or a file header's predictor object: the fields its settings declare (their defaults where absent), the
+    rest ignored; validated (``probe_layer=0``: ValueError naming ``ProbeSettings.probe_layer``)."""
+    own = predictor_class(name).settings
+    return own(**{f.name: values[f.name] for f in dataclasses.fields(own) if f.name in values})
+
+
 def make_predictor(
-    name: str, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8, portable: bool = False
+    name: str, *, calibration=None, model: torch.nn.Module | None = None, settings: PredictorSettings | None = None,
+    portable: bool = False
 ) -> Predictor:
     """The predictor called ``name`` (one of `NAMES`); those that rerun the model (``probe``/``twin``) need the
-    model and a calibration. ``portable``: statistics every CPU decodes alike (`Predictor.portable`), for bytes
-    that leave the process."""
+    model and a calibration. ``settings``: its own (`settings_for`; None: their defaults). ``portable``: statistics
+    every CPU decodes alike (`Predictor.portable`), for bytes that leave the process."""
     cls = predictor_class(name)
+    if settings is None:
+        settings = cls.settings()
+    elif not isinstance(settings, cls.settings):
+        raise TypeError(f"the {name} predictor's settings are a {cls.settings.__name__}, got "
+                        f"{type(settings).__name__}")
     if cls.needs_model and model is None:
         raise ValueError(f"the {name} predictor reruns the model: pass model=...")
     if cls.needs_calibration and calibration is None:
         raise ValueError(f"the {name} predictor needs a calibration (hf-kvcompress calibrate)")
-    return cls.build(calibration=calibration, model=model, probe_layer=probe_layer, portable=portable)
+    return cls.build(calibration=calibration, model=model, settings=settings, portable=portable)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .base import BlockInputs, PredictorSession, register
+from .base import BlockInputs, PredictorSession, PredictorSettings, register
 from .linear import CalibratedLinearPredictor, FeatureRecipe, flat_heads
 from .rerun import CacheExtras, decoder_layers, run_decoder
 from .rope import RopeFrame
@@ -67,7 +67,7 @@ class TwinPredictor(CalibratedLinearPredictor):
         self._twin = twin
 
     @classmethod
-    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, probe_layer: int = 8,
+    def build(cls, *, calibration=None, model: torch.nn.Module | None = None, settings: PredictorSettings,
               portable: bool = False) -> TwinPredictor:
         return cls(calibration, model, portable=portable)
 

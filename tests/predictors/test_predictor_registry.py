@@ -108,3 +108,42 @@ def test_a_predictor_with_history_declares_itself_self_fitting():
     for name, cls in registry.PREDICTORS.items():
         fits = cls.history is not Predictor.history or cls.absorb is not Predictor.absorb
         assert cls.self_fitting == fits, name
+
+
+def test_predictor_settings_are_the_predictors_own():
+    """``probe_layer`` is `ProbeSettings`' (declared once: default and check), as a lossy method's settings are its
+    `MethodSettings`: `LosslessConfig.probe_layer` exposes it, `make_predictor` and `build` take settings, no
+    ``probe_layer`` argument (issue 51)."""
+    import dataclasses
+    import inspect
+    from types import SimpleNamespace
+
+    from hf_kvcompress.predictors.base import PredictorSettings
+    from hf_kvcompress.predictors.probe import ProbePredictor, ProbeSettings
+    from hf_kvcompress.predictors.rope import RopeFrame
+
+    assert registry.PREDICTORS["probe"].settings is ProbeSettings
+    assert LosslessConfig().probe_layer == ProbeSettings().probe_layer == 8
+    config_fields = {f.name for f in dataclasses.fields(LosslessConfig)}
+    for name, cls in registry.PREDICTORS.items():  # a config sets every predictor's settings by field name
+        assert issubclass(cls.settings, PredictorSettings), name
+        assert {f.name for f in dataclasses.fields(cls.settings)} <= config_fields, name
+        assert "probe_layer" not in inspect.signature(cls.build).parameters, name
+    assert "probe_layer" not in inspect.signature(registry.make_predictor).parameters
+    # the same check, each naming its owner
+    with pytest.raises(ValueError, match=r"LosslessConfig\.probe_layer must be >= 1, got 0"):
+        LosslessConfig(probe_layer=0)
+    with pytest.raises(ValueError, match=r"ProbeSettings\.probe_layer must be >= 1, got 0"):
+        registry.settings_for("probe", {"probe_layer": 0})
+    # from a config's dict or a header's object: its own fields taken, the rest ignored, defaults where absent
+    assert registry.settings_for("probe", LosslessConfig(probe_layer=3).to_dict()) == ProbeSettings(3)
+    assert registry.settings_for("probe", {"name": "probe"}) == ProbeSettings(8)
+    assert type(registry.settings_for("generic", {"probe_layer": 3})) is PredictorSettings
+    assert LosslessConfig(probe_layer=3).predictor_settings() == PredictorSettings()  # generation's "generic"
+    calibration = SimpleNamespace(rope_frame=lambda: RopeFrame(None))
+    model = torch.nn.Linear(1, 1)
+    built = registry.make_predictor("probe", calibration=calibration, model=model, settings=ProbeSettings(3))
+    assert isinstance(built, ProbePredictor) and built.k == 3
+    assert registry.make_predictor("probe", calibration=calibration, model=model).k == 8  # None: the defaults
+    with pytest.raises(TypeError, match="the probe predictor's settings are a ProbeSettings, got PredictorSettings"):
+        registry.make_predictor("probe", calibration=calibration, model=model, settings=PredictorSettings())
