@@ -26,6 +26,7 @@ from ..config import CompressionConfig, LosslessConfig
 from ..errors import CacheFileError
 from ..identity import kv_shape
 from ..layer import CompressedLayer
+from ..layer.hybrid import states_outside_cache
 from ..layer.layer import holds_as_generated
 from ..predictors import make_predictor
 from ..predictors.registry import (
@@ -66,6 +67,8 @@ _LAYER_FIELDS = {"layer", "heads", "key_dim", "value_dim", "blocks"}
 #: transformers' layer types whose K/V a window holds (the last ``sliding_window - 1`` tokens, as the cache's
 #: `SlidingWindowLayer` and transformers' `DynamicSlidingWindowLayer` hold both)
 WINDOW_TYPES = ("sliding_attention", "chunked_attention")
+#: layer types holding a recurrent / convolution state (beside K/V for the hybrid ones)
+STATE_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
 
 
 def store_windows(model: torch.nn.Module) -> list[int | None]:
@@ -83,13 +86,39 @@ def store_windows(model: torch.nn.Module) -> list[int | None]:
             refused.setdefault(kind if window is None or window >= 2 else f"{kind} (window {window})", index)
         windows.append(window)
     if refused:
+        if any(kind in STATE_TYPES for kind in refused):
+            _refuse_states_outside_cache(model)
         why = "; ".join(f"{kind} (layer {index}): {_refused_why(kind)}" for kind, index in refused.items())
         raise ValueError(f"PrefixStore: {model.config.model_type} has layers the store cannot hold: {why}")
     return windows
 
 
+def _refuse_states_outside_cache(model: torch.nn.Module) -> None:
+    """Refuse, with `CompressedCache.save`'s reason, a model that keeps a linear-attention layer's state in its own
+    modules (RecurrentGemma): only a forward tells (its cache layers stay empty), so one token is run; a forward
+    that fails leaves the general refusal of recurrent states to the caller."""
+    try:
+        probe = one_token_forward(model)
+    except Exception:  # the model is refused either way; this only picks the reason given
+        return
+    outside = states_outside_cache(probe.layers, model)
+    if outside:
+        raise ValueError(f"PrefixStore: {outside}: a chunk cannot hold it, so a hit would continue from a wrong "
+                         "state")
+
+
+def one_token_forward(model: torch.nn.Module) -> DynamicCache:
+    """transformers' own cache of the model's layer kinds after a forward of one token (token id 1)."""
+    probe = DynamicCache(config=model.config)
+    embeddings = model.get_input_embeddings()
+    token = torch.tensor([[1]], device=embeddings.weight.device if embeddings is not None else "cpu")
+    with torch.no_grad():
+        model(token, cache=probe, use_cache=True)
+    return probe
+
+
 def _refused_why(kind: str) -> str:
-    if kind in ("conv", "linear_attention", "hybrid", "hybrid_sliding"):
+    if kind in STATE_TYPES:
         return ("a recurrent / convolution state, which is not a sum of chunks: a chunk would need a snapshot of "
                 "it at its boundary, which the store does not hold yet")
     if kind == "dummy":
@@ -218,12 +247,8 @@ class Chunks:
         if not self.windowed:
             heads, dim = kv_shape(self.model.config)
             return next(self.model.parameters()).dtype, [(heads, dim)] * len(self.windows)
-        probe = DynamicCache(config=self.model.config)
-        embeddings = self.model.get_input_embeddings()
-        token = torch.tensor([[1]], device=embeddings.weight.device if embeddings is not None else "cpu")
         try:
-            with torch.no_grad():
-                self.model(token, cache=probe, use_cache=True)
+            probe = one_token_forward(self.model)
             keys = [layer.keys for layer in probe.layers]
             return keys[0].dtype, [(k.shape[1], k.shape[3]) for k in keys]
         except Exception as err:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from architectures import tiny_model
 from helpers import hybrid_model, random_ids, same_bits, sliding_model
 from test_architectures import full_matrix_requested
 from test_prefix_store import DAMAGE, LOGGER, _resealed, chunk_path
@@ -338,6 +339,19 @@ def test_listing_names_the_window_layers(stored):
 def test_recurrent_and_conv_layers_are_refused_saying_why(tmp_path, kind):
     with pytest.raises(ValueError, match="recurrent / convolution state"):
         open_store(tmp_path, hybrid_model(kind))
+
+
+def test_a_model_that_keeps_its_states_in_its_modules_is_refused_as_save_refuses_it(tmp_path):
+    """RecurrentGemma keeps its recurrent states in its modules, never in the cache: the store gives the reason
+    `CompressedCache.save` gives (not the general one of recurrent states), and a hybrid whose cache holds its states
+    keeps the general one."""
+    with pytest.raises(ValueError, match=r"PrefixStore: layer 0 is a linear-attention layer whose state the model "
+                                         r"keeps in its own modules, not in the cache \(RecurrentGemmaForCausalLM\): "
+                                         r"a chunk cannot hold it"):
+        open_store(tmp_path, tiny_model("recurrent_gemma", F32))
+    with pytest.raises(ValueError, match="recurrent / convolution state") as refused:
+        open_store(tmp_path, hybrid_model("lfm2"))
+    assert "own modules" not in str(refused.value)
 
 
 def test_calibrated_chunks_are_refused_for_window_models(tmp_path):
