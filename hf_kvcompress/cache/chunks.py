@@ -26,6 +26,7 @@ from ..config import CompressionConfig, LosslessConfig
 from ..errors import CacheFileError
 from ..identity import kv_shape
 from ..layer import CompressedLayer
+from ..layer.hybrid import states_outside_cache
 from ..layer.layer import holds_as_generated
 from ..predictors import make_predictor
 from ..predictors.registry import (
@@ -66,34 +67,67 @@ _LAYER_FIELDS = {"layer", "heads", "key_dim", "value_dim", "blocks"}
 #: transformers' layer types whose K/V a window holds (the last ``sliding_window - 1`` tokens, as the cache's
 #: `SlidingWindowLayer` and transformers' `DynamicSlidingWindowLayer` hold both)
 WINDOW_TYPES = ("sliding_attention", "chunked_attention")
+#: layer types holding a recurrent / convolution state (beside K/V for the hybrid ones)
+STATE_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
+#: the layer type of a layer that shares another's K/V (KV sharing: Gemma 3n, Gemma 4), whose cache layer holds none
+SHARED_TYPE = "dummy"
 
 
-def store_windows(model: torch.nn.Module) -> list[int | None]:
-    """Each layer's sliding window (None: full attention, which a chunk holds every token of), or a ``ValueError``
-    naming the layer types a store cannot hold and why."""
+def store_layers(model: torch.nn.Module) -> tuple[list[int | None], frozenset[int]]:
+    """Each layer's sliding window (None: full attention, which a chunk holds every token of) and the layers that
+    share another's K/V (KV sharing, transformers' ``"dummy"`` layers: their cache layer holds nothing, their
+    attention reads the K/V its producing layer's update returns in the same forward, so a chunk holds nothing of
+    theirs), or a ``ValueError`` naming the layer types a store cannot hold and why."""
     try:  # what the caches `cache_for` returns refuse (a model-specific layer, a cache per loop), with their reason
         types, kwargs = _supported_layer_types(model.config)
     except ValueError as err:
         raise ValueError(f"PrefixStore: {err}") from None
     windows: list[int | None] = []
     refused: dict[str, int] = {}
+    shared = frozenset(index for index, kind in enumerate(types) if kind == SHARED_TYPE)
     for index, (kind, extra) in enumerate(zip(types, kwargs)):
         window = extra.get("sliding_window") if kind in WINDOW_TYPES else None  # no window: attends to everything
-        if kind not in ("full_attention", *WINDOW_TYPES) or (window is not None and window < 2):
+        if kind not in ("full_attention", SHARED_TYPE, *WINDOW_TYPES) or (window is not None and window < 2):
             refused.setdefault(kind if window is None or window >= 2 else f"{kind} (window {window})", index)
         windows.append(window)
     if refused:
+        if any(kind in STATE_TYPES for kind in refused):
+            _refuse_states_outside_cache(model)
         why = "; ".join(f"{kind} (layer {index}): {_refused_why(kind)}" for kind, index in refused.items())
         raise ValueError(f"PrefixStore: {model.config.model_type} has layers the store cannot hold: {why}")
-    return windows
+    if len(shared) == len(types):
+        raise ValueError(f"PrefixStore: {model.config.model_type} has no layer holding K/V of its own")
+    return windows, shared
+
+
+def _refuse_states_outside_cache(model: torch.nn.Module) -> None:
+    """Refuse, with `CompressedCache.save`'s reason, a model that keeps a linear-attention layer's state in its own
+    modules (RecurrentGemma): only a forward tells (its cache layers stay empty), so one token is run; a forward
+    that fails leaves the general refusal of recurrent states to the caller."""
+    try:
+        probe = one_token_forward(model)
+    except Exception:  # the model is refused either way; this only picks the reason given
+        return
+    outside = states_outside_cache(probe.layers, model)
+    if outside:
+        raise ValueError(f"PrefixStore: {outside}: a chunk cannot hold it, so a hit would continue from a wrong "
+                         "state")
+
+
+def one_token_forward(model: torch.nn.Module) -> DynamicCache:
+    """transformers' own cache of the model's layer kinds after a forward of one token (token id 1)."""
+    probe = DynamicCache(config=model.config)
+    embeddings = model.get_input_embeddings()
+    token = torch.tensor([[1]], device=embeddings.weight.device if embeddings is not None else "cpu")
+    with torch.no_grad():
+        model(token, cache=probe, use_cache=True)
+    return probe
 
 
 def _refused_why(kind: str) -> str:
-    if kind in ("conv", "linear_attention", "hybrid", "hybrid_sliding"):
+    if kind in STATE_TYPES:
         return ("a recurrent / convolution state, which is not a sum of chunks: a chunk would need a snapshot of "
                 "it at its boundary, which the store does not hold yet")
-    if kind == "dummy":
-        return "a layer sharing another's K/V (KV sharing), which chunks do not describe yet"
     if kind.startswith(WINDOW_TYPES):
         return "a window of one token holds no K/V, which transformers' window layer does not honour either"
     return "a layer type whose cache layer is specific to the model"
@@ -117,8 +151,9 @@ class Chunks:
         self._secret = secret
         self._calibration = calibration
         self._predictor: str | None = None
-        #: each layer's sliding window, None for full attention (`store_windows`: raises for the rest)
-        self.windows = store_windows(model)
+        #: each layer's sliding window, None for full attention, and the layers sharing another's K/V (a chunk
+        #: holds none of theirs) (`store_layers`: raises for the rest)
+        self.windows, self.shared = store_layers(model)
         if any(w is not None for w in self.windows) and predictor not in (AUTO, "generic"):
             raise ValueError(f"PrefixStore: predictor {predictor!r} needs a calibration, and calibrations cover "
                              "full-attention models only; this one has sliding-window layers (use 'generic')")
@@ -130,6 +165,11 @@ class Chunks:
         """Whether some layer holds a sliding window (then chunks are `generic`: calibrations cover full-attention
         models only)."""
         return any(w is not None for w in self.windows)
+
+    @property
+    def held(self) -> list[int]:
+        """The layers a chunk holds K/V of, in order: all but those sharing another's (`shared`)."""
+        return [i for i in range(len(self.windows)) if i not in self.shared]
 
     def window_first(self, index: int, window: int) -> int:
         """The first token of chunk ``index`` a layer of ``window`` needs at any boundary from the chunk's end on:
@@ -149,7 +189,7 @@ class Chunks:
     def first_needed(self, last: int) -> int:
         """The first chunk a cache at the end of chunk ``last`` reads: 0 where a layer holds every token, else the
         first chunk the widest window reaches."""
-        if not self.windowed or None in self.windows:
+        if not self.windowed or any(self.windows[i] is None for i in self.held):
             return 0
         reach = (last + 1) * self.chunk_tokens - (max(self.windows) - 1)
         return max(0, reach // self.chunk_tokens)
@@ -160,7 +200,8 @@ class Chunks:
         stop = (base + len(chunks)) * self.chunk_tokens
         for number, chunk in enumerate(chunks):
             end = (base + number + 1) * self.chunk_tokens
-            for entry, window in zip(chunk["layers"], self.windows):
+            for entry in chunk["layers"]:  # checked: the held layers, in order
+                window = self.windows[entry["layer"]]
                 if window is not None:
                     needed = max(end - self.chunk_tokens, stop - (window - 1))
                     if needed < end and entry["first"] > needed:
@@ -196,7 +237,8 @@ class Chunks:
         the tokens its window needs at the chunk's end, `window_first`)."""
         dtype, shapes = self.layer_shapes
         return sum(2 * (self.chunk_tokens - (self.window_first(0, w) if w is not None else 0)) * heads * dim
-                   for w, (heads, dim) in zip(self.windows, shapes)) * dtype.itemsize
+                   for i, (w, (heads, dim)) in enumerate(zip(self.windows, shapes))
+                   if i not in self.shared) * dtype.itemsize
 
     def max_bytes(self) -> int:
         """The most a chunk file of this model may hold: twice its raw K/V (coded streams of incompressible
@@ -218,14 +260,11 @@ class Chunks:
         if not self.windowed:
             heads, dim = kv_shape(self.model.config)
             return next(self.model.parameters()).dtype, [(heads, dim)] * len(self.windows)
-        probe = DynamicCache(config=self.model.config)
-        embeddings = self.model.get_input_embeddings()
-        token = torch.tensor([[1]], device=embeddings.weight.device if embeddings is not None else "cpu")
         try:
-            with torch.no_grad():
-                self.model(token, cache=probe, use_cache=True)
-            keys = [layer.keys for layer in probe.layers]
-            return keys[0].dtype, [(k.shape[1], k.shape[3]) for k in keys]
+            probe = one_token_forward(self.model)
+            keys = [layer.keys for layer in probe.layers]  # None for a layer sharing another's K/V
+            dtype = next(k.dtype for k in keys if k is not None)
+            return dtype, [(k.shape[1], k.shape[3]) if k is not None else (0, 0) for k in keys]
         except Exception as err:
             raise ValueError(f"PrefixStore: a forward of one token, which tells each layer's K/V shape, failed "
                              f"({type(err).__name__}: {err})") from err
@@ -267,6 +306,8 @@ class Chunks:
         layers = []
         dtype = None
         for layer_idx, layer in enumerate(cache.layers):
+            if layer_idx in self.shared:  # its K/V are another layer's
+                continue
             window = self.windows[layer_idx]
             if window is not None:
                 if layer_idx not in whole:
@@ -334,13 +375,15 @@ class Chunks:
         if DTYPES.get(h["dtype"]) != dtype or check_int(h["payload_bytes"], "payload_bytes", 0) != len(payload):
             raise CacheFileError(f"dtype {h['dtype']!r} (the model's K/V: {dtype}) or payload length")
         layers = h["layers"]
-        count = len(self.windows)
-        if not isinstance(layers, list) or len(layers) != count:
-            raise CacheFileError(f"holds {len(layers) if isinstance(layers, list) else '?'} layers, the model {count}")
+        held = self.held
+        if not isinstance(layers, list) or len(layers) != len(held):
+            raise CacheFileError(f"holds {len(layers) if isinstance(layers, list) else '?'} layers, the model "
+                                 f"{len(held)} holding K/V")
         cursor = [0]
         stop = first + self.chunk_tokens
         raw = 0
-        for i, (entry, window, (heads, dim)) in enumerate(zip(layers, self.windows, shapes)):
+        for entry, i in zip(layers, held):
+            window, (heads, dim) = self.windows[i], shapes[i]
             entry = check_object(entry, f"layer {i}", _LAYER_FIELDS | ({"first"} if window is not None else set()))
             if (entry["layer"], entry["heads"], entry["key_dim"]) != (i, heads, dim):  # as `_check_kv` checks puts
                 raise CacheFileError(f"layer entry {i} names layer {entry['layer']!r} of {entry['heads']!r} heads x "

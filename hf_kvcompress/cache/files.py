@@ -21,7 +21,7 @@ from ..calibration import Calibration
 from ..config import CompressionConfig
 from ..identity import model_identity
 from ..layer import CompressedLayer
-from ..layer.hybrid import state_tensors
+from ..layer.hybrid import state_tensors, states_outside_cache
 from ..layer.layer import holds_as_generated
 from ..layer.storage import Block
 from ..predictors import make_predictor
@@ -173,13 +173,9 @@ def _check_states_held(cache: CompressedCache) -> None:
     """Refuse a cache whose model keeps a linear-attention layer's state in its own modules (RecurrentGemma): the
     layer's states were never updated although the attention layers hold tokens, so a file could not hold that state,
     and a load continued in another process would start from a wrong one without a word."""
-    for index, layer in enumerate(cache.layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin) and not state_tensors(layer):
-            raise ValueError(
-                f"save: layer {index} is a linear-attention layer whose state the model keeps in its own modules, "
-                f"not in the cache ({type(cache.model).__name__ if cache.model is not None else 'this model'}): a "
-                "file cannot hold it, so a loaded cache would continue from a wrong state"
-            )
+    outside = states_outside_cache(cache.layers, cache.model)
+    if outside:
+        raise ValueError(f"save: {outside}: a file cannot hold it, so a loaded cache would continue from a wrong state")
 
 
 def _plan(cache: CompressedCache, predictor: str | None, probe_layer: int | None) -> _Plan:

@@ -115,9 +115,10 @@ class PrefixStore:
     >>> store.put(out, cache)          # stores the chunks it does not hold yet; returns the tokens stored
 
     Args:
-        model: the model whose KV is stored: full-attention and sliding-window (or chunked) layers; recurrent,
-            convolution, linear-attention and KV-sharing layers are refused, saying why (docs/prefix_store.md
-            "What a chunk holds per layer kind").
+        model: the model whose KV is stored: full-attention and sliding-window (or chunked) layers, and layers
+            holding no K/V of their own (KV sharing: nothing stored for them); recurrent, convolution and
+            linear-attention layers are refused, saying why (docs/prefix_store.md "What a chunk holds per layer
+            kind").
         path: the folder (default ``$HF_KVCOMPRESS_CACHE/prefixes``): new, empty or a store's (it holds the
             `MARKER` file); several models may share one.
         max_bytes: bound on the folder's chunk bytes (default `DEFAULT_MAX_BYTES` or a quarter of the free disk).

@@ -25,6 +25,19 @@ def state_tensors(layer: LinearAttentionCacheLayerMixin) -> list[torch.Tensor]:
     return out
 
 
+def states_outside_cache(layers: list, model: torch.nn.Module | None) -> str | None:
+    """After a forward into a cache of ``layers``, the first linear-attention layer whose state the model keeps in its
+    own modules (RecurrentGemma), said as the refusals of `CompressedCache.save` and `PrefixStore` say it; None when
+    every such layer holds its state. Such a layer's states are never updated, so neither a file nor a chunk can hold
+    them, and a cache continued from one would start from a wrong state."""
+    for index, layer in enumerate(layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not state_tensors(layer):
+            name = type(model).__name__ if model is not None else "this model"
+            return (f"layer {index} is a linear-attention layer whose state the model keeps in its own modules, not "
+                    f"in the cache ({name})")
+    return None
+
+
 def state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
     """Bytes behind those tensors (whole buffers: a recorded past may hold a grown conv state), behind the
     layer's token counter where transformers keeps one as a tensor (``cumulative_length_linear``, 5.25+), and

@@ -74,6 +74,28 @@ def tiny_model(dtype: torch.dtype | None = None) -> torch.nn.Module:
     return model
 
 
+def sliding_window_model(model: torch.nn.Module, window: int) -> torch.nn.Module:
+    """``model`` (a Llama) as a sliding-window architecture: its weights, unchanged, in a Mistral of the same config
+    with ``sliding_window=window`` (every layer attends to its last ``window`` tokens). transformers' Llama ignores a
+    ``sliding_window`` set on its config (its attention and mask take none), Mistral's honours it, and both name
+    their weights alike: a load that misses or leaves one raises."""
+    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"sliding_window_model: a LlamaForCausalLM is converted, not {type(model).__name__}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ValueError(f"sliding_window_model: window must be an int >= 2 (tokens), not {window!r}")
+    fields = model.config.to_dict()
+    for name in ("architectures", "model_type", "transformers_version", "_name_or_path"):
+        fields.pop(name, None)
+    config = MistralConfig(**{**fields, "sliding_window": window})
+    # built in place (not on "meta"): its rotary tables are buffers outside the state dict
+    sliding = MistralForCausalLM(config).to(model.dtype)
+    sliding.load_state_dict(model.state_dict(), strict=True)
+    sliding.generation_config = model.generation_config
+    return sliding.eval()
+
+
 def workload(smoke: bool, **load_kwargs) -> Workload:
     """The run's model: the embedded default (``load_model(**load_kwargs)``), or the tiny random one."""
     if smoke:

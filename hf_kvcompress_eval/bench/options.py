@@ -79,6 +79,10 @@ def _prefix(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrated", default="context,below",
                         help="calibrated predictors given store and load routes beside generic's (comma-separated)")
     parser.add_argument("--no-context", action="store_true", help="skip the calibrated routes (--calibrated '')")
+    parser.add_argument("--sliding-window", type=COUNT, default=0,
+                        help="run the model as a sliding-window architecture of this window (its weights in a "
+                             "Mistral config; calibrated routes skipped: calibrations cover full attention only); "
+                             "0: as it is")
 
 
 # ---------------------------------------------------------------------- lmcache

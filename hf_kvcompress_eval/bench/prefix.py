@@ -19,8 +19,14 @@ route equal (bitwise) those of DynamicCache reusing the same prefix (prefill the
 generate the whole prompt from a `copy.deepcopy` of it: transformers' prompt-reuse pattern). Writes
 ``results.json`` first, then ``prefix_store.png``.
 
+With ``--sliding-window W`` the model runs as a sliding-window architecture (`common.sliding_window_model`: its
+weights in a Mistral config, every layer attending to its last W tokens; the store's chunks then hold each layer's
+window, and only the generic routes run: calibrations cover full-attention models); ``differs_from_full_attention``
+records that its last logits differ from the full model's on the prompt, ``bytes_x_raw_prefix`` each route's bytes
+over the raw K/V of all P prefix tokens (``bytes x raw`` is over what the window cache holds).
+
     hf-kvcompress bench prefix [--prefixes 512,2048,8192] [--repeats 5] [--threads 2] [--calibrated context,below]
-        [--out DIR]
+        [--sliding-window W] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, CompressionConfig, PrefixStore
+from hf_kvcompress.identity import kv_shape
 
-from .common import Workload, out_folder, workload
+from .common import Workload, out_folder, sliding_window_model, workload
 
 SUFFIX = 64
 CHECK_TOKENS = 16
@@ -51,18 +58,38 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 5:
         raise CliError("--repeats must be >= 5 (medians of at least five runs)")
+    if args.sliding_window == 1:
+        raise CliError("--sliding-window must be 0 (off) or >= 2 tokens")
     out = out_folder(args, "prefix")
     work = workload(args.smoke)
+    full = work.model
+    name = f"{work.name} bf16"
     calibrated = [] if args.no_context else [name for name in args.calibrated.split(",") if name]
+    if args.sliding_window:  # a store of a window model takes the generic predictor only (`PrefixStore`)
+        work.model = sliding_window_model(full, args.sliding_window)
+        name = f"{work.name} bf16 as a sliding-window model (Mistral config, window {args.sliding_window})"
+        calibrated = []
     calibration = work.default_calibration(tuple(calibrated)) if calibrated else None
     prefixes = [int(p) for p in args.prefixes.split(",")]
-    result = {"model": f"{work.name} bf16", "threads": torch.get_num_threads(), "repeats": args.repeats,
+    result = {"model": name, "threads": torch.get_num_threads(), "repeats": args.repeats,
               "suffix": SUFFIX, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "prefixes": {}}
+              "sliding_window": args.sliding_window or None, "prefixes": {}}
     for prefix in prefixes:
         result["prefixes"][str(prefix)] = run_prefix(work, prefix, args, calibration, calibrated)
+        if args.sliding_window:
+            entry = result["prefixes"][str(prefix)]
+            entry["differs_from_full_attention"] = differs(
+                full, work.model, work.ids(prefix + SUFFIX, split="evaluation", offset=args.offset))
+            # ``raw_bytes`` is what the window cache holds (its last W - 1 tokens); beside it, every prefix token's
+            entry["raw_prefix_bytes"] = prefix_raw_bytes(work.model, prefix)
+            entry["bytes_x_raw_prefix"] = {route: row["bytes"] / entry["raw_prefix_bytes"]
+                                           for route, row in entry["routes"].items()}
         (out / "results.json").write_text(json.dumps(result, indent=1))
     print_table(result)
+    for prefix, entry in result["prefixes"].items():
+        if "bytes_x_raw_prefix" in entry:
+            print(f"{prefix:>7} bytes x raw K/V of all {prefix} prefix tokens: "
+                  + ", ".join(f"{route} {ratio:.3f}" for route, ratio in entry["bytes_x_raw_prefix"].items()))
     plot(result, out / "prefix_store.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'prefix_store.png'}")
     return 0
@@ -142,6 +169,19 @@ def generate(model, ids, mask, cache, new_tokens: int):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
                               do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def differs(full: torch.nn.Module, sliding: torch.nn.Module, ids: torch.Tensor) -> bool:
+    """Whether the window model's last logits differ from the full-attention model's on ``ids``: a prompt longer
+    than the window is then really read through a window (transformers' Llama ignores a ``sliding_window``)."""
+    with torch.no_grad():
+        return not torch.equal(full(ids).logits[:, -1], sliding(ids).logits[:, -1])
+
+
+def prefix_raw_bytes(model: torch.nn.Module, tokens: int) -> int:
+    """The raw K/V bytes of ``tokens`` tokens in every layer (what a full-attention cache holds)."""
+    heads, dim = kv_shape(model.config)
+    return 2 * tokens * model.config.num_hidden_layers * heads * dim * model.dtype.itemsize
 
 
 def timed(call) -> float:

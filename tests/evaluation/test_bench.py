@@ -113,3 +113,40 @@ def test_bench_options_are_checked(capsys):
     assert done.value.code == 2 and "--no-such-option" in capsys.readouterr().err
     assert main(["bench", "codec", "--sections", "rate,nonsense", "--out", "unused"]) == 2
     assert "--sections" in capsys.readouterr().err
+    assert main(["bench", "prefix", "--sliding-window", "1", "--out", "unused"]) == 2
+    assert "--sliding-window must be 0 (off) or >= 2 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # 10-70 s on 2 shared cores (2026-12-08), as the prefix smoke run above
+def test_prefix_bench_runs_the_model_as_a_sliding_window_model(tmp_path, capsys):
+    """``--sliding-window``: the store and load routes on the window model continue exactly, only the generic ones
+    run (calibrations cover full attention), and the model really reads through its window."""
+    assert main(["bench", "prefix", "--smoke", "--sliding-window", "64", "--out", str(tmp_path)]) == 0, \
+        capsys.readouterr().err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["sliding_window"] == 64 and "window 64" in results["model"]
+    entry = results["prefixes"]["256"]
+    assert set(entry["routes"]) == {"store", "load (generic)"}
+    assert all(r["exact_tokens_and_logits"] for r in entry["routes"].values())
+    assert entry["differs_from_full_attention"] is True
+    assert entry["raw_prefix_bytes"] == 2 * 256 * 2 * 2 * 16 * 2  # K and V, 256 tokens, 2 layers, 2 heads x 16, bf16
+
+
+def test_sliding_window_model_keeps_the_weights_and_reads_through_its_window():
+    """The Mistral copy of a Llama: float32 logits bit-identical to the Llama's within the window (same weights,
+    same arithmetic), different beyond it (transformers' Llama would ignore a ``sliding_window``)."""
+    import torch
+
+    from hf_kvcompress_eval.bench.common import sliding_window_model, tiny_model
+
+    llama = tiny_model(torch.float32)
+    sliding = sliding_window_model(llama, 16)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, window = llama(ids).logits, sliding(ids).logits
+    assert torch.equal(full[:, :16].view(torch.int32), window[:, :16].view(torch.int32))
+    assert (full[0, 17:] != window[0, 17:]).any(-1).all()
+    with pytest.raises(ValueError, match="window must be an int >= 2"):
+        sliding_window_model(llama, 1)
+    with pytest.raises(ValueError, match="a LlamaForCausalLM is converted, not MistralForCausalLM"):
+        sliding_window_model(sliding, 16)
