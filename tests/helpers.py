@@ -141,20 +141,8 @@ def count_lanes_decoders(monkeypatch) -> dict[str, int]:
     which route a decode took, as work counted, not timed."""
     from hf_kvcompress.codec import device_triton, jit
 
-    counts = {"triton": 0, "host": 0}
-    triton_decode, host_kernel = device_triton.decode_batch_triton, jit.decode_streams
-
-    def on_device(blobs, *args, **kwargs):
-        counts["triton"] += len(blobs)
-        return triton_decode(blobs, *args, **kwargs)
-
-    def on_host(*args):
-        counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
-        return host_kernel(*args)
-
-    monkeypatch.setattr(device_triton, "decode_batch_triton", on_device)
-    monkeypatch.setattr(jit, "decode_streams", on_host)
-    return counts
+    return _count_decoders(monkeypatch, device_triton, "decode_batch_triton", lambda blobs, *_a, **_k: len(blobs),
+                           jit)
 
 
 def count_huff_decoders(monkeypatch) -> dict[str, int]:
@@ -162,17 +150,25 @@ def count_huff_decoders(monkeypatch) -> dict[str, int]:
     (`huff_triton.decode_prepared`) and by the host's compiled kernel (`kernels.decode_streams`)."""
     from hf_kvcompress.codec.huff_coder import huff_triton, kernels
 
-    counts = {"triton": 0, "host": 0}
-    triton_decode, host_kernel = huff_triton.decode_prepared, kernels.decode_streams
+    return _count_decoders(monkeypatch, huff_triton, "decode_prepared", lambda prep, *_a, **_k: prep.parsed.tat.size,
+                           kernels)
 
-    def on_device(prep, *args, **kwargs):
-        counts["triton"] += prep.parsed.tat.size
-        return triton_decode(prep, *args, **kwargs)
+
+def _count_decoders(monkeypatch, device_module, device_name: str, streams, host_module) -> dict[str, int]:
+    """Wrap ``device_module.device_name`` (``streams(*args)``: how many streams a call decodes) and
+    ``host_module.decode_streams`` (the compiled kernel, whose last two arguments are its stream range) to count the
+    streams each decodes."""
+    counts = {"triton": 0, "host": 0}
+    device_decode, host_kernel = getattr(device_module, device_name), host_module.decode_streams
+
+    def on_device(*args, **kwargs):
+        counts["triton"] += streams(*args, **kwargs)
+        return device_decode(*args, **kwargs)
 
     def on_host(*args):
         counts["host"] += args[-1] - args[-2]  # the kernel's stream range [s_lo, s_hi)
         return host_kernel(*args)
 
-    monkeypatch.setattr(huff_triton, "decode_prepared", on_device)
-    monkeypatch.setattr(kernels, "decode_streams", on_host)
+    monkeypatch.setattr(device_module, device_name, on_device)
+    monkeypatch.setattr(host_module, "decode_streams", on_host)
     return counts
