@@ -155,7 +155,7 @@ class LosslessConfig(JsonConfig):
 
     def predictor_settings(self) -> PredictorSettings:
         """The settings of ``predictor`` (`Predictor.settings`), from the fields of the same names here."""
-        return predictor_registry.settings_for(self.predictor, self.to_dict())
+        return predictor_registry.settings_for(self.predictor, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def codec_config(self) -> CodecConfig:
         """The `CodecConfig` of these settings (the codec's defaults for every field not set here)."""

@@ -222,7 +222,10 @@ def check_str(value: object, what: str) -> str:
 
 
 def check_int(value: object, what: str, low: int, high: int = 1 << 62) -> int:
-    """`validation.check_int` of a value read from a file: a `CacheFileError` (the file is bad, not an argument)."""
+    """`validation.check_int` of a value read from a file: a `CacheFileError` (the file is bad, not an argument).
+    A plain int in range passes here (a file holds thousands: not a call each); any other gets its message."""
+    if type(value) is int and low <= value <= high:
+        return value
     try:
         validation.check_int(what, value, minimum=low, maximum=high)
     except ValueError as err:
