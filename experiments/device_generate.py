@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -97,17 +96,13 @@ def host_part(blobs: list[bytes], mean: torch.Tensor, std: torch.Tensor, coder: 
     the kernel), median seconds; None for other coders."""
     if coder not in ("huff", "mhuff"):
         return None
-    from hf_kvcompress.codec.huff_coder import huff, kernels, mhuff
+    from hf_kvcompress.codec.huff_coder import huff, huff_triton, mhuff
 
     spec = huff.SPEC if coder == "huff" else mhuff.SPEC
     seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        prep = huff.prepare_decode(blobs, mean, std, None, False, spec)
-        parsed, lay = prep.parsed, prep.lay
-        tables = np.zeros((len(blobs), lay.ntab << lay.max_len), np.uint32)
-        kernels.build_stream_tables(parsed.b8, parsed.tat, parsed.pstart, parsed.stored, lay.alphabet, lay.ntab,
-                                    lay.max_len, lay.ew, tables, np.zeros(len(blobs), np.int32))
+        huff_triton.host_tables(huff.prepare_decode(blobs, mean, std, None, False, spec))
         seconds.append(time.perf_counter() - t0)
     return statistics.median(seconds)
 

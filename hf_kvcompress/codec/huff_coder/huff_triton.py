@@ -33,6 +33,19 @@ from . import kernels
 BLOCK_S = 32
 
 
+def host_tables(prep) -> tuple[np.ndarray, np.ndarray]:
+    """The decode tables of every coded stream of a prepared batch (`huff.Prepared`), built on the host
+    (`kernels.build_stream_tables`: ``[streams, ntab << max_len]`` uint32), and each stream's error code (0, or
+    `kernels.ERR_TABLE` where its lengths form no code)."""
+    lay, parsed = prep.lay, prep.parsed
+    n = parsed.tat.size
+    tables = np.zeros((n, lay.ntab << lay.max_len), np.uint32)
+    err = np.zeros(n, np.int32)
+    kernels.build_stream_tables(parsed.b8, parsed.tat, parsed.pstart, parsed.stored, lay.alphabet, lay.ntab,
+                                lay.max_len, lay.paired, lay.ew, tables, err)
+    return tables, err
+
+
 @triton.jit
 def _decode_kernel(words_ptr, last_word, pstart_ptr, pend_ptr, stored_ptr, tables_ptr, ctx_ptr, crow_ptr, out_ptr,
                    err_ptr, n_streams, rows, run, row_chunks, ELEMENTS: tl.constexpr, NTAB: tl.constexpr,
@@ -102,9 +115,7 @@ def decode_prepared(prep, corrupt: str, errors: dict[int, str], device: torch.de
     dst = out if direct else torch.empty((n, *head.shape), dtype=fmt.dtype, device=device)
     err = np.zeros(n, np.int32)
     if m:
-        tables = np.zeros((n, lay.ntab << lay.max_len), np.uint32)
-        kernels.build_stream_tables(parsed.b8, parsed.tat, parsed.pstart, parsed.stored, lay.alphabet, lay.ntab,
-                                    lay.max_len, lay.paired, lay.ew, tables, err)
+        tables, err = host_tables(prep)
         words = parsed.b64.view(np.int32)  # the joined streams (padded), as uint32 words' bits
         on = {name: torch.from_numpy(a).to(device) for name, a in (
             ("words", words), ("pstart", parsed.pstart), ("pend", parsed.pstart + parsed.pbits),
